@@ -1,0 +1,294 @@
+"""The serving loop: requests in, one scheduled and executed batch per `step()`, outputs out.
+
+A request's path: `add_request` validates it and makes a `Sequence`; each `step` asks the scheduler for a
+batch, runs it on the model runner, appends sampled tokens, checks stop conditions and frees finished
+sequences' KV blocks. The engine is driven by one thread; servers hand it work through a queue.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import get_attention_fn
+from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.config import EngineConfig
+from sarathi_jax.model_runner import ModelRunner
+from sarathi_jax.models import ModelConfig, load_model
+from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
+from sarathi_jax.sampling import MAX_BANNED
+from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
+from sarathi_jax.sequence import Sequence, SequenceStatus
+from sarathi_jax.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, load_tokenizer
+
+# Policies that put whole prompts into one batch: their batches can exceed the token budget.
+_CHUNKING_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only")
+
+
+@dataclass
+class _RequestState:
+    """Engine-side bookkeeping that the scheduler does not need."""
+
+    seq: Sequence
+    seed: int
+    banned_until_min_tokens: tuple[int, ...]
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    emitted_tokens: int = 0  # output tokens already reported to the caller
+    emitted_text_len: int = 0  # characters of `text` already reported
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def _kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        self.model_config, params = load_model(config.model, dtype, seed=config.seed)
+        self.tokenizer: Tokenizer | None = load_tokenizer(config.model) if Path(config.model).is_dir() else None
+        mc = self.model_config
+
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // _kv_bytes_per_block(mc, config.block_size, dtype))
+        model_limit = mc.max_position_embeddings
+        if mc.sliding_window is not None:
+            model_limit = min(model_limit, mc.sliding_window)  # attention here is full: stay inside the window
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_limit} tokens")
+        self.max_model_len = min(config.max_model_len or model_limit, num_blocks * config.block_size)
+
+        self.scheduler_config = SchedulerConfig(
+            policy=config.scheduler,
+            token_budget=config.token_budget,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            tile_size=config.tile_size,
+            watermark=config.watermark,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks)
+        )
+        self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
+        if config.scheduler in _CHUNKING_POLICIES:
+            max_step_tokens = config.token_budget
+        else:
+            max_step_tokens = max(config.token_budget, config.max_num_batched_tokens or self.max_model_len)
+        self.runner = ModelRunner(
+            mc,
+            params,
+            dtype=dtype,
+            attention_fn=get_attention_fn(config.attention_backend),
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_step_tokens=max_step_tokens,
+        )
+        if warmup:
+            self.runner.warmup()
+
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._eos_token_ids = tuple(mc.eos_token_ids)
+        self.iteration_log: list[IterationRecord] = []
+
+    # ----------------------------------------------------------------------------------- requests in
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises ValueError naming the bad field; the engine is unchanged then."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_token_ids = self._prompt_to_ids(prompt)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none (use stop_token_ids)")
+        vocab_size = self.model_config.vocab_size
+        bad_stop_ids = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad_stop_ids:
+            raise ValueError(f"stop_token_ids: {bad_stop_ids} outside the vocabulary of size {vocab_size}")
+        banned = () if params.min_tokens == 0 else tuple(dict.fromkeys(
+            (() if params.ignore_eos else self._eos_token_ids) + params.stop_token_ids
+        ))
+        if len(banned) > MAX_BANNED:
+            raise ValueError(f"stop_token_ids: with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
+
+        seq = Sequence(request_id, prompt_token_ids, params, time.monotonic() if arrival_time is None else arrival_time)
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
+        self._requests[request_id] = _RequestState(seq, seed, banned, detokenizer)
+        self.scheduler.add_sequence(seq)
+
+    def _prompt_to_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; this model has none, pass token ids")
+            if not prompt:
+                raise ValueError("prompt: empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt: empty")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request now: its KV blocks are freed at once and its last output says finish_reason='abort'."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.abort_sequence(request_id)
+        seq = state.seq
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        seq.metrics.finished_time = time.monotonic()
+        self._pending_outputs.append(self._make_output(state))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending_outputs)
+
+    # ----------------------------------------------------------------------------------- one iteration
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        for seq in sched.rejected:
+            state = self._requests.pop(seq.seq_id)
+            seq.metrics.finished_time = time.monotonic()
+            outputs.append(self._make_output(state))
+        if not sched.chunks:
+            return outputs
+
+        start = time.monotonic()
+        for chunk in sched.chunks:
+            if chunk.seq.metrics.first_scheduled_time is None:
+                chunk.seq.metrics.first_scheduled_time = start
+        sampled = self.runner.execute(sched.chunks, [self._sampling_row(chunk.seq) for chunk in sched.chunks])
+        self.scheduler.on_step_done(sched)
+        now = time.monotonic()
+
+        for i, chunk in enumerate(sched.chunks):
+            if not chunk.needs_sample:
+                continue
+            state = self._requests[chunk.seq.seq_id]
+            self._append_token(state, sampled, i, now)
+            outputs.append(self._make_output(state))
+            if state.seq.status == SequenceStatus.FINISHED:
+                del self._requests[chunk.seq.seq_id]
+        self._record_iteration(sched, start, now)
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> tuple:
+        state = self._requests[seq.seq_id]
+        banned = state.banned_until_min_tokens if seq.num_output_tokens < seq.sampling_params.min_tokens else ()
+        return (seq.sampling_params, state.seed, seq.num_output_tokens, banned)
+
+    def _append_token(self, state: _RequestState, sampled, row: int, now: float) -> None:
+        seq, params = state.seq, state.seq.sampling_params
+        token_id = int(sampled.token_ids[row])
+        seq.append_token(token_id)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.token_times.append(now)
+        if params.logprobs is not None:
+            n = params.logprobs
+            state.pending_logprobs.append(TokenLogprob(
+                token_id,
+                float(sampled.logprobs[row]),
+                tuple(int(t) for t in sampled.top_token_ids[row, :n]),
+                tuple(float(x) for x in sampled.top_logprobs[row, :n]),
+            ))
+
+        reason = None
+        if state.detokenizer is not None:
+            delta = state.detokenizer.append(token_id)
+            search_from = max(0, len(state.text) - max((len(s) for s in params.stop), default=0))
+            state.text += delta
+            if params.stop and seq.num_output_tokens >= params.min_tokens:
+                cut = find_stop_string(state.text, params.stop, search_from)
+                if cut is not None:
+                    state.text = state.text[:cut]
+                    reason = "stop"
+        if reason is None and seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self._eos_token_ids):
+                reason = "stop"
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish_sequence(seq, reason)
+            seq.metrics.finished_time = now
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        seq = state.seq
+        new_ids = tuple(seq.output_token_ids[state.emitted_tokens :])
+        finished = seq.status == SequenceStatus.FINISHED
+        stop = seq.sampling_params.stop
+        # While streaming, hold back a tail that could still grow into a stop string (it would be cut).
+        visible_len = len(state.text) if finished or not stop else max(
+            state.emitted_text_len, len(state.text) - max(len(s) for s in stop) + 1
+        )
+        text_delta = state.text[state.emitted_text_len : visible_len]
+        state.emitted_tokens, state.emitted_text_len = seq.num_output_tokens, visible_len
+        logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=tuple(seq.prompt_token_ids),
+            new_token_ids=new_ids,
+            token_ids=tuple(seq.output_token_ids),
+            text_delta=text_delta,
+            text=state.text[:visible_len],
+            new_logprobs=logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            metrics=seq.metrics,
+            error=seq.error,
+        )
+
+    def _record_iteration(self, sched: SchedulerOutput, start: float, end: float) -> None:
+        self.iteration_log.append(IterationRecord(
+            iteration=len(self.iteration_log),
+            start_time=start,
+            duration=end - start,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_seqs=len(sched.chunks),
+            chunk_sizes=tuple(c.num_new_tokens for c in sched.chunks if not c.is_decode),
+            num_preemptions=len(sched.preempted),
+            num_padded_tokens=self.runner.bucket_for(sched.num_batched_tokens),
+        ))
+
+    # ----------------------------------------------------------------------------------- introspection
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_total_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_total_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,94 @@
+"""Offline API: `LLM(model).generate(prompts, params)` runs requests to completion on an `LLMEngine`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from sarathi_jax.config import EngineConfig
+from sarathi_jax.engine import LLMEngine
+from sarathi_jax.outputs import RequestOutput, TokenLogprob
+from sarathi_jax.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM("tiny-llama")` or `LLM("/path/to/hf_checkpoint", token_budget=256, scheduler="vllm")`.
+
+    Keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        token_budget: int = 512,
+        max_num_seqs: int = 128,
+        block_size: int = 16,
+        dtype: str = "float32",
+        scheduler: str = "sarathi",
+        attention_backend: str = "xla",
+        warmup: bool = True,
+        **engine_config: object,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            token_budget=token_budget,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            dtype=dtype,
+            scheduler=scheduler,
+            attention_backend=attention_backend,
+            **engine_config,  # type: ignore[arg-type]
+        )
+        self.engine = LLMEngine(config, warmup=warmup)
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; returns one output per prompt, in order.
+
+        Each returned output covers the whole request: `new_token_ids`, `text_delta` and `new_logprobs`
+        hold everything generated. Bad input raises ValueError before anything runs.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, p)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            self.engine.step()  # flush the abort outputs
+            raise
+
+        wanted = set(request_ids)
+        finals: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
+        while len(finals) < len(request_ids):
+            for out in self.engine.step():
+                if out.request_id not in wanted:
+                    continue
+                logprobs[out.request_id].extend(out.new_logprobs)
+                if out.finished:
+                    finals[out.request_id] = dataclasses.replace(
+                        out,
+                        new_token_ids=out.token_ids,
+                        text_delta=out.text,
+                        new_logprobs=tuple(logprobs[out.request_id]),
+                    )
+        return [finals[rid] for rid in request_ids]

@@ -1,0 +1,279 @@
+"""One Flax linen decoder for Llama 2/3/3.1, Mistral, Qwen2 and Qwen3, over a paged KV cache.
+
+The families differ only by `ModelConfig` flags: q/k/v bias (Qwen2), o bias, per-head q/k RMSNorm (Qwen3),
+tied LM head, llama3 RoPE scaling. Everything follows the Hugging Face PyTorch implementations (RoPE in the
+rotate-half convention, RMSNorm weight times normalized input), so HF checkpoints load with reshapes only.
+
+Parameter tree (HF names, a `layers_{i}` entry per layer; kernels are `[in..., out...]`):
+
+    embed_tokens/embedding           [vocab, embed]
+    layers_{i}/input_layernorm/scale [embed]
+    layers_{i}/self_attn/q_proj/kernel [embed, heads, head_dim]     (+ bias [heads, head_dim])
+    layers_{i}/self_attn/k_proj/kernel [embed, kv_heads, head_dim]  (+ bias)
+    layers_{i}/self_attn/v_proj/kernel [embed, kv_heads, head_dim]  (+ bias)
+    layers_{i}/self_attn/o_proj/kernel [heads, head_dim, embed]     (+ bias [embed])
+    layers_{i}/self_attn/{q,k}_norm/scale [head_dim]                (Qwen3)
+    layers_{i}/post_attention_layernorm/scale [embed]
+    layers_{i}/mlp/{gate,up}_proj/kernel [embed, mlp];  mlp/down_proj/kernel [mlp, embed]
+    norm/scale                        [embed]
+    lm_head/kernel                    [embed, vocab]                (absent when tied)
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`); `param_logical_axes(config)`
+returns the tree of logical `PartitionSpec`s, to be mapped onto a mesh with `nn.logical_to_mesh_sharding`.
+Heads are an explicit kernel axis so tensor parallelism shards them without reshapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ragged_paged_attention_xla
+from sarathi_jax.models.attention import AttentionMetadata, KVCache, init_kv_caches, write_kv
+from sarathi_jax.models.config import ModelConfig
+
+# Same signature as `ragged_paged_attention_xla` (see docs/design.md).
+AttentionFn = Callable[..., jax.Array]
+
+# Random-init scale of every matrix (HF `initializer_range`); gives logits of std ~0.3 at hidden 256.
+INIT_STD = 0.02
+
+
+def _weight_init(axes: tuple[str, ...]) -> Callable[..., Any]:
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev=INIT_STD), axes)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies `[head_dim // 2]`, computed in float32 exactly as transformers does."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # llama3 (Llama 3.1): leave high frequencies, divide low ones by `factor`, blend the band in between.
+    old_context_len = np.float32(scaling.original_max_position_embeddings)
+    low_freq_wavelen = old_context_len / np.float32(scaling.low_freq_factor)
+    high_freq_wavelen = old_context_len / np.float32(scaling.high_freq_factor)
+    factor = np.float32(scaling.factor)
+    wavelen = np.float32(2 * np.pi) / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - np.float32(scaling.low_freq_factor)) / np.float32(
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on `x [T, heads, head_dim]` with `cos`/`sin` `[T, head_dim // 2]`, in float32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float
+    axis_name: str  # logical name of the normalized axis: "embed", or "head_dim" for q/k norm
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)), (self.dim,), self.dtype
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class Projection(nn.Module):
+    """`tensordot(x, kernel)` over the last `num_contracting` axes of x, plus an optional bias."""
+
+    kernel_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    num_contracting: int = 1
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _weight_init(self.kernel_axes), self.kernel_shape, self.dtype)
+        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=self.num_contracting)
+        if self.use_bias:
+            out_shape = self.kernel_shape[self.num_contracting :]
+            out_axes = self.kernel_axes[self.num_contracting :]
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_axes), out_shape, self.dtype)
+            y = y + bias
+        return y
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    attention_fn: AttentionFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> tuple[jax.Array, KVCache]:
+        c = self.config
+        embed, heads, kv_heads, head_dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = Projection((embed, heads, head_dim), ("embed", "heads", "head_dim"),
+                       use_bias=c.attention_bias, dtype=self.dtype, name="q_proj")(x)
+        k = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                       use_bias=c.attention_bias, dtype=self.dtype, name="k_proj")(x)
+        v = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                       use_bias=c.attention_bias, dtype=self.dtype, name="v_proj")(x)
+        if c.qk_norm:
+            q = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="q_norm")(q)
+            k = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="k_norm")(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping)
+        out = self.attention_fn(
+            q, k_pages, v_pages, metadata.kv_lens, metadata.block_tables, metadata.cu_q_lens, metadata.num_seqs,
+            sm_scale=head_dim**-0.5,
+        )
+        out = Projection((heads, head_dim, embed), ("heads", "head_dim", "embed"), num_contracting=2,
+                         use_bias=c.attention_out_bias, dtype=self.dtype, name="o_proj")(out)
+        return out, (k_pages, v_pages)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        embed, mlp = self.config.hidden_size, self.config.intermediate_size
+        gate = Projection((embed, mlp), ("embed", "mlp"), dtype=self.dtype, name="gate_proj")(x)
+        up = Projection((embed, mlp), ("embed", "mlp"), dtype=self.dtype, name="up_proj")(x)
+        return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    attention_fn: AttentionFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> tuple[jax.Array, KVCache]:
+        c = self.config
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="input_layernorm")(x)
+        attn_out, kv_cache = Attention(c, self.attention_fn, dtype=self.dtype, name="self_attn")(
+            h, cos, sin, kv_cache, metadata
+        )
+        x = x + attn_out
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="post_attention_layernorm")(x)
+        x = x + MLP(c, dtype=self.dtype, name="mlp")(h)
+        return x, kv_cache
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM over a paged KV cache; see the module docstring and docs/design.md (model contract).
+
+    `dtype` is both the parameter and the activation dtype; norms, RoPE, attention softmax and the logits
+    are computed in float32 whatever it is.
+    """
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    attention_fn: AttentionFn = ragged_paged_attention_xla
+
+    @nn.compact
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+        logits_indices: jax.Array,
+    ) -> tuple[jax.Array, list[KVCache]]:
+        c = self.config
+        if len(kv_caches) != c.num_hidden_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {c.num_hidden_layers} layers")
+        embedding = self.param(
+            "embed_tokens", _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
+        )
+        x = jnp.take(embedding, token_ids, axis=0)
+
+        # RoPE angles once per step, shared by all layers.
+        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+        new_kv_caches: list[KVCache] = []
+        for i in range(c.num_hidden_layers):
+            x, kv_cache = DecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}")(
+                x, cos, sin, kv_caches[i], metadata
+            )
+            new_kv_caches.append(kv_cache)
+
+        # Only the rows that sample go through the final norm and the LM head.
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="norm")(x[logits_indices])
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("se,ve->sv", h, embedding, preferred_element_type=jnp.float32)
+        else:
+            lm_head = self.param(
+                "lm_head", _weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), self.dtype
+            )
+            logits = jnp.einsum("se,ev->sv", h, lm_head, preferred_element_type=jnp.float32)
+        return logits.astype(jnp.float32), new_kv_caches
+
+
+def get_model(config: ModelConfig, dtype: Any = jnp.float32, attention_fn: AttentionFn | None = None) -> LlamaForCausalLM:
+    """The Flax module for `config`; `attention_fn` picks the attention backend (default: the jnp one)."""
+    return LlamaForCausalLM(
+        config=config, dtype=jnp.dtype(dtype), attention_fn=attention_fn or ragged_paged_attention_xla
+    )
+
+
+def dummy_inputs(config: ModelConfig, dtype: Any = jnp.float32) -> tuple[Any, ...]:
+    """Smallest valid `(token_ids, positions, kv_caches, metadata, logits_indices)`, for `init`/`eval_shape`."""
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.zeros((1,), jnp.int32),
+        kv_lens=jnp.ones((1,), jnp.int32),
+        block_tables=jnp.zeros((1, 1), jnp.int32),
+        cu_q_lens=jnp.array([0, 1], jnp.int32),
+        num_seqs=jnp.ones((1,), jnp.int32),
+    )
+    kv_caches = init_kv_caches(config, num_blocks=1, block_size=1, dtype=dtype)
+    token_ids = jnp.zeros((1,), jnp.int32)
+    return token_ids, jnp.zeros((1,), jnp.int32), kv_caches, metadata, jnp.zeros((1,), jnp.int32)
+
+
+def _boxed_param_shapes(config: ModelConfig, dtype: Any) -> Any:
+    model = get_model(config, dtype)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), *dummy_inputs(config, dtype)))["params"]
+
+
+def param_logical_axes(config: ModelConfig) -> Any:
+    """Tree (same structure as the params) of `PartitionSpec`s of logical axis names, e.g.
+    `PartitionSpec("embed", "heads", "head_dim")` for q_proj/kernel. Map to a mesh with
+    `nn.logical_to_mesh_sharding(param_logical_axes(config), mesh, rules)`."""
+    return nn.get_partition_spec(_boxed_param_shapes(config, jnp.float32))
+
+
+def param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
+    """Tree of `jax.ShapeDtypeStruct` of the (unboxed) params."""
+    return nn.meta.unbox(_boxed_param_shapes(config, jnp.dtype(dtype)))
+
+
+def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0) -> Any:
+    """Seeded random params (normal std 0.02 matrices, unit norms, zero biases), unboxed plain arrays."""
+    model = get_model(config, dtype)
+    inputs = dummy_inputs(config, jnp.dtype(dtype))
+    variables = jax.jit(model.init)(jax.random.key(seed), *inputs)
+    return nn.meta.unbox(variables["params"])

@@ -1,0 +1,80 @@
+"""What the engine hands back to callers, one `RequestOutput` per request per step that changed it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Why a request ended. "stop": EOS, a stop token or a stop string; "length": max_tokens or max_model_len;
+# "abort": cancelled by the caller; "error": the engine could not serve it (see RequestOutput.error).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of a sampled token, and the top-N alternatives at that step (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic seconds, or the simulator's virtual clock) of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per generated token, first included
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tbts(self) -> list[float]:
+        """Time between consecutive tokens (the first token excluded)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def scheduling_delay(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The state of one request after a step.
+
+    `new_token_ids` / `text_delta` / `new_logprobs` are what this step added; `token_ids` / `text` are the
+    whole output so far. `text` is "" when no tokenizer is loaded.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text_delta: str
+    text: str
+    new_logprobs: tuple[TokenLogprob, ...]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One engine iteration, for timelines, stall analysis and pipeline-bubble accounting."""
+
+    iteration: int
+    start_time: float
+    duration: float  # seconds, wall clock (virtual in the simulator)
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    chunk_sizes: tuple[int, ...]  # prefill chunk sizes scheduled this iteration
+    num_preemptions: int
+    num_padded_tokens: int  # the bucket the step ran at (>= prefill + decode tokens)

@@ -1,0 +1,1 @@
+"""sarathi-jax gRPC generation service (see server/README.md)."""
