@@ -1,5 +1,43 @@
 """Attention kernels for sarathi-jax: ragged paged attention over a fixed-shape padded token budget."""
 
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 
-__all__ = ["ragged_paged_attention_xla"]
+__all__ = ["ragged_paged_attention_xla", "ragged_paged_attention", "get_attention_fn", "ATTENTION_BACKENDS"]
+
+ATTENTION_BACKENDS = ("xla", "pallas")
+
+
+def get_attention_fn(backend: str, *, interpret: bool | None = None) -> Callable[..., jax.Array]:
+    """Returns a ragged paged attention function with the `ragged_paged_attention_xla` signature.
+
+    Args:
+      backend: `"xla"` (plain jnp, runs everywhere) or `"pallas"` (the Pallas kernel; Triton on GPU).
+      interpret: only for `"pallas"`: run the kernel through the Pallas interpreter. `None` means
+        "interpret when `jax.default_backend() == "cpu"`". On TPU the Pallas kernel has no compiled path
+        (see `ragged_paged_attention`), so `"pallas"` on a non-GPU backend requires `interpret=True`.
+
+    Raises:
+      ValueError: unknown backend name.
+      NotImplementedError: `"pallas"` with interpret=False on a non-GPU default backend.
+    """
+    if backend == "xla":
+        return ragged_paged_attention_xla
+    if backend == "pallas":
+        platform = jax.default_backend()
+        if interpret is None:
+            interpret = platform == "cpu"
+        if not interpret and platform not in ("gpu", "cuda", "rocm"):
+            raise NotImplementedError(
+                f"the compiled Pallas ragged paged attention kernel targets GPU (Triton), not {platform!r}; "
+                "use backend 'xla' there, or interpret=True for testing"
+            )
+        return functools.partial(ragged_paged_attention, interpret=bool(interpret))
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(ATTENTION_BACKENDS)}")

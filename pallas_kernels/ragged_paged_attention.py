@@ -38,7 +38,8 @@ The kernel grid is `(max_tiles, num_kv_heads)`. Grid step `(t, h)`:
     the sequence's length or causally in the future). Each iteration reads the page ids from
     `block_tables`, gathers the pages' K and V for head `h`, and folds them into an online softmax
     (running max / sum / accumulator, all float32; scores in float32; the probabilities are cast to the
-    value dtype for the second matmul, as in flash attention). Finally it stores the rows that belong to
+    value dtype for the second matmul, as in flash attention; float32 inputs use full-precision IEEE
+    matmuls, not Triton's TF32 default). Finally it stores the rows that belong to
     the tile with a masked store, so rows of neighbouring sequences are never clobbered.
 
 Every output row is written by the kernel (valid rows by compute tiles, padding rows by zero tiles), so
@@ -50,8 +51,14 @@ Block-size constraints
 `block_q` and `num_kv_pages_per_block` must be powers of two, `block_q * G_pad >= 16` and
 `num_kv_pages_per_block * block_size >= 16` (Triton's `tt.dot` needs every matmul dim >= 16). For the
 compiled Triton path (`interpret=False`) `block_size` and `head_dim` must also be powers of two and
-`head_dim >= 16` (Triton tensors have power-of-two sizes). Interpret mode has no such limits beyond the
-first three.
+`head_dim >= 16` (Triton tensors have power-of-two sizes); interpret mode does not need these two.
+
+Limitations
+-----------
+There is no split over the KV length (flash-decoding): one program walks a sequence's whole context, so a
+batch of a few very long sequences keeps only `num_seqs * num_kv_heads` programs busy. Decode tiles use a
+`block_q * G_pad`-row matmul of which only `G` rows are real (harmless while decode is memory bound). The
+default block sizes are not tuned.
 
 Static arguments: `sm_scale`, `interpret`, `block_q`, `num_kv_pages_per_block`, `num_warps`,
 `num_stages` (all keyword-only; the function is wrapped in `jax.jit` with these static).
@@ -146,6 +153,8 @@ def _kernel(
         pos0 = meta_ref[_POS0, t]  # position of the tile's first query row
         kv_end = meta_ref[_KV_END, t]  # KV positions [0, kv_end) are visible to some row of the tile
 
+        # float32 inputs: full-precision (IEEE) matmuls; Triton's default for float32 would be TF32.
+        precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
         q = plgpu.load(q_ref.at[pl.ds(row0, block_q)], mask=row_mask, other=0)
         q = q.reshape(rows, head_dim)
         # Query position of each of the block_q * g_pad matrix rows (row r is query r // g_pad).
@@ -168,7 +177,7 @@ def _kernel(
 
             kv_start = b * block_kv
             s = lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             )  # [rows, block_kv]
             s = s * sm_scale
             kv_pos = kv_start + kv_iota
@@ -182,7 +191,8 @@ def _kernel(
             l_next = l_prev * alpha + jnp.sum(p, axis=1)
             v = jnp.where(kv_start + kv_iota_1d < kv_end, v, jnp.zeros_like(v))
             pv = lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                preferred_element_type=jnp.float32,
             )  # [rows, head_dim]
             acc_next = acc_prev * alpha[:, None] + pv
             return m_next, l_next, acc_next
@@ -414,7 +424,7 @@ def ragged_paged_attention(
       block_q: query rows per tile (static, power of two, block_q * next_pow2(group) >= 16); default
         max(1, 64 // next_pow2(group)).
       num_kv_pages_per_block: pages per KV step (static, power of two, times block_size >= 16); default
-        max(1, 64 // block_size).
+        the largest power of two with num_kv_pages_per_block * block_size <= 64 (raised to reach 16).
       num_warps, num_stages: Triton compiler parameters (static); Pallas defaults when None.
 
     Returns:
@@ -438,8 +448,11 @@ def ragged_paged_attention(
         g_pad = _next_pow2(q.shape[1] // k_pages.shape[2])
         if block_q is None:
             block_q = max(1, 64 // g_pad)
-        if num_kv_pages_per_block is None:
-            num_kv_pages_per_block = max(1, 64 // k_pages.shape[1]) if k_pages.shape[1] else 1
+        if num_kv_pages_per_block is None and k_pages.shape[1]:
+            # The largest power of two with num_kv_pages_per_block * block_size <= 64, but at least 16 tokens.
+            num_kv_pages_per_block = 1 << (max(1, 64 // k_pages.shape[1]).bit_length() - 1)
+            while num_kv_pages_per_block * k_pages.shape[1] < 16:
+                num_kv_pages_per_block *= 2
     block_q = 16 if block_q is None else int(block_q)
     num_kv_pages_per_block = 1 if num_kv_pages_per_block is None else int(num_kv_pages_per_block)
     _validate(

@@ -71,6 +71,9 @@ def ragged_paged_attention_xla(
         kv_pos = b * block_size + jnp.arange(block_size, dtype=jnp.int32)
         mask = (kv_pos[None, :] <= row_pos[:, None]) & row_valid[:, None]  # [T, block_size]
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        # Zero values the row may not see, so stale or non-finite data in unused cache slots
+        # cannot leak into the output through 0 * NaN.
+        v = jnp.where(mask[:, :, None, None], v, 0.0)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])

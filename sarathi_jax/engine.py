@@ -193,7 +193,9 @@ class LLMEngine:
         for i, chunk in enumerate(sched.chunks):
             if not chunk.needs_sample:
                 continue
-            state = self._requests[chunk.seq.seq_id]
+            state = self._requests.get(chunk.seq.seq_id)
+            if state is None:  # aborted while its step was in flight (pipeline parallelism)
+                continue
             self._append_token(state, sampled, i, now)
             outputs.append(self._make_output(state))
             if state.seq.status == SequenceStatus.FINISHED:
@@ -224,9 +226,8 @@ class LLMEngine:
 
         reason = None
         if state.detokenizer is not None:
-            delta = state.detokenizer.append(token_id)
-            search_from = max(0, len(state.text) - max((len(s) for s in params.stop), default=0))
-            state.text += delta
+            search_from = len(state.text)
+            state.text += state.detokenizer.append(token_id)
             if params.stop and seq.num_output_tokens >= params.min_tokens:
                 cut = find_stop_string(state.text, params.stop, search_from)
                 if cut is not None:
@@ -235,9 +236,12 @@ class LLMEngine:
         if reason is None and seq.num_output_tokens >= params.min_tokens:
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self._eos_token_ids):
                 reason = "stop"
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        # prompt + max_tokens <= max_model_len is enforced at admission (longer requests are rejected).
+        if reason is None and seq.num_output_tokens >= params.max_tokens:
             reason = "length"
         if reason is not None:
+            if state.detokenizer is not None and reason != "stop":
+                state.text += state.detokenizer.flush()  # release a held-back partial character
             self.scheduler.finish_sequence(seq, reason)
             seq.metrics.finished_time = now
 

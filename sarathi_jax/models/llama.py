@@ -6,7 +6,7 @@ rotate-half convention, RMSNorm weight times normalized input), so HF checkpoint
 
 Parameter tree (HF names, a `layers_{i}` entry per layer; kernels are `[in..., out...]`):
 
-    embed_tokens/embedding           [vocab, embed]
+    embed_tokens                     [vocab, embed]
     layers_{i}/input_layernorm/scale [embed]
     layers_{i}/self_attn/q_proj/kernel [embed, heads, head_dim]     (+ bias [heads, head_dim])
     layers_{i}/self_attn/k_proj/kernel [embed, kv_heads, head_dim]  (+ bias)
@@ -16,7 +16,7 @@ Parameter tree (HF names, a `layers_{i}` entry per layer; kernels are `[in..., o
     layers_{i}/post_attention_layernorm/scale [embed]
     layers_{i}/mlp/{gate,up}_proj/kernel [embed, mlp];  mlp/down_proj/kernel [mlp, embed]
     norm/scale                        [embed]
-    lm_head/kernel                    [embed, vocab]                (absent when tied)
+    lm_head                           [embed, vocab]                (absent when tied)
 
 Every parameter carries logical axis names (`nn.with_logical_partitioning`); `param_logical_axes(config)`
 returns the tree of logical `PartitionSpec`s, to be mapped onto a mesh with `nn.logical_to_mesh_sharding`.
@@ -272,8 +272,22 @@ def param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
 
 
 def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0) -> Any:
-    """Seeded random params (normal std 0.02 matrices, unit norms, zero biases), unboxed plain arrays."""
-    model = get_model(config, dtype)
-    inputs = dummy_inputs(config, jnp.dtype(dtype))
-    variables = jax.jit(model.init)(jax.random.key(seed), *inputs)
-    return nn.meta.unbox(variables["params"])
+    """Seeded random params (normal std 0.02 matrices, unit norm scales, zero biases), unboxed plain arrays.
+
+    Drawn on the host with numpy, leaf by leaf in tree order: the same weights on every backend, and no
+    XLA compile (jitting `model.init` costs ~15 s of CPU compile time for threefry alone).
+    """
+    dtype = jnp.dtype(dtype)
+    rng = np.random.default_rng(seed)
+
+    def init_leaf(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        kind = path[-1].key
+        if kind == "scale":
+            value = np.ones(leaf.shape, np.float32)
+        elif kind == "bias":
+            value = np.zeros(leaf.shape, np.float32)
+        else:
+            value = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(INIT_STD)
+        return jax.device_put(value.astype(dtype))
+
+    return jax.tree_util.tree_map_with_path(init_leaf, param_shapes(config, dtype))

@@ -131,11 +131,12 @@ def load_hf_params(config: ModelConfig, path: str | os.PathLike[str], dtype: Any
             # Cast on the host (ml_dtypes handles bfloat16) so only `dtype` bytes reach the device.
             node[param_path[-1]] = jax.device_put(np.asarray(array, dtype=dtype))
     # Guards the mapping itself: the loaded tree must be exactly the model's.
-    got_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
-    want_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected)}
-    if got_paths != want_paths:
+    got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    if got != want:
         raise CheckpointError(
-            f"loaded params do not match the model: missing {sorted(want_paths - got_paths)}, "
-            f"unexpected {sorted(got_paths - want_paths)}"
+            f"loaded params do not match the model: missing {sorted(want.keys() - got.keys())}, "
+            f"unexpected {sorted(got.keys() - want.keys())}, "
+            f"mis-shaped {sorted(k for k in got.keys() & want.keys() if got[k] != want[k])}"
         )
     return params

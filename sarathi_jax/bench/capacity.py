@@ -1,0 +1,211 @@
+"""Capacity: the highest request rate an engine sustains within latency SLOs (Sarathi-Serve, section 5).
+
+A rate passes when the run's P99 TBT <= `slo_tbt` and its median scheduling delay <= `max_sched_delay`
+(the paper's 2 s bound, which keeps a queue from growing without limit). The search probes a start rate,
+doubles (or halves) until the verdict flips, then bisects, with a bounded number of probes in all.
+Every probe replays the same requests with the arrival pattern stretched to the probed rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from sarathi_jax.bench.driver import RunResult, RunState, run_workload
+from sarathi_jax.bench.metrics import summarize
+from sarathi_jax.bench.workload import Workload
+
+DEFAULT_MAX_SCHED_DELAY = 2.0
+
+
+@dataclass
+class Probe:
+    qps: float
+    passed: bool
+    p99_tbt: float | None = None
+    p50_sched_delay: float | None = None
+    stopped_early: bool = False
+    result: Any = field(default=None, repr=False)  # the RunResult, when the probe ran an engine
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("result")
+        return d
+
+
+@dataclass
+class CapacityResult:
+    capacity_qps: float  # highest passing rate found; 0.0 when even the lowest probed rate failed
+    slo_tbt: float
+    max_sched_delay: float
+    probes: list[Probe]
+    bracket: tuple[float, float]  # (highest pass, lowest fail); fail is inf when no probe failed
+    note: str = ""
+
+    @property
+    def best(self) -> Probe | None:
+        passing = [p for p in self.probes if p.passed and p.qps == self.capacity_qps]
+        return passing[-1] if passing else None
+
+    def to_dict(self) -> dict:
+        return {
+            "capacity_qps": self.capacity_qps,
+            "slo_tbt": self.slo_tbt,
+            "max_sched_delay": self.max_sched_delay,
+            "bracket": [self.bracket[0], None if math.isinf(self.bracket[1]) else self.bracket[1]],
+            "note": self.note,
+            "probes": [p.to_dict() for p in self.probes],
+        }
+
+
+def meets_slos(summary: dict, slo_tbt: float, max_sched_delay: float = DEFAULT_MAX_SCHED_DELAY) -> bool:
+    """P99 TBT <= slo_tbt and median scheduling delay <= max_sched_delay; a run with unfinished, aborted
+    or failed requests fails."""
+    if summary["num_completed"] < summary["num_requests"]:
+        return False
+    p99 = summary["tbt"]["p99"]
+    p50 = summary["scheduling_delay"]["p50"]
+    return (p99 is None or p99 <= slo_tbt) and (p50 is not None and p50 <= max_sched_delay)
+
+
+def search(
+    evaluate: Callable[[float], Probe],
+    *,
+    start_qps: float = 1.0,
+    max_probes: int = 10,
+    rel_tol: float = 0.05,
+    min_qps: float = 1e-3,
+    max_qps: float = 1e6,
+) -> tuple[float, list[Probe], tuple[float, float], str]:
+    """Bracket then bisect the pass/fail boundary of `evaluate` (assumed monotone: passes at low rates).
+
+    Stops after `max_probes` evaluations or when (fail - pass) <= rel_tol * fail. Returns
+    (capacity, probes, (pass, fail), note).
+    """
+    if max_probes < 1:
+        raise ValueError("max_probes must be >= 1")
+    probes: list[Probe] = []
+
+    def probe(q: float) -> bool:
+        p = evaluate(q)
+        probes.append(p)
+        return p.passed
+
+    lo, hi = 0.0, math.inf  # highest pass, lowest fail
+    q = float(start_qps)
+    if probe(q):
+        lo = q
+        while len(probes) < max_probes and q * 2 <= max_qps:
+            q *= 2
+            if probe(q):
+                lo = q
+            else:
+                hi = q
+                break
+    else:
+        hi = q
+        while len(probes) < max_probes and q / 2 >= min_qps:
+            q /= 2
+            if probe(q):
+                lo = q
+                break
+            hi = q
+    while len(probes) < max_probes and lo > 0 and math.isfinite(hi) and hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    note = ""
+    if math.isinf(hi):
+        note = f"no probe failed: capacity is at least {lo:.4g} req/s (raise the start rate or --capacity-probes)"
+    elif lo == 0.0:
+        note = f"every probe failed: capacity is below {hi:.4g} req/s"
+    elif hi - lo > rel_tol * hi:
+        note = f"probe limit reached before the {rel_tol:.0%} tolerance: capacity in [{lo:.4g}, {hi:.4g}) req/s"
+    return lo, probes, (lo, hi), note
+
+
+def _early_stop(workload: Workload, slo_tbt: float, max_sched_delay: float) -> Callable[[RunState], bool]:
+    """A verdict that can no longer change: more than half the requests already scheduled too late, or enough
+    TBTs over the SLO that the P99 (linear interpolation over all TBTs the run will produce) must exceed it."""
+    n = len(workload)
+    total_tbts = int(np.sum(np.maximum(workload.output_lens - 1, 0)))
+    tbt_violations_needed = total_tbts - math.floor(0.99 * (total_tbts - 1)) if total_tbts else math.inf
+    sched_violations_needed = n // 2 + 1
+
+    seen: dict[str, int] = {}  # request id -> token times already checked
+    counts = {"slow": 0}
+    late: set[str] = set()
+
+    def check(state: RunState) -> bool:
+        for rid, out in state.latest.items():
+            m = out.metrics
+            if (rid not in late and m.first_scheduled_time is not None
+                    and m.first_scheduled_time - m.arrival_time > max_sched_delay):
+                late.add(rid)
+            t = m.token_times
+            k = seen.get(rid, 0)
+            if len(t) > k:
+                start = max(k - 1, 0)
+                counts["slow"] += sum(1 for a, b in zip(t[start:], t[start + 1:]) if b - a > slo_tbt)
+                seen[rid] = len(t)
+        return len(late) >= sched_violations_needed or counts["slow"] >= tbt_violations_needed
+
+    return check
+
+
+def find_capacity(
+    engine: Any,
+    base: Workload,
+    prompts: list[list[int]],
+    *,
+    slo_tbt: float,
+    max_sched_delay: float = DEFAULT_MAX_SCHED_DELAY,
+    start_qps: float | None = None,
+    max_probes: int = 8,
+    rel_tol: float = 0.05,
+    label: str = "capacity",
+    progress: bool = False,
+    early_stop: bool = True,
+    summarize_kwargs: dict | None = None,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> CapacityResult:
+    """Search the capacity of `engine` on `base`'s requests, its arrival pattern rescaled to each probed rate.
+
+    `base` must have arrival times (not offline). The engine is reused across probes (request ids get a
+    per-probe prefix). `start_qps` defaults to the base workload's own rate.
+    """
+    if not math.isfinite(base.mean_rate):
+        raise ValueError("capacity search needs a workload with an arrival pattern, not an offline one")
+    counter = [0]
+
+    def evaluate(qps: float) -> Probe:
+        counter[0] += 1
+        wl = base.at_rate(qps)
+        stop = _early_stop(wl, slo_tbt, max_sched_delay) if early_stop else None
+        res: RunResult = run_workload(
+            engine, wl, prompts, label=f"{label} @ {qps:.3g} req/s", id_prefix=f"{label}-p{counter[0]}-",
+            progress=progress, early_stop=stop,
+        )
+        res.summary = summarize(res.records, res.iterations, num_preemptions=res.num_preemptions,
+                                **(summarize_kwargs or {}))
+        p = Probe(
+            qps=qps,
+            passed=(not res.stopped_early) and meets_slos(res.summary, slo_tbt, max_sched_delay),
+            p99_tbt=res.summary["tbt"]["p99"],
+            p50_sched_delay=res.summary["scheduling_delay"]["p50"],
+            stopped_early=res.stopped_early,
+            result=res,
+        )
+        if on_probe is not None:
+            on_probe(p)
+        return p
+
+    cap, probes, bracket, note = search(
+        evaluate, start_qps=start_qps or base.mean_rate, max_probes=max_probes, rel_tol=rel_tol
+    )
+    return CapacityResult(cap, slo_tbt, max_sched_delay, probes, bracket, note)

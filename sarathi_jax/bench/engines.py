@@ -1,0 +1,54 @@
+"""Engines the bench builds from an EngineConfig: LLMEngine (real) and SimulatedEngine (--simulate)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def make_llm_engine(config: Any) -> Any:
+    from sarathi_jax.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def make_simulated_engine(config: Any) -> Any:
+    """A SimulatedEngine sized like the LLMEngine that `config` would build: same scheduler settings, same
+    number of KV blocks (from the model's shape and kv_cache_bytes unless num_blocks is given), same
+    max_model_len rule. The cost model is the simulator's default (it does not model this CPU)."""
+    from sarathi_jax.simulator import SimulatedEngine
+
+    for name in ("from_engine_config", "from_config"):
+        ctor = getattr(SimulatedEngine, name, None)
+        if callable(ctor):
+            return ctor(config)
+
+    import os
+
+    from sarathi_jax.scheduler import SchedulerConfig
+
+    if os.path.isdir(config.model):
+        from sarathi_jax.models.config import ModelConfig
+
+        mc = ModelConfig.from_pretrained(config.model)
+    else:
+        from sarathi_jax.models.presets import get_preset
+
+        mc = get_preset(config.model)
+    per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim * _DTYPE_BYTES[config.dtype]
+    num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+    model_limit = mc.max_model_len
+    if config.max_model_len is not None and config.max_model_len > model_limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_limit} tokens")
+    max_model_len = min(config.max_model_len or model_limit, num_blocks * config.block_size)
+    sc = SchedulerConfig(
+        policy=config.scheduler,
+        token_budget=config.token_budget,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        tile_size=config.tile_size,
+        watermark=config.watermark,
+    )
+    return SimulatedEngine(sc, num_blocks, config.block_size)

@@ -1,0 +1,183 @@
+"""Console table and files (JSON, CSV) for a set of benchmark runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from sarathi_jax.bench.driver import RunResult
+from sarathi_jax.bench.metrics import fmt_seconds
+
+
+def _num(x: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tuple[list[str], list[list[str]]]:
+    show_goodput = any(r.summary.get("goodput") for r in runs)
+    header = ["run", "done", "P50 TTFT", "P99 TTFT", "P50 TBT", "P99 TBT", "P50 sched", "req/s", "out tok/s",
+              "preempt", "stalls"]
+    if show_goodput:
+        header.append("goodput")
+    if capacities:
+        header.append("capacity")
+    rows = []
+    for r in runs:
+        s = r.summary
+        row = [
+            r.label,
+            f"{s['num_completed']}/{s['num_requests']}",
+            fmt_seconds(s["ttft"]["p50"]),
+            fmt_seconds(s["ttft"]["p99"]),
+            fmt_seconds(s["tbt"]["p50"]),
+            fmt_seconds(s["tbt"]["p99"]),
+            fmt_seconds(s["scheduling_delay"]["p50"]),
+            _num(s["request_throughput"]),
+            _num(s["output_token_throughput"], "{:.1f}"),
+            str(s["num_preemptions"]),
+            str(s["num_stalls"]),
+        ]
+        if show_goodput:
+            g = s.get("goodput") or {}
+            row.append("-" if g.get("goodput") is None else f"{g['goodput']:.2f}/s ({g['good_fraction']:.0%})")
+        if capacities:
+            c = capacities.get(r.label)
+            row.append("-" if c is None else f"{c.capacity_qps:.3g} req/s")
+        rows.append(row)
+    return header, rows
+
+
+def format_table(runs: Sequence[RunResult], capacities: dict | None = None) -> str:
+    header, rows = table_rows(runs, capacities)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def safe_name(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+
+
+class _Encoder(json.JSONEncoder):
+    def default(self, o: Any) -> Any:
+        if isinstance(o, np.integer):
+            return int(o)
+        if isinstance(o, np.floating):
+            return float(o)
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        return super().default(o)
+
+
+def _clean(x: Any) -> Any:
+    """inf/nan -> None so the JSON is standard."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: str, obj: Any, indent: int | None = 1) -> None:
+    with open(path, "w") as f:
+        json.dump(_clean(obj), f, indent=indent, cls=_Encoder)
+        f.write("\n")
+
+
+REQUEST_COLUMNS = ("request_id", "arrival_time", "prompt_len", "max_tokens", "num_output_tokens", "finish_reason",
+                   "ttft", "scheduling_delay", "e2e_latency", "normalized_latency", "tbt_mean", "tbt_max",
+                   "num_preemptions", "error")
+ITERATION_COLUMNS = ("iteration", "start_time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
+                     "num_padded_tokens", "num_preemptions", "chunk_sizes")
+
+
+def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any = None) -> list[str]:
+    """`<label>.json` (everything), `<label>_requests.csv`, `<label>_iterations.csv`. Returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, safe_name(run.label))
+    doc = {
+        "label": run.label,
+        "config": run.config,
+        "workload": workload_info,
+        "summary": run.summary,
+        "num_preemptions": run.num_preemptions,
+        "wall_time": run.wall_time,
+        "stopped_early": run.stopped_early,
+        "capacity": None if capacity is None else capacity.to_dict(),
+        "requests": [r.to_dict() for r in run.records],
+        "iterations": run.iterations,
+    }
+    write_json(base + ".json", doc, indent=None)  # large: one line
+    with open(base + "_requests.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(REQUEST_COLUMNS)
+        for r in run.records:
+            tbts = r.tbts
+            d = r.to_dict()
+            d["tbt_mean"] = float(np.mean(tbts)) if tbts else None
+            d["tbt_max"] = max(tbts) if tbts else None
+            w.writerow(["" if d[c] is None else d[c] for c in REQUEST_COLUMNS])
+    with open(base + "_iterations.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(ITERATION_COLUMNS)
+        for it in run.iterations:
+            w.writerow([" ".join(map(str, it[c])) if c == "chunk_sizes" else it[c] for c in ITERATION_COLUMNS])
+    return [base + ".json", base + "_requests.csv", base + "_iterations.csv"]
+
+
+SUMMARY_COLUMNS = (
+    ("run", lambda r, s: r.label),
+    ("num_requests", lambda r, s: s["num_requests"]),
+    ("num_completed", lambda r, s: s["num_completed"]),
+    ("ttft_p50", lambda r, s: s["ttft"]["p50"]),
+    ("ttft_p90", lambda r, s: s["ttft"]["p90"]),
+    ("ttft_p99", lambda r, s: s["ttft"]["p99"]),
+    ("tbt_p50", lambda r, s: s["tbt"]["p50"]),
+    ("tbt_p90", lambda r, s: s["tbt"]["p90"]),
+    ("tbt_p99", lambda r, s: s["tbt"]["p99"]),
+    ("tbt_max", lambda r, s: s["tbt"]["max"]),
+    ("e2e_p50", lambda r, s: s["e2e_latency"]["p50"]),
+    ("e2e_p99", lambda r, s: s["e2e_latency"]["p99"]),
+    ("sched_delay_p50", lambda r, s: s["scheduling_delay"]["p50"]),
+    ("sched_delay_p99", lambda r, s: s["scheduling_delay"]["p99"]),
+    ("normalized_latency_p50", lambda r, s: s["normalized_latency"]["p50"]),
+    ("request_throughput", lambda r, s: s["request_throughput"]),
+    ("output_token_throughput", lambda r, s: s["output_token_throughput"]),
+    ("total_token_throughput", lambda r, s: s["total_token_throughput"]),
+    ("num_preemptions", lambda r, s: s["num_preemptions"]),
+    ("num_stalls", lambda r, s: s["num_stalls"]),
+    ("goodput", lambda r, s: (s.get("goodput") or {}).get("goodput")),
+    ("num_iterations", lambda r, s: s["iterations"].get("num_iterations")),
+    ("wall_time", lambda r, s: r.wall_time),
+)
+
+
+def write_summary(out_dir: str, runs: Sequence[RunResult], capacities: dict | None, meta: dict) -> list[str]:
+    """`summary.csv` (one row per run) and `summary.json` (the run summaries, capacities and the invocation)."""
+    os.makedirs(out_dir, exist_ok=True)
+    cols = list(SUMMARY_COLUMNS)
+    if capacities:
+        cols.append(("capacity_qps", lambda r, s: capacities[r.label].capacity_qps if r.label in capacities else None))
+    csv_path = os.path.join(out_dir, "summary.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([c for c, _ in cols])
+        for r in runs:
+            w.writerow(["" if (v := fn(r, r.summary)) is None else v for _, fn in cols])
+    json_path = os.path.join(out_dir, "summary.json")
+    write_json(json_path, {
+        **meta,
+        "runs": [{"label": r.label, "config": r.config, "summary": r.summary} for r in runs],
+        "capacity": {k: v.to_dict() for k, v in (capacities or {}).items()},
+    })
+    return [csv_path, json_path]

@@ -1,0 +1,56 @@
+"""Built-in model presets: LLaMA-shaped configs with seeded random weights, so nothing is downloaded.
+
+Each preset is written as a Hugging Face `config.json` dict, so it goes through the same parser as a real
+checkpoint (and can be saved next to converted weights as is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sarathi_jax.models.config import ModelConfig
+
+_LLAMA_BASE: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32000,  # the Llama 2 tokenizer's size
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+PRESET_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    # ~11.3M params (8.2M of them the tied embedding); the bench's fast default.
+    # head_dim 64 (not 32) so that the Pallas kernels see a realistic head size.
+    "tiny-llama": {
+        **_LLAMA_BASE,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
+    # ~50.5M params, untied LM head, GQA 8:4 like Llama 3.
+    "llama-50m": {
+        **_LLAMA_BASE,
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "tie_word_embeddings": False,
+    },
+}
+
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig.from_hf_config(hf) for name, hf in PRESET_HF_CONFIGS.items()}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

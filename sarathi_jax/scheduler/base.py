@@ -1,0 +1,334 @@
+"""Scheduler base: queues, admission, KV allocation with preemption, rejection. Policies only pick the order.
+
+Shared rules (every policy):
+- FCFS. `waiting` is kept in arrival order (the order of `add_sequence`); admission takes its head and stops
+  at the first request that does not fit (no skipping ahead). A preempted sequence goes back into `waiting`
+  at its arrival position, which is at or near the front since it was admitted before everything behind it.
+- At most `max_num_seqs` sequences are running (admitted) at once, and at most that many are in a batch.
+- Admission never over-commits memory: a request is admitted only when the blocks for its whole
+  (re-)prefill (or, for policies that reserve, its whole request) are free above the watermark, after what
+  the running prefills still need. Growth of a running sequence may dip into the watermark.
+- When a running sequence needs a block and none is free, the latest arrival among the running sequences
+  that are neither in this batch nor in flight is preempted by recompute (blocks freed, generated tokens
+  kept, re-queued); if there is none later than the one growing, a decode preempts itself and a prefill
+  chunk shrinks to what fits (or waits).
+- Pipeline parallelism: `schedule()` may be called again before `on_step_done` of earlier outputs; a
+  sequence in an output that is not done yet ("in flight") is neither scheduled again nor preempted.
+- Requests that can never run are rejected at `add_sequence` and reported in the next output's `rejected`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import ClassVar
+
+from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.scheduler.config import SchedulerConfig
+from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
+from sarathi_jax.sequence import Sequence, SequenceStatus
+
+
+class Batch:
+    """A batch being built: (seq, num_new_tokens, is_prefill) items under a token and a sequence limit."""
+
+    def __init__(self, token_limit: int, max_seqs: int) -> None:
+        self.token_limit = token_limit
+        self.max_seqs = max_seqs
+        self.items: list[list] = []  # [seq, num_new_tokens, is_prefill]; lists so tile alignment can shrink
+        self.seq_ids: set[str] = set()
+        self.num_tokens = 0
+
+    @property
+    def room(self) -> int:
+        return self.token_limit - self.num_tokens
+
+    @property
+    def has_seq_room(self) -> bool:
+        return len(self.items) < self.max_seqs
+
+    def add(self, seq: Sequence, num_new_tokens: int, *, is_prefill: bool) -> None:
+        assert 0 < num_new_tokens <= self.room and self.has_seq_room and seq.seq_id not in self.seq_ids
+        self.items.append([seq, num_new_tokens, is_prefill])
+        self.seq_ids.add(seq.seq_id)
+        self.num_tokens += num_new_tokens
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    """Base class. Subclasses set `name` and `admission` and implement `_schedule() -> Batch`."""
+
+    name: ClassVar[str] = ""
+    # KV blocks a request takes when admitted: "chunk" (just its first chunk; allocation then grows chunk by
+    # chunk and decode by decode), "prompt" (the whole prompt, then grows per decode), "request" (prompt +
+    # max_tokens, reserved up front so it never grows and is never preempted).
+    admission: ClassVar[str] = "chunk"
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        # The config's watermark is a fraction; the block manager counts blocks. Keep the larger one.
+        block_manager.watermark_blocks = max(
+            block_manager.watermark_blocks, int(config.watermark * block_manager.num_total_blocks)
+        )
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # kept in arrival order
+        self._seqs: dict[str, Sequence] = {}  # unfinished sequences by id
+        self._order: dict[str, int] = {}  # arrival rank (add order): the FCFS and preemption key
+        self._counter = itertools.count()
+        self._in_flight: set[str] = set()  # seq ids in outputs whose on_step_done has not come yet
+        self._rejected: list[Sequence] = []
+        self._preempted: list[Sequence] = []  # during one schedule() call
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------------------------------ public API
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
+        error = self._never_fits(seq)
+        if error is not None:
+            seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
+            self._rejected.append(seq)
+            return
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self._order[seq.seq_id] = next(self._counter)
+        self._waiting.append(seq)
+
+    def abort_sequence(self, seq_id: str) -> Sequence | None:
+        """Remove a sequence in any state and free its blocks now. None if unknown or already finished.
+        A rejected sequence not yet reported is taken back too (it will not appear in `rejected`)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            for i, rejected in enumerate(self._rejected):
+                if rejected.seq_id == seq_id:
+                    del self._rejected[i]
+                    rejected.finish_reason = "abort"
+                    return rejected
+            return None
+        self.finish_sequence(seq, "abort")
+        return seq
+
+    def finish_sequence(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished (engine: a stop condition hit), free its blocks and forget it."""
+        if self._seqs.pop(seq.seq_id, None) is not None:
+            if seq.status is SequenceStatus.RUNNING:
+                self._running.remove(seq)
+            else:
+                self._waiting.remove(seq)
+            del self._order[seq.seq_id]
+        self._in_flight.discard(seq.seq_id)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def schedule(self) -> SchedulerOutput:
+        self._preempted = []
+        rejected, self._rejected = tuple(self._rejected), []
+        batch = self._schedule()
+        chunks = tuple(ScheduledChunk(seq, n, seq.num_computed_tokens) for seq, n, _ in batch.items)
+        self._in_flight.update(c.seq.seq_id for c in chunks)
+        num_decode = sum(1 for c in chunks if c.is_decode)
+        return SchedulerOutput(
+            chunks=chunks,
+            preempted=tuple(self._preempted),
+            rejected=rejected,
+            num_prefill_tokens=batch.num_tokens - num_decode,
+            num_decode_tokens=num_decode,
+        )
+
+    def on_step_done(self, output: SchedulerOutput) -> None:
+        """The batch ran: its tokens' K/V are in the cache. Call before appending sampled tokens."""
+        for chunk in output.chunks:
+            seq = chunk.seq
+            self._in_flight.discard(seq.seq_id)
+            if seq.status is SequenceStatus.RUNNING:  # skip sequences aborted while in flight
+                assert seq.num_computed_tokens == chunk.start_position, (seq, chunk.start_position)
+                seq.num_computed_tokens += chunk.num_new_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._rejected)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        """Admitted sequences, earliest arrival first."""
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Sequence, ...]:
+        """Queued sequences in admission order (FCFS)."""
+        return tuple(self._waiting)
+
+    def is_in_flight(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._in_flight
+
+    # ------------------------------------------------------------------------------------------ policy hook
+
+    def _schedule(self) -> Batch:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------ building blocks
+
+    def _new_batch(self, token_limit: int | None = None) -> Batch:
+        return Batch(self.config.batch_token_limit if token_limit is None else token_limit, self.config.max_num_seqs)
+
+    def _ready_running(self) -> list[Sequence]:
+        """Running sequences that may be scheduled now (not in flight), earliest arrival first. A snapshot:
+        entries may get preempted while the caller iterates, so callers re-check `status`."""
+        return [s for s in self._running if s.seq_id not in self._in_flight]
+
+    def _schedule_decodes(self, batch: Batch) -> None:
+        """Every ready running decode, earliest arrival first; one that cannot get a block preempts later
+        arrivals, or itself when there are none."""
+        bm = self.block_manager
+        for seq in self._ready_running():
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_decode:
+                continue
+            if batch.room < 1 or not batch.has_seq_room:
+                break
+            if self._make_room(seq, bm.blocks_needed(seq, seq.num_computed_tokens + 1), batch):
+                bm.allocate(seq, seq.num_computed_tokens + 1)
+                batch.add(seq, 1, is_prefill=False)
+            else:
+                self._preempt(seq)
+
+    def _schedule_running_prefills(self, batch: Batch, *, chunked: bool) -> None:
+        """Running sequences still (re-)prefilling, earliest first. chunked: each gets min(left, room)
+        tokens, shrunk to what memory allows; otherwise whole or not at all (stopping at the first misfit)."""
+        for seq in self._ready_running():
+            if seq.status is not SequenceStatus.RUNNING or seq.is_decode:
+                continue
+            if batch.room < 1 or not batch.has_seq_room:
+                break
+            want = seq.num_uncomputed_tokens
+            if chunked:
+                want = min(want, batch.room)
+            elif want > batch.room:
+                break
+            n = self._grow_prefill(seq, want, batch, shrink_ok=chunked)
+            if n:
+                batch.add(seq, n, is_prefill=True)
+
+    def _admit(self, batch: Batch, *, chunked: bool) -> int:
+        """Admit waiting requests FCFS into `batch` (first chunk, or whole prompt) while the token room,
+        the sequence limits and memory allow. Returns how many were admitted.
+
+        Memory: a request is admitted only if the blocks it needs up front ("prompt": its whole (re-)prefill;
+        "request": prompt + max_tokens) are free above the watermark. Under "chunk", blocks are allocated
+        chunk by chunk, but admission still counts the whole prefill, plus what the running sequences still
+        need to finish theirs, so that admitted prompts can complete their prefill without evicting each
+        other (admission never over-commits memory; only decode growth can force a preemption).
+        """
+        bm = self.block_manager
+        committed = 0
+        if self.admission == "chunk":
+            committed = sum(bm.blocks_needed(s, s.num_tokens) for s in self._running if not s.is_decode)
+        admitted = 0
+        while self._waiting and batch.has_seq_room and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting[0]
+            tokens = seq.num_uncomputed_tokens  # a waiting sequence has nothing computed
+            n = min(tokens, batch.room) if chunked else tokens
+            if n < 1 or n > batch.room:
+                break
+            reserve = seq.max_total_tokens if self.admission == "request" else tokens
+            need = bm.blocks_for_tokens(reserve)
+            if need > bm.num_free_blocks - bm.watermark_blocks - committed:
+                break
+            if self.admission == "chunk":
+                reserve = n  # allocate just this chunk; the rest of its prefill stays committed
+                committed += need - bm.blocks_for_tokens(n)
+            self._admit_seq(seq, reserve)
+            batch.add(seq, n, is_prefill=True)
+            admitted += 1
+        return admitted
+
+    def _admit_seq(self, seq: Sequence, reserve_tokens: int) -> None:
+        """Move the head of `waiting` to running with blocks for `reserve_tokens` (caller checked memory)."""
+        assert self._waiting[0] is seq
+        self._waiting.popleft()
+        self.block_manager.allocate(seq, reserve_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self._insert_by_order(self._running, seq)
+
+    def _grow_prefill(self, seq: Sequence, want: int, batch: Batch, *, shrink_ok: bool) -> int:
+        """Give a running prefill blocks for `want` more tokens (preempting later arrivals if needed), or
+        with shrink_ok as many as fit. Returns the tokens it can run (0: none)."""
+        bm = self.block_manager
+        if not self._make_room(seq, bm.blocks_needed(seq, seq.num_computed_tokens + want), batch):
+            if not shrink_ok:
+                return 0
+            capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+            want = min(want, capacity)
+            if want < 1:
+                return 0
+        bm.allocate(seq, seq.num_computed_tokens + want)
+        return want
+
+    def _make_room(self, seq: Sequence, num_blocks: int, batch: Batch) -> bool:
+        """Ensure `num_blocks` free blocks for a running `seq` (watermark ignored), preempting the latest
+        arrivals after it that are neither in `batch` nor in flight. False if that is not enough."""
+        while not self.block_manager.can_allocate(num_blocks, use_watermark=False):
+            victim = self._pick_victim(seq, batch)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        return True
+
+    def _pick_victim(self, seq: Sequence, batch: Batch) -> Sequence | None:
+        for cand in reversed(self._running):  # latest arrival first
+            if cand is seq:
+                return None  # only later arrivals are evicted for seq
+            if cand.seq_id not in batch.seq_ids and cand.seq_id not in self._in_flight:
+                return cand
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free blocks, keep outputs, re-queue at its arrival position."""
+        assert seq.seq_id not in self._in_flight
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self._insert_by_order(self._waiting, seq)
+        self._preempted.append(seq)
+        self._num_preemptions += 1
+
+    def _insert_by_order(self, queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
+        rank, order = self._order[seq.seq_id], self._order
+        i = len(queue)
+        while i > 0 and order[queue[i - 1].seq_id] > rank:  # from the back: admissions are usually latest
+            i -= 1
+        queue.insert(i, seq)
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        """Why `seq` can never run under this config and cache, or None."""
+        cfg, bm = self.config, self.block_manager
+        n, m = seq.num_prompt_tokens, seq.sampling_params.max_tokens
+        if n == 0:
+            return "prompt is empty"
+        if n + m > cfg.max_model_len:
+            return f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} tokens exceeds max_model_len ({cfg.max_model_len})"
+        # Admission needs the whole (re-)prefill's blocks free above the watermark, and a preempted sequence
+        # re-prefills up to prompt + max_tokens - 1 tokens: check the full length.
+        blocks = bm.blocks_for_tokens(n + m)
+        usable = bm.num_total_blocks - bm.watermark_blocks
+        if blocks > usable:
+            return (
+                f"prompt + max_tokens = {n + m} tokens need {blocks} KV blocks of {bm.block_size} tokens, but the "
+                f"cache has {bm.num_total_blocks} blocks ({usable} usable at admission, above the watermark of "
+                f"{bm.watermark_blocks})"
+            )
+        return None

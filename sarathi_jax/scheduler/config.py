@@ -1,0 +1,78 @@
+"""Scheduler settings: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Policy names, in the order the docs list them (the registry maps each to its class).
+SCHEDULER_POLICIES = (
+    "sarathi",
+    "vllm",
+    "orca",
+    "faster_transformer",
+    "simple_chunking",
+    "chunked_prefills_only",
+    "hybrid_batching_only",
+)
+
+# Policies whose batches are bounded by `token_budget`; the others put whole prompts into a batch and are
+# bounded by `max_num_batched_tokens` (hybrid_batching_only: token_budget, except an over-budget prompt
+# that runs alone).
+TOKEN_BUDGET_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only", "hybrid_batching_only")
+WHOLE_PROMPT_POLICIES = ("vllm", "orca", "faster_transformer")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """policy: one of SCHEDULER_POLICIES.
+    token_budget: most tokens (decodes + prefill chunks) per batch for the chunking/hybrid policies.
+    max_num_seqs: most sequences per batch, and most sequences admitted (running) at once.
+    max_model_len: longest prompt + max_tokens a request may ask for.
+    max_num_batched_tokens: most tokens per batch for vllm/orca/faster_transformer, which never split a
+        prompt; must be >= max_model_len so any prompt (or a preempted sequence's re-prefill) fits.
+        None: max(max_model_len, token_budget).
+    tile_size: sarathi only: round each batch's tokens down to a multiple of this by shrinking the last
+        prefill chunk (see SarathiScheduler).
+    watermark: fraction of KV blocks kept free when admitting new requests.
+    """
+
+    policy: str = "sarathi"
+    token_budget: int = 512
+    max_num_seqs: int = 128
+    max_model_len: int = 4096
+    max_num_batched_tokens: int | None = None
+    tile_size: int | None = None
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
+        for name in ("token_budget", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_num_batched_tokens", "tile_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
+        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, self.token_budget))
+        if self.policy in WHOLE_PROMPT_POLICIES and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) under policy {self.policy!r}, which never splits a prompt"
+            )
+        # Every running sequence may need one decode token in the same batch: the batch limit must hold them.
+        if self.batch_token_limit < self.max_num_seqs:
+            limit_name = "token_budget" if self.policy in TOKEN_BUDGET_POLICIES else "max_num_batched_tokens"
+            raise ValueError(
+                f"{limit_name} ({self.batch_token_limit}) must be >= max_num_seqs ({self.max_num_seqs}) under "
+                f"policy {self.policy!r}: each running sequence needs a decode token per batch"
+            )
+
+    @property
+    def batch_token_limit(self) -> int:
+        """The token limit of a normal batch under this policy."""
+        return self.token_budget if self.policy in TOKEN_BUDGET_POLICIES else self.max_num_batched_tokens

@@ -1,0 +1,33 @@
+"""FasterTransformer-style request-level batching."""
+
+from __future__ import annotations
+
+from sarathi_jax.scheduler.base import Batch, Scheduler
+from sarathi_jax.sequence import SequenceStatus
+
+
+class FasterTransformerScheduler(Scheduler):
+    """Only when nothing is running, admit a batch FCFS: up to `max_num_seqs` requests, each reserving KV
+    blocks for prompt + max_tokens (so nothing is ever preempted). Run that batch until every request in it
+    has finished: first prefill iterations (whole prompts, as many as fit `max_num_batched_tokens` per
+    iteration; decodes of the batch wait until all its prompts are done), then decode iterations. Finished
+    requests leave their slot empty; new requests wait for the whole batch.
+    """
+
+    name = "faster_transformer"
+    admission = "request"
+
+    def _schedule(self) -> Batch:
+        bm = self.block_manager
+        if not self._running:
+            while self._waiting and len(self._running) < self.config.max_num_seqs:
+                seq = self._waiting[0]
+                if not bm.can_allocate(bm.blocks_for_tokens(seq.max_total_tokens)):
+                    break
+                self._admit_seq(seq, seq.max_total_tokens)
+        batch = self._new_batch()
+        self._schedule_running_prefills(batch, chunked=False)
+        if batch or any(s.status is SequenceStatus.RUNNING and not s.is_decode for s in self._running):
+            return batch  # context phase of the batch not done yet: no decodes
+        self._schedule_decodes(batch)
+        return batch

@@ -1,0 +1,58 @@
+"""What one `Scheduler.schedule()` call hands the engine: plain data, no JAX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sarathi_jax.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new_tokens` query tokens of `seq`, at positions start_position .. start_position+num_new_tokens-1.
+
+    `needs_sample` and `is_decode` are fixed at schedule time (the sequence keeps changing afterwards).
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start_position: int
+    needs_sample: bool = field(init=False)
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        end = self.start_position + self.num_new_tokens
+        if self.num_new_tokens < 1 or end > self.seq.num_tokens:
+            raise ValueError(f"bad chunk for {self.seq!r}: {self.num_new_tokens} tokens at {self.start_position}")
+        object.__setattr__(self, "needs_sample", end == self.seq.num_tokens)
+        object.__setattr__(self, "is_decode", self.start_position > 0 and self.num_new_tokens == 1 and self.needs_sample)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One batch.
+
+    chunks: the work of this iteration, in a fixed order (the runner packs them in this order).
+    preempted: sequences evicted (by recompute) while building this batch; they are back in the waiting queue.
+    rejected: requests that can never run (too long for max_model_len or for the KV cache); they are FINISHED
+        with finish_reason "error" and `seq.error` set, and the engine reports them.
+    """
+
+    chunks: tuple[ScheduledChunk, ...] = ()
+    preempted: tuple[Sequence, ...] = ()
+    rejected: tuple[Sequence, ...] = ()
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        """No work to run (there may still be rejected or preempted sequences to report)."""
+        return not self.chunks

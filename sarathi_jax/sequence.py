@@ -1,0 +1,95 @@
+"""A request's host-side state: its tokens, how many of them have K/V in the cache, and its KV blocks.
+
+Plain Python (no JAX): the schedulers, the engine, the tests and the simulator all share it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from sarathi_jax.outputs import RequestMetrics
+from sarathi_jax.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued: never scheduled, or preempted (by recompute) and re-queued
+    RUNNING = "running"  # admitted: holds KV blocks
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request. `num_computed_tokens` counts the tokens whose K/V are in the cache.
+
+    Each step the scheduler picks `num_new_tokens <= num_uncomputed_tokens` query tokens starting at
+    `num_computed_tokens`; a chunk that reaches `num_tokens` samples the next token. Prompt chunks, decodes
+    and the re-prefill after a preemption all go through that one rule.
+    """
+
+    def __init__(
+        self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float
+    ) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []  # owned by the BlockManager: only it grows or clears this
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # Prompt + output kept in one list so `token_ids` costs nothing (the runner slices it every step).
+        self._token_ids = list(self.prompt_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + output tokens. The live list, not a copy: read it, do not mutate it."""
+        return self._token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self._token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Past its (re-)prefill: exactly the last sampled token still needs its K/V computed."""
+        return self.num_computed_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt + max_tokens: the longest this sequence can get (stop conditions aside)."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the cache contents are dropped (the caller frees the blocks first),
+        generated tokens are kept and will be re-prefilled together with the prompt."""
+        assert not self.block_table, "free the sequence's blocks before resetting it"
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.metrics.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,99 @@
+"""`python -m server --model NAME_OR_DIR --port N [...]`: serve one engine over gRPC.
+
+SIGTERM (and a first Ctrl-C) drains: health turns NOT_SERVING, new requests get UNAVAILABLE, running requests
+finish (for at most --drain-grace seconds), then the process exits. A second Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from server.service import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, GenerationServer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="preset name or HF checkpoint folder")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off when unset)")
+    p.add_argument("--token-budget", type=int, default=None)
+    p.add_argument("--scheduler", default=None, help="sarathi, vllm, orca, ...")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, help="xla or pallas")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="refuse (RESOURCE_EXHAUSTED) beyond this many requests waiting for their first token")
+    p.add_argument("--max-waiting-prompt-tokens", type=int, default=DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+                   help="refuse (RESOURCE_EXHAUSTED) beyond this many prompt tokens waiting")
+    p.add_argument("--drain-grace", type=float, default=None,
+                   help="on SIGTERM, seconds to let running requests finish before cancelling them (default: no limit)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from sarathi_jax.config import EngineConfig
+
+    overrides = {}
+    for name in ("token_budget", "scheduler", "max_num_seqs", "block_size", "num_blocks", "max_model_len",
+                 "attention_backend", "dtype", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = value
+    return EngineConfig(model=args.model, **overrides)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from sarathi_jax.engine import LLMEngine
+
+    log = logging.getLogger("server")
+    config = engine_config_from_args(args)
+    t0 = time.monotonic()
+    log.info("building engine: %s", config)
+    # Engine construction compiles and warms up: keep the loop responsive meanwhile (nothing is served yet).
+    engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
+    log.info("engine ready in %.1fs", time.monotonic() - t0)
+    server = GenerationServer(engine, engine_config=config, host=args.host, port=args.port,
+                              metrics_port=args.metrics_port, max_waiting_requests=args.max_waiting_requests,
+                              max_waiting_prompt_tokens=args.max_waiting_prompt_tokens)
+    await server.start()
+    print(f"sarathi server listening on {server.host}:{server.port}"
+          + (f" (metrics on :{server.metrics_port})" if server.metrics_port is not None else ""), flush=True)
+
+    loop = asyncio.get_running_loop()
+    signals = {"n": 0}
+
+    def on_signal(signame: str) -> None:
+        signals["n"] += 1
+        if signals["n"] == 1:
+            log.info("%s: draining", signame)
+            asyncio.ensure_future(server.drain_async(args.drain_grace))
+        else:
+            log.info("%s again: stopping now", signame)
+            asyncio.ensure_future(server.stop_async(grace=0))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    await server.wait_stopped()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Client helpers and the CLI `python -m server.client "prompt" [--max-tokens N --temperature T --target H:P]`.
+
+    python -m server.client "Hello, my name is" --max-tokens 32 --temperature 0
+    python -m server.client --token-ids 1,2,3 --max-tokens 8 --target 127.0.0.1:50051
+
+Streams the generated text to stdout as it arrives (token ids, space separated, when the model has no
+tokenizer), then the finish reason, usage and timings to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+import grpc
+
+from server.proto.sarathi.v1 import generation_pb2 as pb
+from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+
+FINISH_REASON_NAMES = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_ERROR: "error",
+}
+
+
+def make_request(prompt: str | Sequence[int], params=None, request_id: str | None = None,
+                 **sampling: object) -> pb.GenerateRequest:
+    """A GenerateRequest from a text or token-id prompt and a SamplingParams (and/or sampling keyword fields).
+
+    Only fields that are given (not None) are set, so the server applies SamplingParams' defaults to the rest.
+    """
+    req = pb.GenerateRequest()
+    if request_id is not None:
+        req.request_id = request_id
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+        req.token_ids.SetInParent()  # an empty list still selects token_ids (the server refuses it)
+    fields: dict[str, object] = {}
+    if params is not None:
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+                     "stop_token_ids", "ignore_eos", "logprobs"):
+            fields[name] = getattr(params, name)
+    fields.update(sampling)
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name in ("stop", "stop_token_ids"):
+            if isinstance(value, str):
+                value = [value]
+            getattr(req, name).extend(value)
+        else:
+            setattr(req, name, value)
+    return req
+
+
+def finish_reason_name(value: int) -> str | None:
+    return FINISH_REASON_NAMES.get(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m server.client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", nargs="?", default=None, help="text prompt (needs a model with a tokenizer)")
+    p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--min-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-ids", default=None, help="comma-separated")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    args = p.parse_args(argv)
+    if (args.prompt is None) == (args.token_ids is None):
+        p.error("give either a text prompt or --token-ids")
+    prompt: str | list[int]
+    if args.token_ids is not None:
+        prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
+    else:
+        prompt = args.prompt
+    req = make_request(
+        prompt, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+        stop_token_ids=[int(t) for t in args.stop_token_ids.split(",")] if args.stop_token_ids else None,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 30)
+            as_ids = not info.has_tokenizer
+            last = None
+            for resp in stub.Generate(req, timeout=args.timeout):
+                if as_ids:
+                    if resp.token_ids:
+                        sys.stdout.write(" ".join(str(t) for t in resp.token_ids) + " ")
+                else:
+                    sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                last = resp
+        except grpc.RpcError as err:
+            sys.stdout.write("\n")
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if last is not None:
+        t = last.timings
+        print(f"[finish_reason={finish_reason_name(last.finish_reason)} prompt_tokens={last.usage.prompt_tokens} "
+              f"completion_tokens={last.usage.completion_tokens} queue={t.queue_time_s:.4f}s ttft={t.ttft_s:.4f}s "
+              f"e2e={t.e2e_s:.4f}s]", file=sys.stderr)
+        if last.error:
+            print(f"error: {last.error}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Client-side load driver: replay (arrival_time, prompt, SamplingParams) requests against a server in real time.
+
+    from server.loadgen import run_load
+    results = run_load("127.0.0.1:50051", [(0.0, [1, 2, 3], SamplingParams(max_tokens=16)), (0.05, ...), ...])
+    for r in results:        # same order as the input
+        r.ttft, r.tbts, r.num_tokens, r.finish_reason, r.error
+
+Each request is sent at `start + arrival_time` (seconds, relative to when the driver starts; the list need not
+be sorted) over one shared gRPC channel, as a `Generate` stream. Times are measured at the client with
+`time.monotonic()`: `ttft` from the moment the request was sent to the first message carrying tokens, `tbts`
+between consecutive tokens. Tokens that arrive in the same message share that message's receipt time (so a
+message with k tokens contributes k-1 zero gaps). Failed requests (e.g. RESOURCE_EXHAUSTED) come back with
+`error` set ("CODE: details") rather than raising.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import grpc
+
+from server.client import finish_reason_name, make_request
+from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+
+LoadRequest = tuple  # (arrival_time: float, prompt: list[int] | str, params: SamplingParams)
+
+
+@dataclass
+class ClientRequestResult:
+    index: int  # position in the input list
+    request_id: str
+    arrival_time: float  # scheduled, seconds after the driver's start
+    send_time: float  # when it was actually sent, seconds after the driver's start
+    num_prompt_tokens: int  # from the server's usage (0 if it never finished)
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # receipt time of each token, seconds after start
+    finish_reason: str | None = None
+    error: str | None = None  # "STATUS_CODE: details" when the RPC failed
+    server_ttft: float | None = None  # the server's own TTFT / queue time, from the last message's timings
+    server_queue_time: float | None = None
+    end_time: float | None = None  # seconds after start
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.send_time if self.token_times else None
+
+    @property
+    def tbts(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.end_time is None else self.end_time - self.send_time
+
+    @property
+    def send_lag(self) -> float:
+        """How late the driver sent the request relative to its scheduled arrival."""
+        return self.send_time - self.arrival_time
+
+
+async def _one(stub: Any, index: int, arrival: float, prompt: Any, params: Any, t0: float,
+               request_timeout: float | None, prefix: str) -> ClientRequestResult:
+    delay = t0 + arrival - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    rid = f"{prefix}-{index}"
+    res = ClientRequestResult(index=index, request_id=rid, arrival_time=arrival,
+                              send_time=time.monotonic() - t0, num_prompt_tokens=0)
+    call = stub.Generate(make_request(prompt, params, request_id=rid), timeout=request_timeout)
+    try:
+        async for msg in call:
+            now = time.monotonic() - t0
+            if msg.token_ids:
+                res.token_ids.extend(msg.token_ids)
+                res.token_times.extend([now] * len(msg.token_ids))
+            if msg.finished:
+                res.finish_reason = finish_reason_name(msg.finish_reason)
+                res.num_prompt_tokens = msg.usage.prompt_tokens
+                if msg.timings.HasField("ttft_s"):
+                    res.server_ttft = msg.timings.ttft_s
+                if msg.timings.HasField("queue_time_s"):
+                    res.server_queue_time = msg.timings.queue_time_s
+                if msg.error:
+                    res.error = f"ENGINE_ERROR: {msg.error}"
+    except grpc.aio.AioRpcError as err:
+        res.error = f"{err.code().name}: {err.details()}"
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    res.end_time = time.monotonic() - t0
+    return res
+
+
+async def run_load_async(target: str, requests: Sequence[LoadRequest], *, request_timeout: float | None = None,
+                         channel_options: Sequence[tuple[str, Any]] | None = None,
+                         request_id_prefix: str | None = None) -> list[ClientRequestResult]:
+    """Send `requests` = [(arrival_time_s, prompt_token_ids_or_text, SamplingParams), ...] to `target`
+    ("host:port") concurrently, each at its arrival time; return one ClientRequestResult per request, in input
+    order. `request_timeout` is each RPC's deadline in seconds (None: none)."""
+    prefix = request_id_prefix or f"load-{uuid.uuid4().hex[:8]}"
+    async with grpc.aio.insecure_channel(target, options=list(channel_options or [])) as channel:
+        await channel.channel_ready()
+        stub = pb_grpc.GenerationStub(channel)
+        t0 = time.monotonic()
+        tasks = [
+            asyncio.ensure_future(_one(stub, i, float(arrival), prompt, params, t0, request_timeout, prefix))
+            for i, (arrival, prompt, params) in enumerate(requests)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def run_load(target: str, requests: Sequence[LoadRequest], **kwargs: Any) -> list[ClientRequestResult]:
+    """Blocking wrapper of `run_load_async` (runs its own event loop; call from a thread without one)."""
+    return asyncio.run(run_load_async(target, requests, **kwargs))
+
+
+# ------------------------------------------------------------------------------------ bench harness hook
+def _server_info(target: str) -> tuple[Any, Any]:
+    from server.proto.sarathi.v1 import generation_pb2 as pb
+
+    with grpc.insecure_channel(target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        stub = pb_grpc.GenerationStub(channel)
+        return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30), stub.GetStats(pb.GetStatsRequest(),
+                                                                                       timeout=30)
+
+
+def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[int]], *, temperature: float = 0.0,
+                       progress: bool = False, request_timeout: float | None = None) -> Any:
+    """`python -m sarathi_jax.bench --endpoint HOST:PORT`: replay a bench Workload against a running server.
+
+    Request i is sent at workload.arrivals[i] with prompts[i], max_tokens = workload.output_lens[i],
+    ignore_eos, `temperature`. Returns a `sarathi_jax.bench.driver.RunResult` whose RequestRecords hold
+    client-side times relative to the run start; arrival_time is the scheduled arrival (as in-process runs),
+    first_scheduled_time comes from the server's reported queue time. Token ids outside the server model's
+    vocabulary are folded into it (modulo), noted in `config["notes"]`. No iteration records (the server's
+    iterations are not visible to a client); num_preemptions is the server's counter difference over the run.
+    """
+    from sarathi_jax.bench.driver import RunResult
+    from sarathi_jax.bench.metrics import RequestRecord
+    from sarathi_jax.sampling_params import SamplingParams
+
+    info, before = _server_info(target)
+    notes: list[str] = []
+    vocab = int(info.vocab_size) or None
+    prompts = [list(map(int, p)) for p in prompts]
+    if vocab is not None and any(t >= vocab for p in prompts for t in p):
+        prompts = [[t % vocab for t in p] for p in prompts]
+        notes.append(f"prompt token ids folded into the server model's vocabulary ({vocab})")
+    requests = [
+        (float(workload.arrivals[i]), prompts[i],
+         SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=int(workload.output_lens[i])))
+        for i in range(len(prompts))
+    ]
+    t_wall = time.monotonic()
+    results = run_load(target, requests, request_timeout=request_timeout)
+    wall = time.monotonic() - t_wall
+    _, after = _server_info(target)
+    records = []
+    for (arrival, prompt, params), r in zip(requests, results):
+        records.append(RequestRecord(
+            request_id=r.request_id,
+            arrival_time=arrival,
+            prompt_len=len(prompt),
+            max_tokens=params.max_tokens,
+            num_output_tokens=r.num_tokens,
+            first_scheduled_time=None if r.server_queue_time is None else r.send_time + r.server_queue_time,
+            first_token_time=r.token_times[0] if r.token_times else None,
+            token_times=list(r.token_times),
+            finished_time=r.end_time if r.finish_reason is not None else None,
+            finish_reason=r.finish_reason if r.error is None else "error",
+            error=r.error,
+        ))
+    config = {
+        "endpoint": target,
+        "model_name": info.model_name,
+        "architecture": info.architecture,
+        "scheduler": info.scheduler,
+        "token_budget": info.token_budget,
+        "max_num_seqs": info.max_num_seqs,
+        "max_model_len": info.max_model_len,
+        "num_total_blocks": after.num_total_blocks,
+        "max_send_lag_s": max((r.send_lag for r in results), default=0.0),
+        "notes": notes,
+    }
+    return RunResult(label=target, records=records, iterations=[],
+                     num_preemptions=int(after.num_preemptions - before.num_preemptions), wall_time=wall,
+                     config=config)

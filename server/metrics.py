@@ -1,0 +1,94 @@
+"""Prometheus metrics of one server, on the server's own `CollectorRegistry` (never the global one).
+
+Names follow vLLM's (`vllm:` -> `sarathi:`), labelled with `model_name` like vLLM's. prometheus_client appends
+`_total` to counters, so the counters read `sarathi:num_preemptions_total`, `sarathi:prompt_tokens_total`,
+`sarathi:generation_tokens_total`, exactly as vLLM's do.
+
+| metric | type | meaning |
+| --- | --- | --- |
+| sarathi:time_to_first_token_seconds | histogram | server receipt -> first token |
+| sarathi:inter_token_latency_seconds | histogram | between consecutive tokens of a request |
+| sarathi:e2e_request_latency_seconds | histogram | server receipt -> finished |
+| sarathi:request_queue_time_seconds | histogram | server receipt -> first scheduled |
+| sarathi:num_requests_running | gauge | engine's running sequences |
+| sarathi:num_requests_waiting | gauge | engine's waiting sequences |
+| sarathi:kv_cache_usage_perc | gauge | fraction of KV blocks in use (0..1, as vLLM) |
+| sarathi:num_preemptions_total | counter | preemptions, cumulative |
+| sarathi:prompt_tokens_total | counter | prompt tokens of requests that got their first token |
+| sarathi:generation_tokens_total | counter | generated tokens |
+| sarathi:request_success_total | counter | finished requests, label finished_reason |
+| sarathi:request_rejected_total | counter | requests refused, label reason (not in vLLM) |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PREFIX = "sarathi:"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduled.",
+                               _LATENCY_BUCKETS)
+        self.num_running = Gauge(PREFIX + "num_requests_running", "Requests running in the engine.", labels,
+                                 registry=r).labels(model_name)
+        self.num_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting in the engine.", labels,
+                                 registry=r).labels(model_name)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = 100%).", labels,
+                              registry=r).labels(model_name)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Cumulative preemptions.", labels,
+                                   registry=r).labels(model_name)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", labels,
+                                         registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests.", labels + ["finished_reason"],
+                                registry=r)
+        self._rejected = Counter(PREFIX + "request_rejected", "Refused requests.", labels + ["reason"], registry=r)
+        self._last_preemptions = 0
+        self._http = None
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def request_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def update_engine_stats(self, stats: dict) -> None:
+        """Called from the engine thread after each iteration (prometheus_client is thread-safe)."""
+        self.num_running.set(stats.get("num_running", 0))
+        self.num_waiting.set(stats.get("num_waiting", 0))
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        total = int(stats.get("num_preemptions", 0))
+        if total > self._last_preemptions:
+            self.preemptions.inc(total - self._last_preemptions)
+        self._last_preemptions = max(total, self._last_preemptions)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Start the HTTP /metrics endpoint in a daemon thread; returns the bound port (port 0 picks one)."""
+        httpd, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._http = httpd
+        return httpd.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

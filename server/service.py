@@ -1,0 +1,584 @@
+"""The gRPC generation service: a grpc.aio front end on an asyncio loop over one engine thread.
+
+Each request gets an asyncio queue; the engine thread (`EngineWorker`) pushes the request's outputs into it
+with `loop.call_soon_threadsafe`. Adds and aborts reach the engine through the worker's thread-safe queue.
+A request whose RPC ends early (client cancel, disconnect, deadline) is aborted in the engine from the
+handler's `finally`, which frees its KV blocks before the engine's next iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_reflection.v1alpha import reflection
+
+from sarathi_jax.sampling_params import SamplingParams
+from server.engine_worker import EngineError, EngineWorker
+from server.metrics import ServerMetrics
+from server.proto.sarathi.v1 import generation_pb2 as pb
+from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "sarathi.v1.Generation"
+
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_WAITING_PROMPT_TOKENS = 1 << 20
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+_INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+
+
+class RequestError(Exception):
+    """A request refused before it reached the engine: carries the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams from the request's sampling fields; unset fields keep SamplingParams' defaults.
+
+    Raises ValueError naming the bad field (SamplingParams' own validation).
+    """
+    kwargs: dict[str, Any] = {}
+    for name in _FLOAT_FIELDS:
+        if request.HasField(name):
+            kwargs[name] = float(getattr(request, name))
+    for name in _INT_FIELDS:
+        if request.HasField(name):
+            kwargs[name] = int(getattr(request, name))
+    if request.HasField("ignore_eos"):
+        kwargs["ignore_eos"] = bool(request.ignore_eos)
+    if request.stop:
+        kwargs["stop"] = tuple(request.stop)
+    if request.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(int(t) for t in request.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def _count_tokens(tokenizer: Any, text: str) -> int:
+    try:
+        enc = tokenizer.encode(text)
+        return len(getattr(enc, "ids", enc))
+    except Exception:  # only used for back-pressure accounting: a rough count will do
+        return max(1, len(text.encode("utf-8")) // 4)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    queue: asyncio.Queue
+    pending: bool = True  # admitted, no output yet: what back-pressure counts
+    tokens_seen: int = 0  # tokens already accounted for in the metrics
+    first_timings_sent: bool = False
+    queue_time_observed: bool = False
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class GenerationServer:
+    """One engine behind a gRPC `sarathi.v1.Generation` service, health checking and reflection.
+
+    Use from asyncio (`await start()`, `await wait_stopped()`, `await drain_async()`), or from plain threads
+    (`start_in_thread()`, `drain()`, `stop()`), as the tests and `python -m server` do.
+
+    Back-pressure: a request is refused with RESOURCE_EXHAUSTED when admitting it would leave more than
+    `max_waiting_requests` requests, or more than `max_waiting_prompt_tokens` prompt tokens, waiting, where
+    waiting means admitted but without its first output yet. A lone request is always admitted whatever its
+    prompt length (the engine bounds that with max_model_len).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        engine_config: Any = None,
+        model_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
+        max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+        max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+    ) -> None:
+        self.engine = engine
+        self.engine_config = engine_config if engine_config is not None else getattr(engine, "config", None)
+        self.model_name = model_name or str(getattr(self.engine_config, "model", "") or "unknown")
+        self.host = host
+        self.port = port
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host or host
+        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
+        self.metrics = ServerMetrics(self.model_name)
+        self.worker = EngineWorker(engine, on_stats=self.metrics.update_engine_stats)
+        self._vocab_size = getattr(getattr(engine, "model_config", None), "vocab_size", None)
+        self._active: dict[str, _Request] = {}
+        self._pending_requests = 0
+        self._pending_tokens = 0
+        self._draining = False
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._idle: asyncio.Event | None = None
+        self._stopped: asyncio.Event | None = None
+        self._stop_lock: asyncio.Lock | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Start the engine thread, the gRPC server and the metrics endpoint; SERVING once all are up."""
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopped = asyncio.Event()
+        self._stop_lock = asyncio.Lock()
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServicer_to_server(_Servicer(self), self._grpc)
+        self._health = grpc_health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc,
+        )
+        bound = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise RuntimeError(f"could not bind {self.host}:{self.port}")
+        self.port = bound
+        self.worker.start()
+        await self._grpc.start()
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
+        # The engine compiles and warms up in its constructor, so it is ready as soon as its thread runs.
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s:%d%s", self.model_name, self.host, self.port,
+                 f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "")
+
+    async def wait_stopped(self) -> None:
+        assert self._stopped is not None
+        await self._stopped.wait()
+
+    async def drain_async(self, grace: float | None = None) -> None:
+        """Refuse new requests (UNAVAILABLE, health NOT_SERVING), let running ones finish, then stop.
+
+        After `grace` seconds (None: no limit) requests still running are cancelled.
+        """
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain(grace))
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self, grace: float | None) -> None:
+        await self._begin_shutdown()
+        assert self._idle is not None
+        log.info("draining: %d requests in flight", len(self._active))
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("drain grace over: cancelling %d requests", len(self._active))
+        # A short grace lets an RPC that slipped in meanwhile get its UNAVAILABLE answer instead of a
+        # cancellation; stop() returns as soon as no RPC is left.
+        await self.stop_async(grace=0 if self._active else 1.0)
+
+    async def stop_async(self, grace: float | None = None) -> None:
+        """Stop now: in-flight RPCs get `grace` seconds, then are cancelled; the engine thread ends."""
+        assert self._stop_lock is not None and self._stopped is not None
+        async with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            await self._begin_shutdown()
+            assert self._grpc is not None
+            await self._grpc.stop(grace)
+            await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+            self.metrics.close()
+            self._stopped.set()
+            log.info("server stopped")
+
+    async def _begin_shutdown(self) -> None:
+        self._draining = True
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+
+    # --------------------------------------------------------------------- use from plain (non-async) threads
+    def start_in_thread(self, timeout: float | None = 600.0) -> GenerationServer:
+        """Run the server's event loop in a daemon thread; returns once it is SERVING."""
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start())
+            except BaseException as exc:
+                errors.append(exc)
+                started.set()
+                loop.close()
+                return
+            started.set()
+            try:
+                loop.run_until_complete(self.wait_stopped())
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="sarathi-grpc", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout):
+            raise TimeoutError("server did not start")
+        if errors:
+            raise errors[0]
+        return self
+
+    def _call(self, coro: Any, timeout: float | None) -> Any:
+        assert self._loop is not None, "server not started"
+        if self._loop.is_closed():
+            coro.close()
+            return None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def drain(self, grace: float | None = None, timeout: float | None = None) -> None:
+        """Blocking drain (the SIGTERM path) from another thread; returns once stopped."""
+        self._call(self.drain_async(grace), timeout)
+        self._join(timeout)
+
+    def stop(self, grace: float | None = None, timeout: float | None = None) -> None:
+        self._call(self.stop_async(grace), timeout)
+        self._join(timeout)
+
+    def _join(self, timeout: float | None) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def pause_engine(self) -> None:
+        """Admin / test hook: the engine thread keeps accepting adds and aborts but takes no iterations."""
+        self.worker.pause()
+
+    def resume_engine(self) -> None:
+        self.worker.resume()
+
+    @property
+    def target(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "[::]", "::") else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    # ----------------------------------------------------------------------------------------- requests
+    def _prepare(self, request: pb.GenerateRequest) -> tuple[str, str | list[int], SamplingParams, int]:
+        if self._draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if not self.worker.alive:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must be set (text or token_ids)")
+        prompt: str | list[int]
+        if which == "text":
+            prompt = request.text
+            if not prompt:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            tokenizer = getattr(self.engine, "tokenizer", None)
+            if tokenizer is None:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "prompt: the model has no tokenizer; send token_ids instead of text")
+            num_tokens = _count_tokens(tokenizer, prompt)
+        else:
+            prompt = [int(t) for t in request.token_ids.ids]
+            if not prompt:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            vocab = self._vocab_size
+            for t in prompt:
+                if t < 0 or (vocab is not None and t >= vocab):
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"prompt.token_ids: token id {t} is outside the vocabulary [0, {vocab})")
+            num_tokens = len(prompt)
+        try:
+            params = sampling_params_from_proto(request)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling params: {exc}") from None
+        max_len = getattr(self.engine, "max_model_len", None)
+        if max_len and num_tokens < max_len and num_tokens + params.max_tokens > max_len:
+            # The scheduler would refuse it (finish_reason "error"); say so up front, like vLLM's 400.
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_tokens: prompt ({num_tokens} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{num_tokens + params.max_tokens} exceeds max_model_len ({max_len})")
+        if request.HasField("request_id"):
+            rid = request.request_id
+            if not rid:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty when set")
+            if rid in self._active:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        else:
+            rid = uuid.uuid4().hex
+        return rid, prompt, params, num_tokens
+
+    def _check_capacity(self, num_tokens: int) -> None:
+        if self._pending_requests == 0:
+            return
+        if self.max_waiting_requests is not None and self._pending_requests + 1 > self.max_waiting_requests:
+            self.metrics.request_rejected("waiting_requests")
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server overloaded: {self._pending_requests} requests waiting "
+                f"(limit max_waiting_requests={self.max_waiting_requests}); retry later")
+        if (self.max_waiting_prompt_tokens is not None
+                and self._pending_tokens + num_tokens > self.max_waiting_prompt_tokens):
+            self.metrics.request_rejected("waiting_prompt_tokens")
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server overloaded: {self._pending_tokens} prompt tokens waiting, this request adds {num_tokens} "
+                f"(limit max_waiting_prompt_tokens={self.max_waiting_prompt_tokens}); retry later")
+
+    def _admit(self, request: pb.GenerateRequest) -> _Request:
+        """Validate, apply back-pressure and hand the request to the engine thread. Raises RequestError."""
+        arrival = time.monotonic()
+        try:
+            rid, prompt, params, num_tokens = self._prepare(request)
+            self._check_capacity(num_tokens)
+        except RequestError as exc:
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                self.metrics.request_rejected("invalid_argument")
+            elif exc.code == grpc.StatusCode.UNAVAILABLE:
+                self.metrics.request_rejected("shutting_down")
+            raise
+        loop = self._loop
+        assert loop is not None and self._idle is not None
+        q: asyncio.Queue = asyncio.Queue()
+        state = _Request(rid, arrival, num_tokens, q)
+        self._active[rid] = state
+        self._idle.clear()
+        self._pending_requests += 1
+        self._pending_tokens += num_tokens
+
+        def sink(item: Any, _put=q.put_nowait) -> None:  # engine thread
+            loop.call_soon_threadsafe(_put, item)
+
+        self.worker.submit(rid, prompt, params, arrival, sink)
+        return state
+
+    def _unpend(self, state: _Request) -> None:
+        if state.pending:
+            state.pending = False
+            self._pending_requests -= 1
+            self._pending_tokens -= state.num_prompt_tokens
+
+    def _release(self, state: _Request) -> None:
+        self._unpend(state)
+        if self._active.get(state.request_id) is state:
+            del self._active[state.request_id]
+        if not state.finished:
+            # Cancelled, disconnected or past its deadline (or failed): free its KV blocks in the engine.
+            self.worker.abort(state.request_id)
+            log.debug("request %s ended early: aborted", state.request_id)
+        if not self._active and self._idle is not None:
+            self._idle.set()
+
+    async def _next_output(self, state: _Request) -> Any:
+        """The request's next RequestOutput; raises RequestError for an engine-side error."""
+        item = await state.queue.get()
+        self._unpend(state)
+        if isinstance(item, BaseException):
+            state.finished = True  # nothing left in the engine to abort
+            if isinstance(item, ValueError):
+                self.metrics.request_rejected("invalid_argument")
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if isinstance(item, EngineError):
+                raise RequestError(grpc.StatusCode.INTERNAL if not self._draining else grpc.StatusCode.UNAVAILABLE,
+                                   str(item))
+            raise RequestError(grpc.StatusCode.INTERNAL, f"engine error: {item!r}")
+        self._observe(state, item)
+        if item.finished:
+            state.finished = True
+        return item
+
+    def _observe(self, state: _Request, out: Any) -> None:
+        m = self.metrics
+        rm = out.metrics
+        if not state.queue_time_observed and rm.first_scheduled_time is not None:
+            state.queue_time_observed = True
+            m.queue_time.observe(max(0.0, rm.first_scheduled_time - state.arrival_time))
+        n_new = len(out.new_token_ids)
+        if n_new:
+            count = len(out.token_ids)
+            times = list(rm.token_times[:count])
+            if state.tokens_seen == 0:
+                first = rm.first_token_time if rm.first_token_time is not None else time.monotonic()
+                m.ttft.observe(max(0.0, first - state.arrival_time))
+                m.prompt_tokens.inc(len(out.prompt_token_ids))
+            start = max(state.tokens_seen - 1, 0)
+            for a, b in zip(times[start:], times[start + 1:]):
+                m.itl.observe(max(0.0, b - a))
+            state.tokens_seen = count
+            m.generation_tokens.inc(n_new)
+        if out.finished:
+            end = rm.finished_time if rm.finished_time is not None else time.monotonic()
+            m.e2e.observe(max(0.0, end - state.arrival_time))
+            m.request_finished(out.finish_reason or "stop")
+
+    def _timings(self, state: _Request, out: Any, msg: pb.Timings) -> None:
+        rm = out.metrics
+        if rm.first_scheduled_time is not None:
+            msg.queue_time_s = max(0.0, rm.first_scheduled_time - state.arrival_time)
+        if rm.first_token_time is not None:
+            msg.ttft_s = max(0.0, rm.first_token_time - state.arrival_time)
+        if out.finished:
+            end = rm.finished_time if rm.finished_time is not None else time.monotonic()
+            msg.e2e_s = max(0.0, end - state.arrival_time)
+
+    def _to_response(self, state: _Request, out: Any) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=state.request_id, token_ids=out.new_token_ids,
+                                   text=out.text_delta or "")
+        for lp in out.new_logprobs or ():
+            resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                              top_logprobs=lp.top_logprobs)
+        if (out.new_token_ids and not state.first_timings_sent) or out.finished:
+            state.first_timings_sent = True
+            self._timings(state, out, resp.timings)
+        if out.finished:
+            self._finish_fields(out, resp)
+        return resp
+
+    @staticmethod
+    def _finish_fields(out: Any, resp: pb.GenerateResponse) -> None:
+        resp.finished = True
+        resp.finish_reason = FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        resp.usage.prompt_tokens = len(out.prompt_token_ids)
+        resp.usage.completion_tokens = len(out.token_ids)
+        if out.error:
+            resp.error = out.error
+
+    async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # Writes with context.write() rather than being an async generator, so that a cancellation (client
+        # cancel, disconnect, deadline) always lands inside this coroutine and its `finally` aborts the request.
+        try:
+            state = self._admit(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        try:
+            while True:
+                try:
+                    out = await self._next_output(state)
+                except RequestError as exc:
+                    await context.abort(exc.code, exc.message)
+                await context.write(self._to_response(state, out))
+                if out.finished:
+                    return
+        finally:
+            self._release(state)
+
+    async def complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        try:
+            state = self._admit(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        resp = pb.GenerateResponse(request_id=state.request_id)
+        try:
+            while True:
+                try:
+                    out = await self._next_output(state)
+                except RequestError as exc:
+                    await context.abort(exc.code, exc.message)
+                resp.token_ids.extend(out.new_token_ids)
+                for lp in out.new_logprobs or ():
+                    resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                                      top_logprobs=lp.top_logprobs)
+                if out.finished:
+                    resp.text = out.text or ""
+                    self._timings(state, out, resp.timings)
+                    self._finish_fields(out, resp)
+                    return resp
+        finally:
+            self._release(state)
+
+    def model_info(self) -> pb.ModelInfo:
+        cfg = self.engine_config
+        mc = getattr(self.engine, "model_config", None)
+        arch = ""
+        for name in ("architecture", "arch", "model_type"):
+            value = getattr(mc, name, None)
+            if value:
+                arch = value[0] if isinstance(value, (list, tuple)) else str(value)
+                break
+        if not arch and mc is not None:
+            arch = type(mc).__name__
+        block_size = getattr(cfg, "block_size", None) or getattr(self.engine, "block_size", 0)
+        return pb.ModelInfo(
+            model_name=self.model_name,
+            architecture=arch,
+            max_model_len=int(getattr(self.engine, "max_model_len", 0) or 0),
+            vocab_size=int(getattr(mc, "vocab_size", 0) or 0),
+            scheduler=str(getattr(cfg, "scheduler", "") or ""),
+            token_budget=int(getattr(cfg, "token_budget", 0) or 0),
+            max_num_seqs=int(getattr(cfg, "max_num_seqs", 0) or 0),
+            block_size=int(block_size or 0),
+            has_tokenizer=getattr(self.engine, "tokenizer", None) is not None,
+            dtype=str(getattr(cfg, "dtype", "") or ""),
+            attention_backend=str(getattr(cfg, "attention_backend", "") or ""),
+        )
+
+    async def stats(self, context: grpc.aio.ServicerContext) -> pb.Stats:
+        if not self.worker.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine stopped")
+        s = await asyncio.wrap_future(self.worker.call(lambda engine: engine.stats()))
+        return pb.Stats(
+            num_running=int(s.get("num_running", 0)),
+            num_waiting=int(s.get("num_waiting", 0)),
+            num_free_blocks=int(s.get("num_free_blocks", 0)),
+            num_total_blocks=int(s.get("num_total_blocks", 0)),
+            kv_cache_usage=float(s.get("kv_cache_usage", 0.0)),
+            num_preemptions=int(s.get("num_preemptions", 0)),
+            num_active_requests=len(self._active),
+            num_pending_requests=self._pending_requests,
+            num_pending_prompt_tokens=self._pending_tokens,
+            num_iterations=self.worker.num_iterations,
+            draining=self._draining,
+        )
+
+
+class _Servicer(pb_grpc.GenerationServicer):
+    def __init__(self, server: GenerationServer) -> None:
+        self._server = server
+
+    async def Generate(self, request, context):
+        await self._server.generate(request, context)
+
+    async def Complete(self, request, context):
+        return await self._server.complete(request, context)
+
+    async def GetModelInfo(self, request, context):
+        return self._server.model_info()
+
+    async def GetStats(self, request, context):
+        return await self._server.stats(context)

@@ -1,0 +1,120 @@
+"""Shared test fixtures.
+
+`hf_checkpoint(name) -> Path`: tiny random Hugging Face checkpoints written by `transformers.save_pretrained`
+(float32, fixed torch seed), built once per session on first use. Names (see `HF_CHECKPOINT_SPECS`):
+
+    llama      LlamaForCausalLM, GQA 4:2, untied LM head, saved *sharded* (index.json), with tokenizer.json
+    llama3     LlamaForCausalLM with rope_scaling llama3 (Llama 3.1), tied embeddings
+    llama-mqa  LlamaForCausalLM, MQA (num_key_value_heads=1)
+    mistral    MistralForCausalLM, GQA, sliding_window 4096 < max_position_embeddings
+    qwen2      Qwen2ForCausalLM (q/k/v bias), tied embeddings
+    qwen3      Qwen3ForCausalLM (q/k norm), explicit head_dim != hidden/heads, attention_bias (o bias too)
+
+All have hidden 64, 2 layers, vocab 256. Every weight is re-drawn (biases non-zero, norm weights != 1) so
+that a wrong name or layout mapping cannot hide behind HF's zero/one initialisation.
+torch and transformers are imported inside the fixture: tests that use it fail (not skip) without them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (transformers class name, config kwargs, save_pretrained kwargs, write a tokenizer)
+HF_CHECKPOINT_SPECS: dict[str, tuple[str, dict[str, Any], dict[str, Any], bool]] = {
+    "llama": ("LlamaForCausalLM", dict(tie_word_embeddings=False), dict(max_shard_size="40KB"), True),
+    "llama3": (
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            # original_max_position_embeddings is small so that test positions reach the scaled bands.
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=16),
+        ),
+        {},
+        False,
+    ),
+    "llama-mqa": ("LlamaForCausalLM", dict(num_key_value_heads=1), {}, False),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=4096, max_position_embeddings=8192), {}, False),
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True), {}, False),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32, attention_bias=True, tie_word_embeddings=False), {}, False),
+}
+
+_TOKENIZER_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Sarathi serves large language models with chunked prefills and stall-free batching.",
+    "A paged key value cache stores attention keys and values in fixed size blocks.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Once upon a time there was a tiny model that predicted the next token.",
+]
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A small BPE `tokenizer.json` (ids 0, 1, 2 = <unk>, <s>, </s>; prepends <s> like Llama's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(_TOKENIZER_TEXT, trainer=trainer)
+    assert tokenizer.get_vocab_size() <= vocab_size
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+    }))
+
+
+def _build_hf_checkpoint(name: str, folder: Path, seed: int) -> None:
+    import torch
+    import transformers
+
+    class_name, config_kwargs, save_kwargs, with_tokenizer = HF_CHECKPOINT_SPECS[name]
+    model_class = getattr(transformers, class_name)
+    config = model_class.config_class(**{**_COMMON, **config_kwargs})
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, **save_kwargs)
+    if with_tokenizer:
+        write_tiny_tokenizer(folder, config.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: `hf_checkpoint("qwen2")` -> folder of that tiny checkpoint (built on first request)."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in HF_CHECKPOINT_SPECS:
+            raise KeyError(f"unknown test checkpoint {name!r}; have {sorted(HF_CHECKPOINT_SPECS)}")
+        if name not in built:
+            folder = tmp_path_factory.mktemp(f"hf-{name}")
+            _build_hf_checkpoint(name, folder, seed=sorted(HF_CHECKPOINT_SPECS).index(name))
+            built[name] = folder
+        return built[name]
+
+    return get

@@ -1,0 +1,176 @@
+"""`python -m sarathi_jax.bench` end to end: a fake engine (fast, always), the simulator, and the real engine
+on a tiny model."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+
+import pytest
+from bench_fakes import FakeEngine
+
+from sarathi_jax.bench.__main__ import main
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+def check_outputs(out, labels, capacity=False):
+    files = set(os.listdir(out))
+    for label in labels:
+        assert {f"{label}.json", f"{label}_requests.csv", f"{label}_iterations.csv"} <= files, files
+        doc = json.load(open(out / f"{label}.json"))
+        assert doc["label"] == label and doc["summary"]["num_requests"] == len(doc["requests"])
+        assert doc["iterations"], "iteration records missing"
+        rows = list(csv.DictReader(open(out / f"{label}_requests.csv")))
+        assert len(rows) == len(doc["requests"]) and rows[0]["ttft"] != ""
+    assert {"summary.csv", "summary.json", "tbt_cdf.png", "timeline.png"} <= files
+    assert ("capacity.png" in files) == capacity
+    for f in files:
+        if f.endswith(".png"):
+            assert (out / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = list(csv.DictReader(open(out / "summary.csv")))
+    assert [r["run"] for r in summary] == labels
+    return summary
+
+
+def test_comparison_on_fake_engine(tmp_path, capsys):
+    built = []
+
+    def factory(kwargs):
+        built.append(kwargs)
+        return FakeEngine(base=0.01, per_seq=0.001, per_prefill_token=1e-4 * (kwargs["token_budget"] / 256))
+
+    rc = main(["--scheduler", "sarathi,vllm", "--token-budget", "256,512", "--num-requests", "30", "--qps", "20",
+               "--prompt-len", "uniform:8:64", "--output-len", "10", "--slo-ttft", "0.1", "--slo-tbt", "0.05",
+               "--out", str(tmp_path), "--quiet"], engine_factory=factory)
+    assert rc == 0
+    assert [(k["scheduler"], k["token_budget"]) for k in built] == [("sarathi", 256), ("sarathi", 512), ("vllm", 512)]
+    assert built[0]["max_num_seqs"] == 32 and built[0]["max_model_len"] == 1024
+    out = capsys.readouterr().out
+    for needle in ("P50 TTFT", "P99 TBT", "req/s", "out tok/s", "preempt", "stalls", "goodput", "sarathi-256", "vllm"):
+        assert needle in out, out
+    summary = check_outputs(tmp_path, ["sarathi-256", "sarathi-512", "vllm"])
+    assert all(r["num_completed"] == "30" for r in summary)
+
+
+def test_trace_capacity_and_slo_multiple_on_fake_engine(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{40 + i},{400 + i}\n" for i in range(50)))
+    out = tmp_path / "out"
+    rc = main(["--trace", str(trace), "--sample", "40", "--length-scale", "0.1", "--capacity", "--slo-tbt-multiple",
+               "2", "--capacity-probes", "6", "--out", str(out), "--quiet"],
+              engine_factory=lambda kw: FakeEngine(base=0.01, per_seq=0.0005))
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "capacity" in text and "TBT SLO: 28.0 ms (2x decode-only iteration 14.0 ms)" in text
+    check_outputs(out, ["sarathi-256"], capacity=True)
+    doc = json.load(open(out / "sarathi-256.json"))
+    assert doc["workload"]["length_scale"] == 0.1 and doc["workload"]["prompt_len_max"] == 9  # round(89 * 0.1)
+    cap = doc["capacity"]
+    assert cap["capacity_qps"] > 0 and 1 <= len(cap["probes"]) <= 6
+    assert doc["summary"]["tbt"]["p99"] <= cap["slo_tbt"]
+
+
+def test_offline_clipping_and_rate_scale(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,100,10\n1,2000,100\n2,30,3\n")
+    rc = main(["--trace", str(trace), "--rate-scale", "2", "--max-model-len", "200", "--quiet"],
+              engine_factory=lambda kw: FakeEngine(max_model_len=kw["max_model_len"]))
+    assert rc == 0
+    assert "3/3" in capsys.readouterr().out
+    rc = main(["--offline", "--num-requests", "5", "--prompt-len", "16", "--output-len", "4", "--quiet"],
+              engine_factory=lambda kw: FakeEngine())
+    assert rc == 0 and "offline" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trace", "/nonexistent.csv"], "trace file not found"),
+        (["--capacity"], "--capacity needs a TBT SLO"),
+        (["--capacity", "--slo-tbt", "1", "--offline"], "drop --offline"),
+        (["--scheduler", "sarathi,nope"], "unknown policy 'nope'"),
+        (["--token-budget", "abc"], "--token-budget"),
+        (["--prompt-len", "uniform:5"], "bad length spec"),
+        (["--sample", "3"], "--sample needs --trace"),
+    ],
+)
+def test_usage_errors(argv, message, capsys):
+    rc = main(argv + ["--quiet"], engine_factory=lambda kw: FakeEngine())
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err, err
+
+
+def test_bad_trace_file_message(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("num_prefill_tokens,num_decode_tokens\n10,x\n")
+    assert main(["--trace", str(bad), "--qps", "1", "--quiet"], engine_factory=lambda kw: FakeEngine()) == 2
+    assert "row 2, column 'num_decode_tokens': expected a number, got 'x'" in capsys.readouterr().err
+
+
+def test_endpoint_hook(tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    from sarathi_jax.bench.driver import run_workload
+
+    calls = []
+
+    def run_bench_workload(target, workload, prompts, *, temperature, progress):
+        calls.append((target, len(workload), temperature))
+        result = run_workload(FakeEngine(vocab_size=32000), workload, prompts, label=target)
+        result.iterations = []  # a client sees no iterations
+        return result
+
+    fake = types.ModuleType("server.loadgen")
+    fake.run_bench_workload = run_bench_workload
+    monkeypatch.setitem(sys.modules, "server.loadgen", fake)
+    rc = main(["--endpoint", "h:1", "--num-requests", "5", "--prompt-len", "8", "--output-len", "3",
+               "--out", str(tmp_path), "--quiet"])
+    assert rc == 0 and calls == [("h:1", 5, 0.0)]
+    assert "5/5" in capsys.readouterr().out
+    assert {"h_1.json", "summary.csv", "tbt_cdf.png"} <= set(os.listdir(tmp_path))
+
+    def broken(*a, **k):
+        raise ConnectionError("refused")
+
+    fake.run_bench_workload = broken
+    assert main(["--endpoint", "h:1", "--num-requests", "2", "--quiet"]) == 2
+    assert "--endpoint h:1: ConnectionError: refused" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "server.loadgen", None)  # import fails
+    assert main(["--endpoint", "h:1", "--num-requests", "2", "--quiet"]) == 2
+    assert "server/loadgen.py" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not has_module("sarathi_jax.simulator"), reason="simulator not available")
+def test_simulate_comparison(tmp_path, capsys):
+    rc = main(["--simulate", "--scheduler", "sarathi,vllm", "--token-budget", "256", "--num-requests", "40",
+               "--qps", "4", "--prompt-len", "uniform:64:900", "--output-len", "uniform:8:64", "--out", str(tmp_path),
+               "--quiet"])
+    assert rc == 0
+    assert "virtual time" in capsys.readouterr().out
+    summary = check_outputs(tmp_path, ["sarathi-256", "vllm"])
+    assert all(r["num_completed"] == "40" for r in summary)
+
+
+@pytest.mark.skipif(not has_module("sarathi_jax.engine"), reason="engine not available")
+def test_real_engine_tiny_model(tmp_path, capsys):
+    # The smallest real run: tiny-llama (random weights), two compiled buckets (16, 32), four short requests.
+    rc = main(["--model", "tiny-llama", "--scheduler", "sarathi", "--token-budget", "32", "--max-num-seqs", "4",
+               "--max-model-len", "64", "--num-blocks", "32", "--num-requests", "4", "--qps", "20",
+               "--prompt-len", "uniform:8:40", "--output-len", "4", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    summary = check_outputs(tmp_path, ["sarathi-32"])
+    assert summary[0]["num_completed"] == "4"
+    doc = json.load(open(tmp_path / "sarathi-32.json"))
+    assert doc["config"]["engine"] == "LLMEngine"
+    assert all(r["num_output_tokens"] == 4 and r["finish_reason"] == "length" for r in doc["requests"])
+    assert all(len(r["token_times"]) == 4 and r["ttft"] > 0 for r in doc["requests"])

@@ -1,0 +1,159 @@
+"""Every policy on random traces: limits, stall-freedom (sarathi), FCFS, completion, block conservation,
+rejection and the pipeline-parallel rule (checked on every batch by the harness)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sarathi_jax.scheduler import SCHEDULER_POLICIES, SchedulerConfig
+from sarathi_jax.scheduler.config import WHOLE_PROMPT_POLICIES
+from scheduler_harness import Req, run_trace
+
+MAX_MODEL_LEN = 192
+
+
+@st.composite
+def scenarios(draw, policy: str):
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    max_num_seqs = draw(st.integers(1, 8))
+    token_budget = draw(st.sampled_from([8, 16, 32, 64]))
+    token_budget = max(token_budget, max_num_seqs)
+    mnbt = None
+    if policy in WHOLE_PROMPT_POLICIES:
+        mnbt = draw(st.sampled_from([None, MAX_MODEL_LEN, 2 * MAX_MODEL_LEN]))
+    tile = draw(st.sampled_from([None, 4, 16])) if policy == "sarathi" else None
+    cfg = SchedulerConfig(
+        policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=mnbt, tile_size=tile, watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
+    )
+    # From "barely one request" to "plenty": small caches force preemptions (and some rejections).
+    low, tight, high = (-(-n // block_size) for n in (64, 2 * MAX_MODEL_LEN, 4 * MAX_MODEL_LEN))
+    num_blocks = draw(st.one_of(st.integers(low, tight), st.integers(low, high)))
+    arrivals = draw(st.lists(st.integers(0, 30), min_size=1, max_size=12))
+    reqs = [
+        Req(a, draw(st.integers(1, 120)), draw(st.integers(1, 60)))
+        for a in sorted(arrivals)
+    ]
+    pp_depth = draw(st.sampled_from([1, 1, 2]))
+    return cfg, num_blocks, block_size, reqs, pp_depth
+
+
+def _check_run(cfg, num_blocks, block_size, reqs, pp_depth):
+    res = run_trace(cfg, num_blocks, block_size, reqs, pp_depth=pp_depth)
+    usable = num_blocks - max(int(cfg.watermark * num_blocks), 0)
+    for seq, req in zip(res.seqs, reqs):
+        total = req.prompt_len + req.max_tokens
+        fits = total <= MAX_MODEL_LEN and -(-total // block_size) <= usable
+        if fits:
+            assert seq.finish_reason == "length", seq
+            assert seq.num_output_tokens == req.max_tokens
+        else:  # rejected at once (in the first batch after it arrived), with a reason, never run
+            assert seq.finish_reason == "error" and seq.error, seq
+            assert res.rejected_at[seq.seq_id] == req.arrival_step
+            assert seq.seq_id not in res.first_scheduled
+    # FCFS: first scheduled steps follow arrival order (preemption only re-queues already-started ones).
+    started = [res.first_scheduled[s.seq_id] for s in res.seqs if s.seq_id in res.first_scheduled]
+    assert started == sorted(started), started
+    return res
+
+
+@pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_traces(policy, data):
+    _check_run(*data.draw(scenarios(policy)))
+
+
+@pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
+def test_memory_pressure_preempts_and_still_finishes(policy):
+    # 8 requests of 60 + 60 tokens, room for ~2.5 of them: decodes outgrow memory.
+    cfg = SchedulerConfig(policy=policy, token_budget=64, max_num_seqs=8, max_model_len=128, watermark=0.0)
+    reqs = [Req(0, 60, 60) for _ in range(8)]
+    res = _check_run(cfg, 20, 16, reqs, 1)
+    if policy in ("orca", "faster_transformer"):
+        assert res.num_preemptions == 0  # they reserve prompt + max_tokens at admission
+    else:
+        assert res.num_preemptions > 0
+        assert sum(s.metrics.num_preemptions for s in res.seqs) == res.num_preemptions
+    assert all(s.num_output_tokens == 60 for s in res.seqs)
+
+
+@pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
+def test_pipeline_rule_two_outputs_in_flight(policy):
+    cfg = SchedulerConfig(policy=policy, token_budget=32, max_num_seqs=4, max_model_len=128)
+    reqs = [Req(i, 20 + 7 * i, 10) for i in range(6)]
+    res = _check_run(cfg, 64, 4, reqs, 2)
+    # The harness asserts no sequence is in two in-flight outputs; check that overlap was actually exercised.
+    assert any(len(o.chunks) for o in res.outputs[1:])
+
+
+def test_sarathi_chunks_long_prompt_and_piggybacks_decodes():
+    cfg = SchedulerConfig(policy="sarathi", token_budget=32, max_num_seqs=4, max_model_len=256)
+    res = _check_run(cfg, 100, 4, [Req(0, 10, 30), Req(2, 150, 5)], 1)
+    hybrid = [o for o in res.outputs if o.num_prefill_tokens and o.num_decode_tokens]
+    assert hybrid, "the long prompt's chunks should share batches with the first request's decodes"
+    assert max(o.num_batched_tokens for o in res.outputs) == 32
+    long_chunks = [c.num_new_tokens for o in res.outputs for c in o.chunks if c.seq.seq_id == "s1" and not c.is_decode]
+    assert sum(long_chunks) == 150 and len(long_chunks) > 1
+
+
+def test_sarathi_tile_alignment():
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, max_model_len=256, tile_size=16)
+    reqs = [Req(i, 37 + 11 * i, 9) for i in range(6)]
+    res = _check_run(cfg, 200, 4, reqs, 1)
+    for out in res.outputs:
+        excess = out.num_batched_tokens % 16
+        prefills = [c for c in out.chunks if not c.is_decode]
+        if excess and prefills:
+            assert prefills[-1].num_new_tokens <= excess  # shrinking it would have made it 0
+    assert any(o.num_batched_tokens == 64 for o in res.outputs)
+
+
+def test_vllm_batches_are_prefill_only_or_decode_only_and_prefill_first():
+    cfg = SchedulerConfig(policy="vllm", token_budget=64, max_num_seqs=4, max_model_len=256)
+    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(3, 50, 5)], 1)
+    # Step 3: s1 arrives while s0 decodes; vLLM runs s1's whole prompt alone, stalling s0.
+    out = res.outputs[3]
+    assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("s1", 50)]
+
+
+def test_orca_hybrid_whole_prompts_with_decodes():
+    cfg = SchedulerConfig(policy="orca", token_budget=64, max_num_seqs=4, max_model_len=256)
+    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(3, 50, 5)], 1)
+    out = res.outputs[3]
+    assert {(c.seq.seq_id, c.num_new_tokens, c.is_decode) for c in out.chunks} == {("s0", 1, True), ("s1", 50, False)}
+    # Reservation at admission: s0 holds blocks for prompt + max_tokens from its first step.
+    assert len(res.outputs[0].chunks[0].seq.block_table) == 0  # freed at the end
+    assert res.num_preemptions == 0
+
+
+def test_faster_transformer_waits_for_the_whole_batch():
+    cfg = SchedulerConfig(policy="faster_transformer", token_budget=64, max_num_seqs=4, max_model_len=256)
+    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(0, 10, 3), Req(2, 30, 2)], 1)
+    # s2 arrives at step 2 but is admitted only after s0 (10 tokens) and s1 finished.
+    assert res.first_scheduled["s2"] > res.first_scheduled["s0"] + 9
+
+
+def test_simple_chunking_alternates():
+    cfg = SchedulerConfig(policy="simple_chunking", token_budget=16, max_num_seqs=4, max_model_len=256)
+    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(1, 100, 3)], 1)
+    kinds = ["P" if o.num_prefill_tokens else "D" for o in res.outputs if not o.is_empty]
+    assert "PDPD" in "".join(kinds)
+
+
+def test_chunked_prefills_only_prioritizes_prefill_chunks():
+    cfg = SchedulerConfig(policy="chunked_prefills_only", token_budget=16, max_num_seqs=4, max_model_len=256)
+    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(2, 100, 3)], 1)
+    kinds = "".join("P" if o.num_prefill_tokens else "D" for o in res.outputs if not o.is_empty)
+    assert "P" * 7 in kinds  # s1's 100-token prompt: 7 consecutive chunk batches, s0's decodes wait
+
+
+def test_hybrid_batching_only_runs_an_over_budget_prompt_alone():
+    cfg = SchedulerConfig(policy="hybrid_batching_only", token_budget=32, max_num_seqs=4, max_model_len=256)
+    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(2, 20, 3), Req(4, 100, 3)], 1)
+    alone = [o for o in res.outputs if o.num_batched_tokens > 32]
+    assert len(alone) == 1 and [(c.seq.seq_id, c.num_new_tokens) for c in alone[0].chunks] == [("s2", 100)]
+    hybrid = res.outputs[2]  # s1's whole prompt rides along with s0's decode
+    assert {(c.seq.seq_id, c.num_new_tokens) for c in hybrid.chunks} == {("s0", 1), ("s1", 20)}

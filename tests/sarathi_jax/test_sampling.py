@@ -1,0 +1,411 @@
+"""Device sampler: greedy exactness, truncation masks, distributions, seeding, logprobs, banned ids."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sarathi_jax.sampling import (
+    MAX_BANNED,
+    SamplerOutput,
+    make_sampling_arrays,
+    sample,
+    seed_to_key_data,
+)
+from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# A few fixed shapes so that the whole file compiles `sample` only a handful of times.
+S, V = 16, 64
+WIDE_V = 300  # > the sampler's 128 top-k candidates, not a multiple of its 128-token CDF blocks
+N_DIST = 2048  # rows (= samples) for the distribution tests
+
+_sample = jax.jit(sample)
+
+
+def run(logits: np.ndarray, rows: list, max_num_seqs: int | None = None) -> SamplerOutput:
+    logits = np.asarray(logits, np.float32)
+    arrays = make_sampling_arrays(rows, max_num_seqs or logits.shape[0])
+    return jax.tree.map(np.asarray, _sample(jnp.asarray(logits), arrays))
+
+
+def row(seed: int = 0, step: int = 0, banned: tuple[int, ...] = (), **params) -> tuple:
+    return (SamplingParams(**params), seed, step, banned)
+
+
+def softmax64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def chi_square_ok(samples: np.ndarray, probs: np.ndarray) -> tuple[bool, float, float]:
+    """Pearson chi-square of sample counts vs probs; bins with expected < 5 are merged. ~5 sigma bound."""
+    n = len(samples)
+    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    # Any sample in a zero-probability bin is an outright failure.
+    if counts[expected == 0].sum() > 0:
+        return False, np.inf, 0.0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = max(int(keep.sum()) - 1, 1)
+    bound = dof + 5 * np.sqrt(2 * dof) + 10
+    return stat < bound, stat, bound
+
+
+def random_logits(rng: np.random.Generator, shape: tuple[int, int], scale: float = 2.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------- greedy
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.booleans())
+def test_greedy_is_numpy_argmax(seed: int, with_ties: bool) -> None:
+    rng = np.random.default_rng(seed)
+    # Small integer logits make ties common: the first index must win, as in np.argmax.
+    logits = rng.integers(-3, 3, (S, V)).astype(np.float32) if with_ties else random_logits(rng, (S, V))
+    out = run(logits, [row(temperature=0.0) for _ in range(S)])
+    np.testing.assert_array_equal(out.token_ids, np.argmax(logits, axis=-1))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0.05, 5.0))
+def test_truncations_that_keep_one_token_equal_greedy(seed: int, temperature: float) -> None:
+    rng = np.random.default_rng(seed)
+    logits = random_logits(rng, (S, V))
+    kinds = [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0), dict(temperature=1e-6)]
+    rows = [row(seed=i, step=i, **{"temperature": temperature, **kinds[i % len(kinds)]}) for i in range(S)]
+    out = run(logits, rows)
+    np.testing.assert_array_equal(out.token_ids, np.argmax(logits, axis=-1))
+
+
+def test_padding_rows_and_empty_batch() -> None:
+    logits = random_logits(np.random.default_rng(0), (S, V))
+    out = run(logits, [row(temperature=0.0)])  # one real row, S - 1 padding rows
+    assert out.token_ids.shape == (S,) and out.token_ids.dtype == np.int32
+    assert out.token_ids[0] == np.argmax(logits[0])
+    assert ((out.token_ids >= 0) & (out.token_ids < V)).all()
+    empty = run(logits, [])
+    assert ((empty.token_ids >= 0) & (empty.token_ids < V)).all()
+
+
+# ----------------------------------------------------------------------------------------------- seeding
+
+
+@pytest.mark.parametrize("v", [V, WIDE_V])
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**64 - 1),
+    step=st.integers(0, 10_000),
+    position=st.integers(1, S - 1),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
+    top_k=st.sampled_from([0, 1, 5, 200, 10_000]),
+    top_p=st.sampled_from([1.0, 0.99, 0.9, 0.3]),
+    min_p=st.sampled_from([0.0, 0.05]),
+    others=st.integers(0, 2**32 - 1),
+)
+def test_seeded_row_is_independent_of_batch_and_position(
+    v: int, seed: int, step: int, position: int, temperature: float, top_k: int, top_p: float, min_p: float,
+    others: int,
+) -> None:
+    """Same logits, same seed and step -> same token, alone or in a busy batch whose rows take other paths
+    (greedy, banned ids, top-k / top-p fast path or bisection, logprobs)."""
+    rng = np.random.default_rng(others)
+    mine = random_logits(rng, (1, v), scale=float(rng.choice([0.3, 2.0])))[0]
+    target = row(seed=seed, step=step, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+    alone_logits = np.zeros((S, v), np.float32)
+    alone_logits[0] = mine
+    alone = run(alone_logits, [target])  # row 0, the rest padding
+
+    busy_logits = random_logits(rng, (S, v), scale=0.3)
+    busy_logits[position] = mine
+    choices = [
+        dict(temperature=0.0),
+        dict(temperature=1.0, top_k=3),
+        dict(temperature=0.7, top_p=0.5),
+        dict(temperature=1.3, min_p=0.2, logprobs=5),
+        dict(temperature=1.0, top_k=10, top_p=0.8),
+        dict(temperature=1.0, top_k=250, top_p=0.99),
+    ]
+    busy_rows = [
+        row(seed=int(rng.integers(2**31)), step=int(rng.integers(100)),
+            banned=tuple(int(t) for t in rng.choice(v, 3, replace=False)), **choices[i % len(choices)])
+        for i in range(S)
+    ]
+    busy_rows[position] = target
+    busy = run(busy_logits, busy_rows)
+    assert busy.token_ids[position] == alone.token_ids[0]
+    assert busy.logprobs[position] == alone.logprobs[0]
+
+
+def test_seed_and_step_drive_the_randomness() -> None:
+    logits = np.zeros((S, V), np.float32)  # uniform distribution
+    same = run(logits, [row(seed=7, step=3) for _ in range(S)])
+    assert len(set(same.token_ids.tolist())) == 1  # same seed and step -> same token in every row
+    steps = run(logits, [row(seed=7, step=i) for i in range(S)])
+    seeds = run(logits, [row(seed=1000 + i, step=3) for i in range(S)])
+    assert len(set(steps.token_ids.tolist())) > S // 2
+    assert len(set(seeds.token_ids.tolist())) > S // 2
+
+
+def test_seed_key_data_matches_prng_key() -> None:
+    for seed in (0, 1, 12345, 2**32 - 1):
+        assert seed_to_key_data(seed) == tuple(int(x) for x in jax.random.key_data(jax.random.PRNGKey(seed)))
+    assert seed_to_key_data(2**40 + 5) == (2**8, 5)
+    assert seed_to_key_data(2**64 + 5) == seed_to_key_data(5)  # reduced modulo 2**64
+
+
+# ----------------------------------------------------------------------------------------------- distributions
+
+
+def test_temperature_one_matches_softmax() -> None:
+    logits_row = random_logits(np.random.default_rng(1), (1, V), scale=1.5)[0]
+    logits = np.tile(logits_row, (N_DIST, 1))
+    out = run(logits, [row(seed=i, step=17) for i in range(N_DIST)])
+    ok, stat, bound = chi_square_ok(out.token_ids, softmax64(logits_row))
+    assert ok, (stat, bound)
+
+
+def test_temperature_scales_the_distribution() -> None:
+    logits_row = random_logits(np.random.default_rng(2), (1, V), scale=0.7)[0]
+    logits = np.tile(logits_row, (N_DIST, 1))
+    out = run(logits, [row(seed=i, temperature=0.5) for i in range(N_DIST)])
+    ok, stat, bound = chi_square_ok(out.token_ids, softmax64(logits_row / 0.5))
+    assert ok, (stat, bound)
+
+
+def test_distribution_over_many_cdf_blocks() -> None:
+    # V not a multiple of the 128-token CDF block, mass spread over every block.
+    v = WIDE_V
+    logits_row = random_logits(np.random.default_rng(3), (1, v), scale=0.5)[0]
+    logits_row[[5, 130, 299]] += 3.0
+    logits = np.tile(logits_row, (N_DIST, 1))
+    out = run(logits, [row(seed=i) for i in range(N_DIST)])
+    ok, stat, bound = chi_square_ok(out.token_ids, softmax64(logits_row))
+    assert ok, (stat, bound)
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_top_k_never_leaves_the_top_k(k: int) -> None:
+    logits_row = random_logits(np.random.default_rng(4 + k), (1, V))[0]
+    logits = np.tile(logits_row, (N_DIST, 1))
+    out = run(logits, [row(seed=i, top_k=k) for i in range(N_DIST)])
+    top = np.argsort(-logits_row)[:k]
+    assert set(out.token_ids.tolist()) <= set(top.tolist())
+    expected = np.zeros(V)
+    expected[top] = softmax64(logits_row[top])
+    ok, stat, bound = chi_square_ok(out.token_ids, expected)
+    assert ok, (stat, bound)
+
+
+def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    order = np.argsort(-probs, kind="stable")
+    before = np.cumsum(probs[order]) - probs[order]
+    return order[before < top_p]
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.6, 0.9])
+def test_top_p_never_leaves_the_nucleus(quantile: float) -> None:
+    rng = np.random.default_rng(int(quantile * 100))
+    logits_row = random_logits(rng, (1, V))[0]
+    probs = softmax64(logits_row)
+    cum = np.cumsum(np.sort(probs)[::-1])
+    # top_p midway between two cumulative sums: the nucleus is unambiguous despite float32 rounding.
+    i = int(np.searchsorted(cum, quantile))
+    top_p = float((cum[i] + cum[i - 1]) / 2) if i > 0 else float(cum[0] / 2)
+    keep = nucleus(probs, top_p)
+    assert 1 <= len(keep) < V
+    logits = np.tile(logits_row, (N_DIST, 1))
+    out = run(logits, [row(seed=i, top_p=top_p) for i in range(N_DIST)])
+    assert set(out.token_ids.tolist()) <= set(keep.tolist())
+    expected = np.zeros(V)
+    expected[keep] = probs[keep] / probs[keep].sum()
+    ok, stat, bound = chi_square_ok(out.token_ids, expected)
+    assert ok, (stat, bound)
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution_then_min_p() -> None:
+    rng = np.random.default_rng(11)
+    logits_row = random_logits(rng, (1, V))[0]
+    k, temperature = 12, 0.8
+    scaled = logits_row / temperature
+    top = np.argsort(-scaled)[:k]
+    probs_k = np.zeros(V)
+    probs_k[top] = softmax64(scaled[top])
+    cum = np.cumsum(np.sort(probs_k)[::-1])
+    top_p = float((cum[3] + cum[4]) / 2)  # nucleus = 5 tokens of the top-k distribution
+    keep = nucleus(probs_k, top_p)
+    assert len(keep) == 5
+    min_p = float(probs_k[keep].min() / probs_k.max()) * 1.01  # drops the nucleus' least likely token
+    keep = keep[probs_k[keep] >= min_p * probs_k.max()]
+    assert len(keep) == 4
+    logits = np.tile(logits_row, (N_DIST, 1))
+    rows = [row(seed=i, temperature=temperature, top_k=k, top_p=top_p, min_p=min_p) for i in range(N_DIST)]
+    out = run(logits, rows)
+    assert set(out.token_ids.tolist()) <= set(keep.tolist())
+    expected = np.zeros(V)
+    expected[keep] = probs_k[keep] / probs_k[keep].sum()
+    ok, stat, bound = chi_square_ok(out.token_ids, expected)
+    assert ok, (stat, bound)
+
+
+@pytest.mark.parametrize("v", [V, WIDE_V])
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_truncation_masks_hold_row_by_row(v: int, seed: int) -> None:
+    """Mixed batch, each row its own settings: a sampled token always lies inside the row's allowed set.
+
+    With v = WIDE_V some rows have k or a nucleus beyond the 128 top_k candidates (the bisection path)."""
+    rng = np.random.default_rng(seed)
+    logits = random_logits(rng, (S, v), scale=float(rng.choice([0.3, 3.0])))
+    rows, allowed = [], []
+    for i in range(S):
+        k = int(rng.choice([0, 1, 4, 20, 150, 250]))
+        top_p = float(rng.choice([1.0, 0.99, 0.95, 0.5]))
+        min_p = float(rng.choice([0.0, 0.0, 0.1]))
+        temperature = float(rng.choice([0.5, 1.0, 1.5]))
+        rows.append(row(seed=int(rng.integers(2**31)), temperature=temperature, top_k=k, top_p=top_p, min_p=min_p))
+        scaled = logits[i].astype(np.float64) / temperature
+        probs = softmax64(scaled)
+        if k:
+            cut = np.sort(scaled)[::-1][min(k, v) - 1]
+            probs = np.where(scaled >= cut, probs, 0.0)
+            probs /= probs.sum()
+        ok = set(nucleus(probs, top_p * (1 + 1e-4)).tolist())  # slack for float32 rounding at the boundary
+        ok &= set(np.nonzero(probs >= min_p * probs.max() * (1 - 1e-4))[0].tolist())
+        allowed.append(ok)
+    out = run(logits, rows)
+    for i in range(S):
+        assert int(out.token_ids[i]) in allowed[i], (i, rows[i][0])
+
+
+@pytest.mark.parametrize("k, top_p", [(200, 1.0), (0, "wide"), (250, "wide")])
+def test_bisection_paths_match_the_distribution(k: int, top_p: float | str) -> None:
+    """k > 128 and nuclei wider than 128 tokens take the exact bisection instead of the top_k candidates."""
+    rng = np.random.default_rng(k)
+    logits_row = random_logits(rng, (1, WIDE_V), scale=0.3)[0]
+    probs = softmax64(logits_row)
+    if k:
+        top = np.argsort(-logits_row)[:k]
+        probs = np.zeros(WIDE_V)
+        probs[top] = softmax64(logits_row[top])
+    keep = np.nonzero(probs)[0]
+    if top_p == "wide":
+        cum = np.cumsum(np.sort(probs)[::-1])
+        top_p = float((cum[179] + cum[180]) / 2)  # nucleus of 181 tokens > 128 candidates
+        keep = nucleus(probs, top_p)
+        assert len(keep) == 181
+    logits = np.tile(logits_row, (N_DIST, 1))
+    out = run(logits, [row(seed=i, top_k=k, top_p=top_p) for i in range(N_DIST)])
+    assert set(out.token_ids.tolist()) <= set(keep.tolist())
+    expected = np.zeros(WIDE_V)
+    expected[keep] = probs[keep] / probs[keep].sum()
+    ok, stat, bound = chi_square_ok(out.token_ids, expected)
+    assert ok, (stat, bound)
+
+
+# ----------------------------------------------------------------------------------------------- banned ids
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_banned_ids_are_never_sampled(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    logits = random_logits(rng, (S, V), scale=4.0)
+    rows, banned_sets = [], []
+    for i in range(S):
+        # Ban the most likely tokens (so a banned token is always the argmax) plus a few random ones.
+        order = np.argsort(-logits[i])
+        n_top = int(rng.integers(1, 4))
+        extra = rng.choice(V, int(rng.integers(0, MAX_BANNED - n_top + 1)), replace=True)
+        banned = tuple(int(t) for t in np.concatenate([order[:n_top], extra]))
+        banned_sets.append(set(banned))
+        temperature = 0.0 if i % 2 == 0 else float(rng.choice([0.2, 1.0]))
+        rows.append(row(seed=i, banned=banned, temperature=temperature, top_k=int(rng.choice([0, 2]))))
+    out = run(logits, rows)
+    for i in range(S):
+        assert int(out.token_ids[i]) not in banned_sets[i]
+        if i % 2 == 0:  # greedy: argmax of the logits with the banned ids removed
+            masked = logits[i].copy()
+            masked[list(banned_sets[i])] = -np.inf
+            assert out.token_ids[i] == np.argmax(masked)
+
+
+def test_banned_ids_never_sampled_over_many_draws() -> None:
+    logits_row = random_logits(np.random.default_rng(5), (1, V))[0]
+    banned = tuple(int(t) for t in np.argsort(-logits_row)[:MAX_BANNED])
+    logits = np.tile(logits_row, (N_DIST, 1))
+    out = run(logits, [row(seed=i, banned=banned) for i in range(N_DIST)])
+    assert not set(out.token_ids.tolist()) & set(banned)
+    expected = softmax64(logits_row)
+    expected[list(banned)] = 0
+    ok, stat, bound = chi_square_ok(out.token_ids, expected / expected.sum())
+    assert ok, (stat, bound)
+
+
+def test_all_tokens_banned_still_returns_a_valid_id() -> None:
+    logits = random_logits(np.random.default_rng(6), (4, 8))
+    everything = tuple(range(8))
+    out = run(logits, [row(banned=everything), row(banned=everything, temperature=0.0)])
+    assert ((out.token_ids >= 0) & (out.token_ids < 8)).all()
+
+
+def test_builder_limits() -> None:
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        make_sampling_arrays([row(banned=tuple(range(MAX_BANNED + 1)))], S)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        make_sampling_arrays([row()] * (S + 1), S)
+    arrays = make_sampling_arrays([row(temperature=0.5, top_k=-1, banned=(3, 4), logprobs=2, seed=9)], 4)
+    assert arrays.temperature.tolist() == [0.5, -1.0, -1.0, -1.0]  # padding rows are marked < 0
+    assert arrays.top_k[0] == 0  # -1 normalised to "off"
+    assert arrays.banned_token_ids[0].tolist() == [3, 4] + [-1] * (MAX_BANNED - 2)
+    assert arrays.num_logprobs.tolist() == [2, 0, 0, 0]
+
+
+# ----------------------------------------------------------------------------------------------- logprobs
+
+
+def log_softmax64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_logprobs_match_float64_log_softmax(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    logits = random_logits(rng, (S, V), scale=5.0)
+    # Temperature, masks and banned ids change the sampling, never the reported logprobs.
+    rows = [
+        row(seed=i, logprobs=MAX_LOGPROBS, temperature=float(rng.choice([0.0, 0.5, 2.0])), top_k=int(rng.choice([0, 3])),
+            banned=(int(np.argmax(logits[i])),) if i % 3 == 0 else ())
+        for i in range(S)
+    ]
+    out = run(logits, rows)
+    ref = log_softmax64(logits)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(S), out.token_ids], rtol=1e-5, atol=1e-5)
+    assert out.top_token_ids.shape == (S, MAX_LOGPROBS) and out.top_logprobs.shape == (S, MAX_LOGPROBS)
+    for i in range(S):
+        assert (np.diff(out.top_logprobs[i]) <= 0).all()  # most likely first
+        np.testing.assert_array_equal(out.top_token_ids[i], np.argsort(-ref[i], kind="stable")[:MAX_LOGPROBS])
+        np.testing.assert_allclose(out.top_logprobs[i], ref[i, out.top_token_ids[i]], rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_vocab_pads_top_logprobs() -> None:
+    logits = random_logits(np.random.default_rng(7), (4, 8))
+    out = run(logits, [row(temperature=0.0, logprobs=MAX_LOGPROBS)])
+    assert out.top_token_ids.shape == (4, MAX_LOGPROBS)
+    np.testing.assert_array_equal(out.top_token_ids[0, :8], np.argsort(-logits[0], kind="stable"))
+    assert np.isneginf(out.top_logprobs[0, 8:]).all()
+    np.testing.assert_allclose(np.exp(out.top_logprobs[0, :8]).sum(), 1.0, rtol=1e-5)

@@ -1,0 +1,141 @@
+"""Draining (the SIGTERM path): no new requests, in-flight streams complete, then the server exits.
+
+In-process through `GenerationServer.drain()`, and end to end with `python -m server` and a real SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from grpc_test_utils import ENGINE_KW, wait_until
+from server.client import finish_reason_name, make_request
+from server.proto.sarathi.v1 import generation_pb2 as pb
+from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+from server.service import GenerationServer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _health(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_drain_lets_in_flight_streams_complete(llama_engine):
+    engine, config = llama_engine
+    server = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0).start_in_thread()
+    target = server.target
+    n_streams, max_tokens = 5, 40
+    try:
+        assert _health(target) == health_pb2.HealthCheckResponse.SERVING
+
+        async def drive():
+            async with grpc.aio.insecure_channel(target) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                calls = [stub.Generate(make_request([10 + i, 11, 12], max_tokens=max_tokens, temperature=0.0,
+                                                    ignore_eos=True), timeout=60) for i in range(n_streams)]
+                firsts = [await c.read() for c in calls]  # every stream is running
+                server.pause_engine()  # hold them mid-generation while the drain starts
+                loop = asyncio.get_running_loop()
+                drain = loop.run_in_executor(None, lambda: server.drain(timeout=60))
+                await loop.run_in_executor(None, lambda: wait_until(
+                    lambda: _health(target) == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING"))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Complete(make_request([1, 2, 3], max_tokens=2), timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert not drain.done()  # still waiting for the in-flight streams
+                server.resume_engine()
+                results = []
+                for first, call in zip(firsts, calls):
+                    msgs = [first]
+                    for _ in range(max_tokens + 1):  # read() only: mixing it with async-for is not allowed
+                        msg = await call.read()
+                        if msg is grpc.aio.EOF:
+                            break
+                        msgs.append(msg)
+                    results.append(msgs)
+                await asyncio.wait_for(drain, 60)
+                return results
+
+        results = asyncio.run(drive())
+        for msgs in results:
+            assert sum(len(m.token_ids) for m in msgs) == max_tokens
+            assert msgs[-1].finished and finish_reason_name(msgs[-1].finish_reason) == "length"
+        assert not server.worker.alive  # the engine thread ended with the server
+        with pytest.raises(grpc.RpcError) as info, grpc.insecure_channel(target) as channel:
+            pb_grpc.GenerationStub(channel).Complete(make_request([1, 2], max_tokens=2), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.resume_engine()
+        server.stop(grace=0, timeout=30)
+
+
+LONG_MAX_TOKENS = 1000
+
+
+def _read_lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)
+
+
+def test_sigterm_drains_then_exits(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+           "--metrics-port", "0", "--token-budget", str(ENGINE_KW["token_budget"]),
+           "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]), "--num-blocks", str(ENGINE_KW["num_blocks"]),
+           "--max-model-len", "1024", "--scheduler", "sarathi", "--dtype", "float32",
+           "--attention-backend", "xla", "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    log: list[str] = []
+    try:
+        target = None
+        deadline = time.monotonic() + 120
+        while target is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            log.append(line)
+            if "listening on" in line:
+                target = line.split("listening on", 1)[1].split()[0]
+        assert target, "server did not start:\n" + "".join(log)
+        assert _health(target) == health_pb2.HealthCheckResponse.SERVING
+
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            # Long enough (~1000 steps) to still be running while the checks below happen.
+            call = stub.Generate(make_request([5, 6, 7], max_tokens=LONG_MAX_TOKENS, temperature=0.0,
+                                              ignore_eos=True), timeout=120)
+            tokens = list(next(call).token_ids)
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: _health(target) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=30,
+                       what="NOT_SERVING after SIGTERM")
+            with pytest.raises(grpc.RpcError) as info:  # no new requests while draining
+                stub.Complete(make_request([1, 2], max_tokens=2), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            for msg in call:  # ... but the in-flight stream runs to the end
+                tokens.extend(msg.token_ids)
+                last = msg
+            assert len(tokens) == LONG_MAX_TOKENS and last.finished
+            assert finish_reason_name(last.finish_reason) == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
