@@ -24,7 +24,7 @@ from sarathi_jax.sampling import MAX_BANNED
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_jax.sequence import Sequence, SequenceStatus
-from sarathi_jax.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, load_tokenizer
+from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer, load_tokenizer
 
 # Policies that put whole prompts into one batch: their batches can exceed the token budget.
 _CHUNKING_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only")
@@ -35,12 +35,13 @@ class _RequestState:
     """Engine-side bookkeeping that the scheduler does not need."""
 
     seq: Sequence
+    prompt_token_ids: tuple[int, ...]  # built once: every output carries it
     seed: int
     banned_until_min_tokens: tuple[int, ...]
     detokenizer: IncrementalDetokenizer | None
-    text: str = ""
+    stop_checker: StopStringChecker  # owns the released text; holds back what may become a stop string
     emitted_tokens: int = 0  # output tokens already reported to the caller
-    emitted_text_len: int = 0  # characters of `text` already reported
+    text_delta: str = ""  # released text not yet reported
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
@@ -134,7 +135,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, time.monotonic() if arrival_time is None else arrival_time)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
-        self._requests[request_id] = _RequestState(seq, seed, banned, detokenizer)
+        self._requests[request_id] = _RequestState(seq, tuple(prompt_token_ids), seed, banned, detokenizer, StopStringChecker(params.stop))
         self.scheduler.add_sequence(seq)
 
     def _prompt_to_ids(self, prompt: str | list[int]) -> list[int]:
@@ -226,13 +227,11 @@ class LLMEngine:
 
         reason = None
         if state.detokenizer is not None:
-            search_from = len(state.text)
-            state.text += state.detokenizer.append(token_id)
-            if params.stop and seq.num_output_tokens >= params.min_tokens:
-                cut = find_stop_string(state.text, params.stop, search_from)
-                if cut is not None:
-                    state.text = state.text[:cut]
-                    reason = "stop"
+            delta = state.detokenizer.append(token_id)
+            checker = state.stop_checker
+            state.text_delta += checker.add(delta, detect=seq.num_output_tokens >= params.min_tokens)
+            if checker.stopped:
+                reason = "stop"
         if reason is None and seq.num_output_tokens >= params.min_tokens:
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self._eos_token_ids):
                 reason = "stop"
@@ -241,7 +240,9 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if state.detokenizer is not None and reason != "stop":
-                state.text += state.detokenizer.flush()  # release a held-back partial character
+                # Release a held-back partial character and any tail held for stop strings.
+                state.text_delta += state.stop_checker.add(state.detokenizer.flush(), detect=False)
+                state.text_delta += state.stop_checker.flush()
             self.scheduler.finish_sequence(seq, reason)
             seq.metrics.finished_time = now
 
@@ -249,21 +250,16 @@ class LLMEngine:
         seq = state.seq
         new_ids = tuple(seq.output_token_ids[state.emitted_tokens :])
         finished = seq.status == SequenceStatus.FINISHED
-        stop = seq.sampling_params.stop
-        # While streaming, hold back a tail that could still grow into a stop string (it would be cut).
-        visible_len = len(state.text) if finished or not stop else max(
-            state.emitted_text_len, len(state.text) - max(len(s) for s in stop) + 1
-        )
-        text_delta = state.text[state.emitted_text_len : visible_len]
-        state.emitted_tokens, state.emitted_text_len = seq.num_output_tokens, visible_len
+        text_delta, state.text_delta = state.text_delta, ""
+        state.emitted_tokens = seq.num_output_tokens
         logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
         return RequestOutput(
             request_id=seq.seq_id,
-            prompt_token_ids=tuple(seq.prompt_token_ids),
+            prompt_token_ids=state.prompt_token_ids,
             new_token_ids=new_ids,
             token_ids=tuple(seq.output_token_ids),
             text_delta=text_delta,
-            text=state.text[:visible_len],
+            text=state.stop_checker.text,
             new_logprobs=logprobs,
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,

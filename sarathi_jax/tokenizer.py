@@ -214,11 +214,14 @@ class StopStringChecker:
         """Text released so far."""
         return self._buffer[: self._released]
 
-    def add(self, delta: str) -> str:
+    def add(self, delta: str, detect: bool = True) -> str:
+        """Take the next text; with detect=False (before min_tokens) no stop string can end here."""
         if self.stopped or not delta:
             return ""
         search_from = len(self._buffer)
         self._buffer += delta
+        if not detect:
+            return self._release(len(self._buffer))
         cut = find_stop_string(self._buffer, self.stop, search_from)
         if cut is not None:
             self._buffer = self._buffer[:cut]

@@ -1,1 +1,30 @@
-"""sarathi-jax gRPC generation service (see server/README.md)."""
+"""sarathi-jax gRPC generation service (`sarathi.v1.Generation`); see server/README.md.
+
+    python -m server --model tiny-llama --port 50051 --metrics-port 9090
+    python -m server.client --token-ids 1,2,3 --max-tokens 16 --target 127.0.0.1:50051
+
+`GenerationServer` (server.service) and `run_load` (server.loadgen) resolve lazily, so importing the proto
+modules or the client does not pull in the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GenerationServer": "server.service",
+    "EngineWorker": "server.engine_worker",
+    "run_load": "server.loadgen",
+    "run_load_async": "server.loadgen",
+    "ClientRequestResult": "server.loadgen",
+    "make_request": "server.client",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'server' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

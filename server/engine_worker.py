@@ -39,7 +39,8 @@ class EngineWorker:
         self._on_stats = on_stats
         self._paused = False
         self._stopped = threading.Event()
-        self.num_iterations = 0
+        self.num_iterations = 0  # engine steps taken
+        self.num_wakeups = 0  # passes through the loop: stays put while idle (the thread blocks, no spin)
         self.last_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -81,6 +82,7 @@ class EngineWorker:
         engine = self.engine
         try:
             while True:
+                self.num_wakeups += 1
                 busy = not self._paused and engine.has_unfinished_requests()
                 try:
                     cmd = self._queue.get(block=not busy)

@@ -13,20 +13,21 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTOS = ["server/proto/sarathi/v1/generation.proto"]
 
 
-def main() -> int:
+def main(out_dir: str | pathlib.Path | None = None) -> int:
+    """Compile PROTOS into `out_dir` (default: the repository root, i.e. next to the .proto files)."""
+    import grpc_tools
     from grpc_tools import protoc  # grpcio-tools: only needed to regenerate
 
-    import grpc_tools
-
+    out = pathlib.Path(out_dir) if out_dir is not None else REPO_ROOT
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     for proto in PROTOS:
         args = [
             "grpc_tools.protoc",
             f"-I{REPO_ROOT}",
             f"-I{well_known}",
-            f"--python_out={REPO_ROOT}",
-            f"--pyi_out={REPO_ROOT}",
-            f"--grpc_python_out={REPO_ROOT}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
             str(REPO_ROOT / proto),
         ]
         rc = protoc.main(args)

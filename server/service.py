@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -94,7 +94,6 @@ class _Request:
     first_timings_sent: bool = False
     queue_time_observed: bool = False
     finished: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class GenerationServer:
@@ -242,6 +241,10 @@ class GenerationServer:
             started.set()
             try:
                 loop.run_until_complete(self.wait_stopped())
+                # Let the drain()/stop() coroutines that other threads wait on return their results.
+                rest = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                if rest:
+                    loop.run_until_complete(asyncio.wait(rest, timeout=1.0))
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 loop.close()

@@ -11,15 +11,16 @@ import argparse
 import dataclasses
 import gc
 import math
-import os
 import sys
 import time
 from typing import Any, Callable, Sequence
 
 from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY, CapacityResult, find_capacity
-from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
+from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR, fmt_seconds, summarize
+from sarathi_jax.bench.plots import write_plots  # matplotlib itself loads only when plotting
+from sarathi_jax.bench.report import format_table, write_run, write_summary
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES, Workload, synthetic_workload, trace_workload
 
 try:  # plain Python, no JAX
@@ -31,7 +32,7 @@ except Exception:  # pragma: no cover - scheduler package not importable (yet)
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_SCHEDULERS = "sarathi"
-DEFAULT_TOKEN_BUDGETS = "256"
+DEFAULT_TOKEN_BUDGETS = "128"
 DEFAULT_NUM_REQUESTS = 24
 DEFAULT_QPS = 2.0
 # Engine settings the bench passes unless told otherwise: the engine's own defaults (128 sequences, the
@@ -315,17 +316,21 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
     fitted: Workload | None = None
     prompts: list[list[int]] | None = None
     fitted_len = None
+    workload_info: dict[str, dict] = {}  # label -> the requests that run saw
 
     if args.endpoint:
         if args.max_model_len:
             workload = workload.fit(args.max_model_len)
         prompts = workload.prompts(32000, args.seed)
         _log(quiet, f"workload: {workload.describe()}")
+        for note in workload.notes:
+            _log(quiet, f"  note: {note}")
         run = run_endpoint(args, workload, prompts, progress)
         run.summary = summarize(run.records, run.iterations, slo_ttft=args.slo_ttft, slo_tbt=slo_tbt,
                                 stall_factor=args.stall_factor, num_preemptions=run.num_preemptions)
         runs.append(run)
         fitted = workload
+        workload_info[run.label] = workload.summary()
     for cfg in configs if not args.endpoint else []:
         kwargs = engine_config_kwargs(args, cfg)
         _log(quiet, f"[{cfg['label']}] building {'SimulatedEngine' if args.simulate else 'LLMEngine'} "
@@ -377,6 +382,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
                         f"in {run.wall_time:.1f} s wall")
         run.config = desc
         runs.append(run)
+        workload_info[run.label] = fitted.summary()
         del engine
         gc.collect()
 
@@ -400,7 +406,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
         }
         paths = []
         for r in runs:
-            paths += write_run(args.out, r, fitted.summary(), capacities.get(r.label))
+            paths += write_run(args.out, r, workload_info.get(r.label, fitted.summary()), capacities.get(r.label))
         paths += write_summary(args.out, runs, capacities, meta)
         if not args.no_plots:
             paths += write_plots(args.out, runs, capacities, slo_tbt, args.stall_factor)
@@ -410,10 +416,6 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
     _log(quiet, f"total {time.monotonic() - t_start:.1f} s")
     return 0
 
-
-# late imports keep `--help` fast
-from sarathi_jax.bench.plots import write_plots  # noqa: E402
-from sarathi_jax.bench.report import format_table, write_run, write_summary  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

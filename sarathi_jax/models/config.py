@@ -1,7 +1,10 @@
 """`ModelConfig`: the model shape and flags, parsed from a Hugging Face `config.json`.
 
-One frozen, hashable dataclass covers the four supported decoder families; the differences between them
-are flags (`attention_bias`, `attention_out_bias`, `qk_norm`, `tie_word_embeddings`) and the RoPE settings.
+One frozen, hashable dataclass covers the supported decoder families; the differences between the Llama-style
+ones are flags (`attention_bias`, `attention_out_bias`, `qk_norm`, `tie_word_embeddings`) and the RoPE settings.
+Falcon (`FalconForCausalLM`, its own Flax module in `falcon.py`) adds the fields after `torch_dtype`
+(`hidden_act`, `mlp_bias`, `parallel_attn`, `num_ln_in_parallel_attn`, `new_decoder_architecture`); they keep
+their Llama defaults for the other families.
 Being hashable, a `ModelConfig` can be a static attribute of a Flax module and a `jax.jit` static argument.
 """
 
@@ -17,7 +20,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "FalconForCausalLM",
 )
+FALCON_ARCHITECTURES: tuple[str, ...] = ("FalconForCausalLM",)
+# Falcon's `activation` values that the Falcon module implements: exact (erf) GELU and its tanh approximations.
+FALCON_ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 
 
@@ -42,6 +49,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    # Epsilon of every norm layer: RMSNorm for the Llama family, LayerNorm (`layer_norm_epsilon`) for Falcon.
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
@@ -60,6 +68,19 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # ---- Falcon (defaults are the Llama family's, so existing constructors are unchanged) ----
+    # MLP activation: "silu" (Llama's gated SwiGLU MLP) or a Falcon GELU (plain two-matrix MLP).
+    hidden_act: str = "silu"
+    # Bias on the MLP matrices (Falcon's `bias` flag covers q/k/v, the output projection and the MLP).
+    mlp_bias: bool = False
+    # Attention and MLP both read the layer input and their outputs are added to it together (Falcon);
+    # False is the sequential pre-norm layer (Llama, Falcon with parallel_attn=False).
+    parallel_attn: bool = False
+    # With parallel_attn: 2 = separate `ln_attn` / `ln_mlp` norms (Falcon-40B/180B), 1 = one `input_layernorm`.
+    num_ln_in_parallel_attn: int = 1
+    # Falcon's fused query_key_value layout: True = grouped [kv_heads, q_per_kv + 2, head_dim] (40B/180B);
+    # False = [heads + 2, head_dim] when multi-query (7B), else interleaved [heads, 3, head_dim].
+    new_decoder_architecture: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,6 +98,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        is_falcon = self.architecture in FALCON_ARCHITECTURES
+        allowed_acts = FALCON_ACTIVATIONS if is_falcon else ("silu",)
+        if self.hidden_act not in allowed_acts:
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r} for {self.architecture}; supported: {', '.join(allowed_acts)}"
+            )
+        if self.num_ln_in_parallel_attn not in (1, 2):
+            raise ValueError(f"num_ln_in_parallel_attn must be 1 or 2, got {self.num_ln_in_parallel_attn}")
+        if not is_falcon and (self.parallel_attn or self.new_decoder_architecture or self.mlp_bias):
+            raise ValueError(f"parallel_attn / new_decoder_architecture / mlp_bias are Falcon-only, not {self.architecture}")
 
     @property
     def max_model_len(self) -> int:
@@ -99,6 +130,8 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if architecture in FALCON_ARCHITECTURES:
+            return cls._from_falcon_config(hf_config, architecture)
         hidden_act = hf_config.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; only 'silu' (SwiGLU) is supported")
@@ -141,6 +174,75 @@ class ModelConfig:
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf_config.get("eos_token_id")),
             torch_dtype=hf_config.get("dtype") or hf_config.get("torch_dtype"),
+        )
+
+    @classmethod
+    def _from_falcon_config(cls, hf_config: Mapping[str, Any], architecture: str) -> "ModelConfig":
+        """Falcon's config.json (also the original RW key names `n_embed`, `n_head`, `n_head_kv`, `n_layer`).
+
+        Rotary Falcon only: `alibi=True` (Falcon-RW style ALiBi biases) is rejected.
+        """
+        if hf_config.get("alibi", False):
+            raise ValueError(
+                "alibi=True (ALiBi attention biases) is not supported for FalconForCausalLM; "
+                "only rotary Falcon models (alibi=false: Falcon-7B/40B/180B) are"
+            )
+        if hf_config.get("apply_residual_connection_post_layernorm", False):
+            raise ValueError("apply_residual_connection_post_layernorm=True is not supported for FalconForCausalLM")
+        activation = hf_config.get("activation", "gelu")
+        if activation not in FALCON_ACTIVATIONS:
+            raise ValueError(f"unsupported Falcon activation {activation!r}; supported: {', '.join(FALCON_ACTIVATIONS)}")
+
+        def get(*keys: str, default: Any = None) -> Any:
+            for key in keys:
+                if hf_config.get(key) is not None:
+                    return hf_config[key]
+            return default
+
+        hidden_size = int(get("hidden_size", "n_embed"))
+        num_attention_heads = int(get("num_attention_heads", "n_head"))
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_attention_heads={num_attention_heads}")
+        new_arch = bool(hf_config.get("new_decoder_architecture", False))
+        if new_arch:
+            num_key_value_heads = int(get("num_kv_heads", "n_head_kv", default=num_attention_heads))
+            # Falcon-40B/180B always run attention and MLP in parallel; 2 norms unless the config says 1.
+            parallel_attn = True
+            num_ln = int(get("num_ln_in_parallel_attn", default=2))
+        else:
+            # 7B-style: one K/V head when multi_query (the default), else one per query head.
+            num_key_value_heads = 1 if hf_config.get("multi_query", True) else num_attention_heads
+            parallel_attn = bool(hf_config.get("parallel_attn", True))
+            num_ln = 1
+        max_position_embeddings = int(hf_config.get("max_position_embeddings", 2048))
+        rope_theta, rope_scaling = _parse_rope(hf_config)
+        bias = bool(hf_config.get("bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(hf_config["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(get("ffn_hidden_size", default=4 * hidden_size)),
+            num_hidden_layers=int(get("num_hidden_layers", "n_layer")),
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=hidden_size // num_attention_heads,
+            rms_norm_eps=float(get("layer_norm_epsilon", default=1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)),
+            attention_bias=bias,
+            attention_out_bias=bias,
+            qk_norm=False,
+            sliding_window=None,
+            bos_token_id=hf_config.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(hf_config.get("eos_token_id")),
+            torch_dtype=hf_config.get("dtype") or hf_config.get("torch_dtype"),
+            hidden_act=activation,
+            mlp_bias=bias,
+            parallel_attn=parallel_attn,
+            num_ln_in_parallel_attn=num_ln,
+            new_decoder_architecture=new_arch,
         )
 
     @classmethod

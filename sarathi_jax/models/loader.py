@@ -1,13 +1,20 @@
-"""Load Hugging Face safetensors checkpoints into the `LlamaForCausalLM` parameter tree.
+"""Load checkpoints into the model parameter trees (`LlamaForCausalLM`, `FalconForCausalLM`).
 
-Tensors are streamed one at a time (`safetensors.safe_open`, memory-mapped), converted to the target dtype
-and moved to the device, so peak host memory is about one tensor. `hf_to_params_items` holds the whole name
-and layout mapping and is reusable by converters: give it any `get_tensor(name) -> np.ndarray`.
+Hugging Face safetensors: tensors are streamed one at a time (`safetensors.safe_open`, memory-mapped),
+converted to the target dtype and moved to the device, so peak host memory is about one tensor.
+`param_plan` holds the whole name and layout mapping as data (`ParamSource` per parameter) and
+`hf_to_params_items` applies it to any `get_tensor(name) -> np.ndarray`; converters reuse both.
+
+Orbax: folders written by `python -m checkpoints_convert` (the parameter tree as an Orbax PyTree checkpoint
+under `params/`, the HF config and tokenizer files beside it, and the completion marker
+`sarathi_checkpoint.json`, written last). `load_orbax_params` restores them straight into the requested
+shardings.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -17,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.llama import param_shapes
+from sarathi_jax.models import falcon, llama
+from sarathi_jax.models.config import FALCON_ARCHITECTURES, ModelConfig
 
 ParamPath = tuple[str, ...]
 # Returns the named tensor, raises KeyError if the checkpoint has no such tensor.
@@ -27,58 +34,197 @@ GetTensor = Callable[[str], np.ndarray]
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
+# Layout of a converted (Orbax) checkpoint folder.
+ORBAX_PARAMS_DIR = "params"
+CHECKPOINT_MARKER = "sarathi_checkpoint.json"  # written last: its presence means the folder is complete
+CHECKPOINT_FORMAT = "sarathi-jax-orbax"
+CHECKPOINT_FORMAT_VERSION = 1
+
 
 class CheckpointError(ValueError):
-    """A checkpoint misses a tensor, has a mis-shaped one, or cannot be found."""
+    """A checkpoint misses a tensor, has a mis-shaped one, is incomplete or corrupt, or cannot be found."""
 
 
-def hf_to_params_items(config: ModelConfig, get_tensor: GetTensor) -> Iterator[tuple[ParamPath, np.ndarray]]:
-    """Yield `(param_path, array)` for every parameter, in the layout of `llama.py`, from HF tensors.
+def param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
+    """Tree of `jax.ShapeDtypeStruct` of the params of `config`'s model family."""
+    module = falcon if config.architecture in FALCON_ARCHITECTURES else llama
+    return module.param_shapes(config, dtype)
 
-    Linear weights are `[out, in]` in HF and `[in..., out...]` here, with the heads axis split out.
-    Each HF tensor's shape is checked before it is reshaped. Extra checkpoint tensors are ignored
-    (e.g. `lm_head.weight` of a tied model, old `rotary_emb.inv_freq` buffers).
+
+@dataclasses.dataclass(frozen=True)
+class ParamSource:
+    """Where one parameter comes from: HF tensor `name` (expected shape `hf_shape`), its first-axis row ranges
+    `rows` (all rows when None; Falcon's fused query_key_value is split this way), transposed when `transpose`
+    (HF linear weights are `[out, in]`, kernels here `[in..., out...]`), then reshaped to `shape`.
+
+    The plan is plain data so that a converter can execute it chunk by chunk (`checkpoints_convert`) instead of
+    materializing the HF tensor and its transposed copy at once; `apply` is the in-memory reference.
     """
+
+    param_path: ParamPath
+    name: str
+    hf_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    transpose: bool = False
+    rows: tuple[tuple[int, int], ...] | None = None
+
+    def apply(self, tensor: np.ndarray) -> np.ndarray:
+        x = tensor
+        if self.rows is not None:
+            parts = [x[start:stop] for start, stop in self.rows]
+            x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        if self.transpose:
+            x = x.T
+        return x.reshape(self.shape)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the HF tensor this parameter takes."""
+        if self.rows is None:
+            return self.hf_shape[0] if self.hf_shape else 1
+        return sum(stop - start for start, stop in self.rows)
+
+
+def _llama_plan(config: ModelConfig) -> Iterator[ParamSource]:
     c = config
     embed, vocab, mlp = c.hidden_size, c.vocab_size, c.intermediate_size
     heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    P = ParamSource
 
-    def fetch(name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
-        try:
-            tensor = get_tensor(name)
-        except KeyError:
-            raise CheckpointError(f"checkpoint is missing tensor {name!r}") from None
-        if tuple(tensor.shape) != expected_shape:
-            raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected_shape} for this config"
-            )
-        return tensor
-
-    yield ("embed_tokens",), fetch("model.embed_tokens.weight", (vocab, embed))
+    yield P(("embed_tokens",), "model.embed_tokens.weight", (vocab, embed), (vocab, embed))
     for i in range(c.num_hidden_layers):
         hf, ours = f"model.layers.{i}.", f"layers_{i}"
         attn = hf + "self_attn."
-        yield (ours, "input_layernorm", "scale"), fetch(hf + "input_layernorm.weight", (embed,))
+        yield P((ours, "input_layernorm", "scale"), hf + "input_layernorm.weight", (embed,), (embed,))
         for proj, num_heads in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
-            weight = fetch(f"{attn}{proj}.weight", (num_heads * head_dim, embed))
-            yield (ours, "self_attn", proj, "kernel"), weight.T.reshape(embed, num_heads, head_dim)
+            yield P((ours, "self_attn", proj, "kernel"), f"{attn}{proj}.weight", (num_heads * head_dim, embed),
+                    (embed, num_heads, head_dim), transpose=True)
             if c.attention_bias:
-                bias = fetch(f"{attn}{proj}.bias", (num_heads * head_dim,))
-                yield (ours, "self_attn", proj, "bias"), bias.reshape(num_heads, head_dim)
-        o_weight = fetch(attn + "o_proj.weight", (embed, heads * head_dim))
-        yield (ours, "self_attn", "o_proj", "kernel"), o_weight.T.reshape(heads, head_dim, embed)
+                yield P((ours, "self_attn", proj, "bias"), f"{attn}{proj}.bias", (num_heads * head_dim,),
+                        (num_heads, head_dim))
+        yield P((ours, "self_attn", "o_proj", "kernel"), attn + "o_proj.weight", (embed, heads * head_dim),
+                (heads, head_dim, embed), transpose=True)
         if c.attention_out_bias:
-            yield (ours, "self_attn", "o_proj", "bias"), fetch(attn + "o_proj.bias", (embed,))
+            yield P((ours, "self_attn", "o_proj", "bias"), attn + "o_proj.bias", (embed,), (embed,))
         if c.qk_norm:
-            yield (ours, "self_attn", "q_norm", "scale"), fetch(attn + "q_norm.weight", (head_dim,))
-            yield (ours, "self_attn", "k_norm", "scale"), fetch(attn + "k_norm.weight", (head_dim,))
-        yield (ours, "post_attention_layernorm", "scale"), fetch(hf + "post_attention_layernorm.weight", (embed,))
-        yield (ours, "mlp", "gate_proj", "kernel"), fetch(hf + "mlp.gate_proj.weight", (mlp, embed)).T
-        yield (ours, "mlp", "up_proj", "kernel"), fetch(hf + "mlp.up_proj.weight", (mlp, embed)).T
-        yield (ours, "mlp", "down_proj", "kernel"), fetch(hf + "mlp.down_proj.weight", (embed, mlp)).T
-    yield ("norm", "scale"), fetch("model.norm.weight", (embed,))
+            yield P((ours, "self_attn", "q_norm", "scale"), attn + "q_norm.weight", (head_dim,), (head_dim,))
+            yield P((ours, "self_attn", "k_norm", "scale"), attn + "k_norm.weight", (head_dim,), (head_dim,))
+        yield P((ours, "post_attention_layernorm", "scale"), hf + "post_attention_layernorm.weight", (embed,), (embed,))
+        yield P((ours, "mlp", "gate_proj", "kernel"), hf + "mlp.gate_proj.weight", (mlp, embed), (embed, mlp), True)
+        yield P((ours, "mlp", "up_proj", "kernel"), hf + "mlp.up_proj.weight", (mlp, embed), (embed, mlp), True)
+        yield P((ours, "mlp", "down_proj", "kernel"), hf + "mlp.down_proj.weight", (embed, mlp), (mlp, embed), True)
+    yield P(("norm", "scale"), "model.norm.weight", (embed,), (embed,))
     if not c.tie_word_embeddings:
-        yield ("lm_head",), fetch("lm_head.weight", (vocab, embed)).T
+        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)
+
+
+def falcon_qkv_rows(config: ModelConfig) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Row ranges of q, k and v in Falcon's fused `query_key_value` weight (and bias).
+
+    transformers' `FalconAttention._split_heads` views the fused output as `[kv_heads, q_per_kv + 2, head_dim]`
+    for the new decoder architecture (each K/V group: its q heads, then k, then v), as `[heads + 2, head_dim]`
+    for multi-query (all q heads, then the one k, then v) and as `[heads, 3, head_dim]` otherwise (q, k, v per
+    head). With `num_key_value_heads` = kv_heads, 1 and heads respectively, all three are the grouped layout.
+    """
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_kv = heads // kv_heads
+    group = (per_kv + 2) * head_dim
+    q, k, v = [], [], []
+    for g in range(kv_heads):
+        base = g * group
+        q.append((base, base + per_kv * head_dim))
+        k.append((base + per_kv * head_dim, base + (per_kv + 1) * head_dim))
+        v.append((base + (per_kv + 1) * head_dim, base + group))
+
+    def merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        out = [ranges[0]]
+        for start, stop in ranges[1:]:
+            if start == out[-1][1]:
+                out[-1] = (out[-1][0], stop)
+            else:
+                out.append((start, stop))
+        return tuple(out)
+
+    return merged(q), merged(k), merged(v)
+
+
+def _falcon_plan(config: ModelConfig) -> Iterator[ParamSource]:
+    c = config
+    embed, vocab, mlp = c.hidden_size, c.vocab_size, c.intermediate_size
+    heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    P = ParamSource
+    qkv_rows = (heads + 2 * kv_heads) * head_dim
+    q_rows, k_rows, v_rows = falcon_qkv_rows(c)
+
+    yield P(("word_embeddings",), "transformer.word_embeddings.weight", (vocab, embed), (vocab, embed))
+    for i in range(c.num_hidden_layers):
+        hf, ours = f"transformer.h.{i}.", f"layers_{i}"
+        if c.parallel_attn:
+            norms = ("ln_attn", "ln_mlp") if c.num_ln_in_parallel_attn == 2 else ("input_layernorm",)
+        else:
+            norms = ("input_layernorm", "post_attention_layernorm")
+        for norm in norms:
+            yield P((ours, norm, "scale"), f"{hf}{norm}.weight", (embed,), (embed,))
+            yield P((ours, norm, "bias"), f"{hf}{norm}.bias", (embed,), (embed,))
+        attn = hf + "self_attention."
+        for proj, rows, num_heads in (("q_proj", q_rows, heads), ("k_proj", k_rows, kv_heads),
+                                      ("v_proj", v_rows, kv_heads)):
+            yield P((ours, "self_attention", proj, "kernel"), attn + "query_key_value.weight", (qkv_rows, embed),
+                    (embed, num_heads, head_dim), transpose=True, rows=rows)
+            if c.attention_bias:
+                yield P((ours, "self_attention", proj, "bias"), attn + "query_key_value.bias", (qkv_rows,),
+                        (num_heads, head_dim), rows=rows)
+        yield P((ours, "self_attention", "dense", "kernel"), attn + "dense.weight", (embed, heads * head_dim),
+                (heads, head_dim, embed), transpose=True)
+        if c.attention_out_bias:
+            yield P((ours, "self_attention", "dense", "bias"), attn + "dense.bias", (embed,), (embed,))
+        yield P((ours, "mlp", "dense_h_to_4h", "kernel"), hf + "mlp.dense_h_to_4h.weight", (mlp, embed), (embed, mlp),
+                transpose=True)
+        if c.mlp_bias:
+            yield P((ours, "mlp", "dense_h_to_4h", "bias"), hf + "mlp.dense_h_to_4h.bias", (mlp,), (mlp,))
+        yield P((ours, "mlp", "dense_4h_to_h", "kernel"), hf + "mlp.dense_4h_to_h.weight", (embed, mlp), (mlp, embed),
+                transpose=True)
+        if c.mlp_bias:
+            yield P((ours, "mlp", "dense_4h_to_h", "bias"), hf + "mlp.dense_4h_to_h.bias", (embed,), (embed,))
+    yield P(("ln_f", "scale"), "transformer.ln_f.weight", (embed,), (embed,))
+    yield P(("ln_f", "bias"), "transformer.ln_f.bias", (embed,), (embed,))
+    if not c.tie_word_embeddings:
+        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)
+
+
+def param_plan(config: ModelConfig) -> list[ParamSource]:
+    """Every parameter of `config`'s model and where it comes from in the HF checkpoint, in load order."""
+    if config.architecture in FALCON_ARCHITECTURES:
+        return list(_falcon_plan(config))
+    return list(_llama_plan(config))
+
+
+def hf_to_params_items(config: ModelConfig, get_tensor: GetTensor) -> Iterator[tuple[ParamPath, np.ndarray]]:
+    """Yield `(param_path, array)` for every parameter, in the layout of `llama.py` / `falcon.py`, from HF tensors.
+
+    Linear weights are `[out, in]` in HF and `[in..., out...]` here, with the heads axis split out (and
+    Falcon's fused query_key_value split into q/k/v). Each HF tensor's shape is checked before it is reshaped.
+    Extra checkpoint tensors are ignored (e.g. `lm_head.weight` of a tied model, old `rotary_emb.inv_freq`
+    buffers).
+    """
+    last: tuple[str, np.ndarray] | None = None  # a fused tensor feeds several params in a row: fetch it once
+    for source in param_plan(config):
+        if last is None or last[0] != source.name:
+            last = None  # drop the previous tensor before fetching the next
+            last = (source.name, _fetch(get_tensor, source.name, source.hf_shape))
+        yield source.param_path, source.apply(last[1])
+
+
+def _fetch(get_tensor: GetTensor, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        tensor = get_tensor(name)
+    except KeyError:
+        raise CheckpointError(f"checkpoint is missing tensor {name!r}") from None
+    if tuple(tensor.shape) != expected_shape:
+        raise CheckpointError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected_shape} for this config"
+        )
+    return tensor
 
 
 @contextlib.contextmanager
@@ -118,10 +264,17 @@ def open_safetensors(path: str | os.PathLike[str]) -> Iterator[GetTensor]:
         yield get_tensor
 
 
-def load_hf_params(config: ModelConfig, path: str | os.PathLike[str], dtype: Any = jnp.float32) -> Any:
-    """Load the params of `config` from the safetensors checkpoint in folder `path`, as `dtype` arrays."""
+def load_hf_params(
+    config: ModelConfig, path: str | os.PathLike[str], dtype: Any = jnp.float32, shardings: Any = None
+) -> Any:
+    """Load the params of `config` from the safetensors checkpoint in folder `path`, as `dtype` arrays.
+
+    `shardings`: optional tree (same structure as the params) of `jax.sharding.Sharding`, one per leaf;
+    default: the default device.
+    """
     dtype = jnp.dtype(dtype)
     expected = param_shapes(config, dtype)
+    sharding_of = _sharding_lookup(shardings)
     params: dict[str, Any] = {}
     with open_safetensors(path) as get_tensor:
         for param_path, array in hf_to_params_items(config, get_tensor):
@@ -129,14 +282,111 @@ def load_hf_params(config: ModelConfig, path: str | os.PathLike[str], dtype: Any
             for key in param_path[:-1]:
                 node = node.setdefault(key, {})
             # Cast on the host (ml_dtypes handles bfloat16) so only `dtype` bytes reach the device.
-            node[param_path[-1]] = jax.device_put(np.asarray(array, dtype=dtype))
+            node[param_path[-1]] = jax.device_put(np.asarray(array, dtype=dtype), sharding_of(param_path))
     # Guards the mapping itself: the loaded tree must be exactly the model's.
     got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
     want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    _check_tree(got, want, "loaded params")
+    return params
+
+
+def _check_tree(got: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]], what: str) -> None:
     if got != want:
         raise CheckpointError(
-            f"loaded params do not match the model: missing {sorted(want.keys() - got.keys())}, "
+            f"{what} do not match the model: missing {sorted(want.keys() - got.keys())}, "
             f"unexpected {sorted(got.keys() - want.keys())}, "
             f"mis-shaped {sorted(k for k in got.keys() & want.keys() if got[k] != want[k])}"
         )
+
+
+def _sharding_lookup(shardings: Any) -> Callable[[ParamPath], Any]:
+    """`param_path -> Sharding or None` over an optional shardings tree."""
+    if shardings is None:
+        return lambda path: None
+    flat = {
+        tuple(str(getattr(k, "key", k)) for k in path): s
+        for path, s in jax.tree_util.tree_leaves_with_path(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    }
+    return lambda path: flat[tuple(path)]
+
+
+def param_path_str(path: ParamPath) -> str:
+    """`("layers_0", "mlp", "up_proj", "kernel")` -> `"layers_0/mlp/up_proj/kernel"` (marker-file keys)."""
+    return "/".join(path)
+
+
+# ---------------------------------------------------------------------------------------------- Orbax
+
+
+def is_orbax_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether folder `path` is (or is the unfinished start of) a converted Orbax checkpoint."""
+    return any(
+        os.path.exists(os.path.join(path, name))
+        for name in (CHECKPOINT_MARKER, ORBAX_PARAMS_DIR, ORBAX_PARAMS_DIR + ".partial_save")
+    )
+
+
+def read_checkpoint_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The completion marker of a converted checkpoint; CheckpointError if the conversion never finished."""
+    marker_path = os.path.join(path, CHECKPOINT_MARKER)
+    if not os.path.exists(marker_path):
+        raise CheckpointError(
+            f"{os.fspath(path)!r} is an incomplete converted checkpoint (no {CHECKPOINT_MARKER}: the conversion "
+            "was interrupted); convert again with `python -m checkpoints_convert --force`"
+        )
+    with open(marker_path) as f:
+        marker = json.load(f)
+    if marker.get("format") != CHECKPOINT_FORMAT or marker.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{marker_path!r} is not a {CHECKPOINT_FORMAT} v{CHECKPOINT_FORMAT_VERSION} marker "
+            f"(format={marker.get('format')!r}, format_version={marker.get('format_version')!r})"
+        )
+    return marker
+
+
+def load_orbax_params(
+    config: ModelConfig, path: str | os.PathLike[str], dtype: Any = jnp.float32, shardings: Any = None
+) -> Any:
+    """Restore the params of a converted checkpoint folder straight into `shardings`.
+
+    `shardings`: optional tree (same structure as the params) of `jax.sharding.Sharding`, one per leaf;
+    default: every leaf on the default device. Each leaf is restored by Orbax with
+    `ArrayRestoreArgs(sharding=..., dtype=dtype)`, so each device reads only its own shard from disk and no
+    full host copy per device is made. Values are cast to `dtype` if the checkpoint holds another.
+    """
+    import orbax.checkpoint as ocp  # heavy import; only converted checkpoints need it
+
+    dtype = jnp.dtype(dtype)
+    marker = read_checkpoint_marker(path)
+    if marker.get("architecture") != config.architecture:
+        raise CheckpointError(
+            f"{os.fspath(path)!r}: marker says architecture {marker.get('architecture')!r}, "
+            f"config.json says {config.architecture!r}"
+        )
+    expected = param_shapes(config, dtype)
+    want = {param_path_str(tuple(k.key for k in p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    got = {name: tuple(info["shape"]) for name, info in marker.get("params", {}).items()}
+    _check_tree(got, want, f"params of {os.fspath(path)!r}")
+
+    sharding_of = _sharding_lookup(shardings)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def restore_args(key_path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> Any:
+        param_path = tuple(k.key for k in key_path)
+        return ocp.ArrayRestoreArgs(
+            sharding=sharding_of(param_path) or default, global_shape=tuple(leaf.shape), dtype=dtype
+        )
+
+    pytree_dir = os.path.join(os.path.abspath(path), marker["pytree_dir"])
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            params = checkpointer.restore(
+                pytree_dir,
+                args=ocp.args.PyTreeRestore(restore_args=jax.tree_util.tree_map_with_path(restore_args, expected)),
+            )
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot restore the Orbax params in {pytree_dir!r}: {e}") from e
+    got = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    _check_tree(got, want, f"restored params of {os.fspath(path)!r}")
     return params

@@ -388,8 +388,8 @@ def test_logprobs_match_float64_log_softmax(seed: int) -> None:
     logits = random_logits(rng, (S, V), scale=5.0)
     # Temperature, masks and banned ids change the sampling, never the reported logprobs.
     rows = [
-        row(seed=i, logprobs=MAX_LOGPROBS, temperature=float(rng.choice([0.0, 0.5, 2.0])), top_k=int(rng.choice([0, 3])),
-            banned=(int(np.argmax(logits[i])),) if i % 3 == 0 else ())
+        row(seed=i, logprobs=MAX_LOGPROBS, temperature=float(rng.choice([0.0, 0.5, 2.0])),
+            top_k=int(rng.choice([0, 3])), banned=(int(np.argmax(logits[i])),) if i % 3 == 0 else ())
         for i in range(S)
     ]
     out = run(logits, rows)

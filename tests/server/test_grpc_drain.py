@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grpc_test_utils import ENGINE_KW, wait_until
 from server.client import finish_reason_name, make_request
-from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 from server.service import GenerationServer
 

@@ -435,3 +435,27 @@ def test_bench_hook_run_bench_workload(server):
         assert rec.completed and rec.error is None and rec.arrival_time == arrival
         assert rec.ttft > 0 and len(rec.tbts) == rec.num_output_tokens - 1 and rec.e2e_latency >= rec.ttft
         assert rec.first_scheduled_time is not None and rec.first_scheduled_time <= rec.first_token_time
+
+
+def test_idle_engine_thread_blocks(server, stub):
+    stub.Complete(make_request([1, 2, 3], max_tokens=2), timeout=30)
+    wait_until(lambda: server.num_active_requests == 0, what="idle")
+    time.sleep(0.05)
+    before = server.worker.num_wakeups, server.worker.num_iterations
+    time.sleep(0.3)
+    assert (server.worker.num_wakeups, server.worker.num_iterations) == before  # blocked on its queue
+
+
+def test_engine_step_failure_is_internal_and_server_recovers(server, stub):
+    engine = server.engine
+
+    def failing_step():
+        del engine.step  # fail once, then the class's step is back
+        raise RuntimeError("injected step failure")
+
+    server.worker.call(lambda e: setattr(e, "step", failing_step)).result(timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Complete(make_request([1, 2, 3], max_tokens=3), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INTERNAL and "injected step failure" in info.value.details()
+    assert len(stub.Complete(make_request([1, 2, 3], max_tokens=3, **greedy()), timeout=30).token_ids) == 3
+    wait_until(lambda: all_blocks_free(stub), what="all KV blocks to be free")

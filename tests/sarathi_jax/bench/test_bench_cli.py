@@ -70,8 +70,8 @@ def test_trace_capacity_and_slo_multiple_on_fake_engine(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "capacity" in text and "TBT SLO: 28.0 ms (2x decode-only iteration 14.0 ms)" in text
-    check_outputs(out, ["sarathi-256"], capacity=True)
-    doc = json.load(open(out / "sarathi-256.json"))
+    check_outputs(out, ["sarathi-128"], capacity=True)
+    doc = json.load(open(out / "sarathi-128.json"))
     assert doc["workload"]["length_scale"] == 0.1 and doc["workload"]["prompt_len_max"] == 9  # round(89 * 0.1)
     cap = doc["capacity"]
     assert cap["capacity_qps"] > 0 and 1 <= len(cap["probes"]) <= 6

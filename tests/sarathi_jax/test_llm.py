@@ -1,0 +1,125 @@
+"""The offline `LLM` API: text prompts, stop conditions and logprobs, checked against HF and the tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sarathi_jax import LLM, SamplingParams
+from sarathi_jax.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def llama_dir(hf_checkpoint):
+    return hf_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), token_budget=64, max_num_seqs=8, num_blocks=128, max_model_len=256, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32).eval()
+
+
+def test_text_prompt_round_trips_through_tokenizer(llm, llama_dir):
+    tokenizer = load_tokenizer(llama_dir)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert out.prompt_token_ids == tuple(tokenizer.encode(prompt))
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    assert out.text == tokenizer.decode(list(out.token_ids))
+
+
+def test_logprobs_match_hf_log_softmax(llm, hf_model):
+    prompt = [1, 17, 42, 99, 7, 3]
+    [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3))
+    assert len(out.new_logprobs) == 5
+    ids = list(prompt)
+    for entry in out.new_logprobs:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids])).logits[0, -1].double()
+        ref = torch.log_softmax(logits, dim=-1).numpy()
+        assert entry.token_id == int(np.argmax(ref))
+        assert entry.logprob == pytest.approx(ref[entry.token_id], abs=1e-4)
+        assert list(entry.top_token_ids) == list(np.argsort(-ref)[:3])
+        np.testing.assert_allclose(entry.top_logprobs, np.sort(ref)[::-1][:3], atol=1e-4)
+        ids.append(entry.token_id)
+
+
+def test_stop_string_cuts_text_and_stop_token_stops(llm, llama_dir):
+    tokenizer = load_tokenizer(llama_dir)
+    prompt = "Hello world! How are you"
+    [free] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    text = free.text
+    assert len(text) > 4
+    stop = text[2:4]  # a stop string from inside the greedy continuation
+    [cut] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.index(stop)]
+    assert stop not in cut.text
+
+    third = free.token_ids[2]
+    [by_id] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                  stop_token_ids=[third]))
+    first_hit = free.token_ids.index(third)
+    assert by_id.finish_reason == "stop"
+    assert by_id.token_ids == free.token_ids[: first_hit + 1]
+    assert tokenizer is not None
+
+
+def test_min_tokens_suppresses_stop_tokens(llm):
+    prompt = [1, 5, 9, 13]
+    [free] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    first = free.token_ids[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3, stop_token_ids=[first], ignore_eos=True)
+    [out] = llm.generate(prompt, params)
+    assert first not in out.token_ids[:3]
+    assert len(out.token_ids) >= 3
+
+
+def test_eos_stops_unless_ignored(llm, monkeypatch):
+    prompt = [1, 20, 30]
+    [free] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    # Random weights rarely emit the real EOS, so declare the model's second greedy token to be EOS.
+    eos_like = free.token_ids[1]
+    monkeypatch.setattr(llm.engine, "_eos_token_ids", (eos_like,))
+    [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))
+    assert out.token_ids == free.token_ids[: free.token_ids.index(eos_like) + 1]
+    assert out.finish_reason == "stop"
+    [ignored] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_generate_rejects_bad_batch_and_keeps_serving(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1, 2, 3], []], SamplingParams(max_tokens=2))
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks
+    [out] = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert len(out.token_ids) == 2
+
+
+def test_request_too_long_for_max_model_len_finishes_with_error(llm):
+    [out] = llm.generate([[1, 2, 3] * 40], SamplingParams(max_tokens=200))  # 120 + 200 > 256
+    assert out.finish_reason == "error" and "max_model_len" in out.error
+
+
+def test_streamed_text_deltas_add_up_and_never_show_the_stop_string(llm):
+    engine = llm.engine
+    prompt = "Hello world! How are you"
+    [free] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    stop = free.text[3:6]
+    engine.add_request("stream", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=stop))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.text_delta)
+            assert stop not in "".join(deltas)
+            if out.finished:
+                final = out
+    assert "".join(deltas) == final.text == free.text[: free.text.index(stop)]
