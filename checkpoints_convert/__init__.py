@@ -1,0 +1,22 @@
+"""Convert Hugging Face safetensors checkpoints into Orbax checkpoints of sarathi-jax's parameter tree.
+
+    python -m checkpoints_convert --hf HF_DIR --out OUT_DIR [--dtype bfloat16|float32] [--force] [--verify]
+
+`OUT_DIR` then loads with `sarathi_jax.models.load_model(OUT_DIR)` / `LLM(model=OUT_DIR)`; see `converter.py` for
+the folder layout, the streaming and the atomicity guarantees.
+"""
+
+from checkpoints_convert.converter import ConversionError, ConversionResult, convert, default_dtype, read_param
+from checkpoints_convert.safetensors_stream import SafetensorsCheckpoint
+from checkpoints_convert.verifier import VerifyResult, verify
+
+__all__ = [
+    "ConversionError",
+    "ConversionResult",
+    "SafetensorsCheckpoint",
+    "VerifyResult",
+    "convert",
+    "default_dtype",
+    "read_param",
+    "verify",
+]

@@ -161,6 +161,10 @@ class FalconForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention_xla
+    # Pipeline-stage hook, as `LlamaForCausalLM.layer_range` (None: the whole model). `(start, end)` runs layers
+    # start..end-1 with one KV cache per layer run; a stage with start > 0 takes hidden states `[T, embed]` in
+    # place of `token_ids`, a stage with end < num_hidden_layers returns `(hidden states, kv_caches)`.
+    layer_range: tuple[int, int] | None = None
 
     @nn.compact
     def __call__(
@@ -172,22 +176,29 @@ class FalconForCausalLM(nn.Module):
         logits_indices: jax.Array,
     ) -> tuple[jax.Array, list[KVCache]]:
         c = self.config
-        if len(kv_caches) != c.num_hidden_layers:
-            raise ValueError(f"got {len(kv_caches)} KV caches for {c.num_hidden_layers} layers")
-        embedding = self.param(
-            "word_embeddings", _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
-        )
-        x = jnp.take(embedding, token_ids, axis=0)
+        start, end = self.layer_range or (0, c.num_hidden_layers)
+        if not 0 <= start < end <= c.num_hidden_layers:
+            raise ValueError(f"layer_range {self.layer_range} is not a non-empty range of {c.num_hidden_layers} layers")
+        if len(kv_caches) != end - start:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {end - start} layers")
+        is_last = end == c.num_hidden_layers
+        if start == 0 or (is_last and c.tie_word_embeddings):
+            embedding = self.param(
+                "word_embeddings", _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
+            )
+        x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids
 
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
 
         new_kv_caches: list[KVCache] = []
-        for i in range(c.num_hidden_layers):
+        for i in range(start, end):
             x, kv_cache = FalconDecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}")(
-                x, cos, sin, kv_caches[i], metadata
+                x, cos, sin, kv_caches[i - start], metadata
             )
             new_kv_caches.append(kv_cache)
+        if not is_last:
+            return x, new_kv_caches
 
         h = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name="ln_f")(x[logits_indices])
         if c.tie_word_embeddings:

@@ -1,0 +1,62 @@
+"""CLI: `python -m checkpoints_convert --hf DIR --out DIR [--dtype bfloat16|float32] [--force] [--verify]`.
+
+Exit status: 0 converted (and verified, with --verify); 2 the conversion failed (the message names the
+problem: unsupported architecture, missing / mis-shaped tensor, corrupt file, output folder in the way);
+3 --verify found logits further from transformers' than the threshold (the converted folder is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from checkpoints_convert.converter import DTYPES, ConversionError, convert
+from sarathi_jax.models.config import SUPPORTED_ARCHITECTURES
+from sarathi_jax.models.loader import CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m checkpoints_convert",
+        description="Convert a Hugging Face safetensors checkpoint folder into an Orbax checkpoint that "
+                    "sarathi-jax loads directly (LLM(model=OUT)). Supported architectures: "
+                    + ", ".join(SUPPORTED_ARCHITECTURES),
+    )
+    parser.add_argument("--hf", required=True, help="HF folder: config.json, *.safetensors (+ index), tokenizer files")
+    parser.add_argument("--out", required=True, help="output folder (created; must not hold a checkpoint unless --force)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="parameter dtype to store (default: float32 for float32 checkpoints, else bfloat16)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--verify", action="store_true",
+                        help="run a probe prompt through the converted checkpoint and (if installed) transformers, "
+                             "and fail if the max relative logit difference exceeds the threshold")
+    parser.add_argument("--verify-threshold", type=float, default=None,
+                        help="max relative logit difference for --verify (default 1e-4 float32, 5e-2 bfloat16)")
+    parser.add_argument("--compress", action="store_true",
+                        help="zstd-compress the stored arrays (smaller files, more memory and time while converting)")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary, not per-parameter progress")
+    args = parser.parse_args(argv)
+
+    def log(message: str) -> None:
+        if not args.quiet or not message.startswith("["):
+            print(message, flush=True)
+
+    try:
+        result = convert(args.hf, args.out, args.dtype, force=args.force, log=log, compress=args.compress)
+    except (ConversionError, CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.verify:
+        from checkpoints_convert.verifier import verify
+
+        outcome = verify(args.out, args.hf, result.dtype, args.verify_threshold, log=log)
+        if not outcome.passed:
+            print(f"error: verify failed: max relative logit difference {outcome.max_rel_diff:.3g} > "
+                  f"{outcome.threshold:g} (the converted folder {args.out!r} is kept for inspection)",
+                  file=sys.stderr, flush=True)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
