@@ -14,40 +14,53 @@ Shapes and semantics (shared with the Pallas kernel in `ragged_paged_attention.p
 Query row j of sequence i sits at position kv_lens[i] - q_len_i + j and attends causally to positions
 0 .. kv_lens[i] - q_len_i + j of the same sequence.
 
-How the work is split (so that the cost tracks the real work, not T x the longest sequence)
--------------------------------------------------------------------------------------------
-Sequences are split by their query length; both parts use an online softmax with float32 accumulation
-over KV steps of `kv_pages_per_step` pages (`_KV_STEP_TOKENS` tokens by default):
+How the work is split (the cost tracks the real work, not T x the longest sequence)
+---------------------------------------------------------------------------------
+Every row goes through one of two paths; both run an online softmax (running max / sum / accumulator, all
+float32; K and V are cast to float32 after the gather) over KV steps of whole pages, and both have loop
+counts that depend on the data, so padding rows and padding sequences cost (almost) nothing.
 
-* Prefill sequences (q_len > 1) are cut into query tiles of `block_q` rows that never span two sequences
-  (numbered consecutively, like the Pallas kernel's tiles). A `lax.fori_loop` with a data-dependent trip
-  count runs over the real tiles only; for each tile a nested `fori_loop` walks the tile's sequence pages
-  only up to the causal limit of its last row, and every KV step is read once for all `block_q` rows and
-  all query heads of a KV head's GQA group (the group is folded into the row dimension of the matmul).
-* Decode sequences (q_len == 1) are compacted into a static `[max_num_seqs]` list, sorted by context
-  length (longest first) and processed in groups of `decode_rows` rows (loop count = number of groups with
-  a decode in them); each row gathers its own sequence's pages, and a group's KV loop stops at the
-  longest context in that group.
+* Query tiles (prefill sequences, q_len > 1, with more than `short_kv` KV tokens). Each sequence's rows
+  are cut into tiles of `block_q` rows that never span two sequences (numbered consecutively, like the
+  Pallas kernel's tiles, but from a small helper here because decode and short sequences are left out).
+  A `lax.fori_loop` runs over the real tiles only; per tile, a nested `fori_loop` walks the sequence's
+  pages `kv_pages_per_step` at a time, only up to the causal limit of the tile's last row. Each KV step
+  is gathered once for all rows of the tile, and the GQA group is folded into the rows of the matmul
+  (`[num_kv_heads, block_q * group, head_dim] x [step, num_kv_heads, head_dim]`), so each KV page is read
+  once per tile, not once per query row or query head. The tile reads and writes a window of `block_q`
+  rows (shifted back to stay inside [0, T)) and stores only its own rows.
+* Per-row path (decode rows, q_len == 1, and all rows of prefill sequences with at most `short_kv` KV
+  tokens, for which sharing KV reads does not pay). These rows are compacted into a list sorted by how
+  far they look back (longest first), padded to a static multiple of `row_group` rows, and processed in
+  groups of `row_group` rows by a loop over the occupied groups only. Each row gathers its own sequence's
+  pages; a group's KV loop stops at the longest extent in that group, taking whole steps of the largest
+  size in `row_kv_pages_per_step` while they fit, then smaller ones (so a short group, or the tail of a
+  long one, gathers at most one small step past its longest row). Products are
+  broadcast-multiply-reduce (XLA CPU runs those much faster than a batched matmul of [group, head_dim]
+  slices). Results are scattered to their rows.
 
-Each tile's output is written whole (no mask) into a row buffer in ascending row order, so a tile's rows
-past its sequence's end are overwritten by the next tile; decode and padding rows are selected at the end.
-Scores of positions a row may not see are masked and the values there zeroed, so stale or non-finite data
-in unused cache slots (or block-table entries past a sequence's last page) cannot leak into the output.
+Rows past cu_q_lens[num_seqs] are never written and stay zero. Scores of positions a row may not see are
+masked and the values there zeroed, and page ids are clipped into the cache, so stale or non-finite data in
+unused cache slots (or block-table entries past a sequence's last page, whatever they hold) cannot leak into
+the output. The split sizes are static (module constants below, tuned on a 2-core CPU for tiny-llama-like
+shapes); `_ragged_paged_attention_xla` takes them as arguments (the tests use tiny ones).
 """
 
 from __future__ import annotations
 
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Default static split sizes (tuned on CPU for tiny-llama-like shapes; see the module docstring).
-_BLOCK_Q = 64  # query rows per prefill tile
-_KV_STEP_TOKENS = 128  # KV tokens per loop step (rounded down to whole pages, at least one page)
-_DECODE_ROWS = 32  # per-row path: rows processed together
-_ROW_STEP_TOKENS = 32  # per-row path: KV tokens per loop step
-_SHORT_KV = 64  # prefill sequences with at most this many KV tokens take the per-row path
+# Default static split sizes (see the module docstring). Token counts are rounded down to whole pages (at
+# least one page).
+_BLOCK_Q = 64  # query rows per tile
+_KV_STEP_TOKENS = 64  # KV tokens per step of a tile's loop
+_ROW_GROUP = 32  # rows per group of the per-row path
+_ROW_STEP_TOKENS = (64, 16)  # KV tokens per step of a group's loop: whole large steps, then small ones
+_SHORT_KV = 32  # prefill sequences with at most this many KV tokens take the per-row path
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -67,30 +80,40 @@ def ragged_paged_attention_xla(
     *,
     sm_scale: float | None = None,
 ) -> jax.Array:
-    block_size = jnp.shape(k_pages)[1]
+    """Ragged paged attention in jnp; see the module docstring for the contract and how the work is split."""
+    block_size = max(1, jnp.shape(k_pages)[1])
     return _ragged_paged_attention_xla(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, block_q=_BLOCK_Q, kv_pages_per_step=max(1, _KV_STEP_TOKENS // max(block_size, 1)),
-        decode_rows=_DECODE_ROWS, row_kv_pages_per_step=max(1, _ROW_STEP_TOKENS // max(block_size, 1)),
+        sm_scale=sm_scale,
+        block_q=_BLOCK_Q,
+        kv_pages_per_step=max(1, _KV_STEP_TOKENS // block_size),
+        row_group=_ROW_GROUP,
+        row_kv_pages_per_step=tuple(max(1, t // block_size) for t in _ROW_STEP_TOKENS),
         short_kv=_SHORT_KV,
     )
 
 
-def _online_softmax_step(carry, s, visible, v, precision, pv_spec):
-    """One KV step: s [..., rows, kv] masked scores, v already zeroed where no row may read it."""
+def _online_softmax_step(carry, s, visible, pv):
+    """Folds one KV step into (running max, running sum, accumulator).
+
+    s: [..., rows, step] float32 scores; visible: broadcastable to s; pv(p) -> [..., rows, head_dim], the
+    probabilities times the step's values (which must be zero where no row may read them).
+    """
     m, l, acc = carry
     s = jnp.where(visible, s, _MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
-    l = l * alpha + jnp.sum(p, axis=-1)
-    acc = acc * alpha[..., None] + jnp.einsum(pv_spec, p, v, precision=precision)
-    return m_new, l, acc
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv(p)
+
+
+def _finish(l, acc):
+    return acc / jnp.where(l > 0.0, l, 1.0)[..., None]
 
 
 def _ragged_paged_attention_xla(
     q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, block_q, kv_pages_per_step,
-    decode_rows, row_kv_pages_per_step, short_kv,
+    row_group, row_kv_pages_per_step, short_kv,
 ):
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
     kv_lens = jnp.asarray(kv_lens).astype(jnp.int32)
@@ -109,15 +132,21 @@ def _ragged_paged_attention_xla(
     if num_tokens == 0:
         return jnp.zeros(q.shape, out_dtype)
 
-    pps = int(kv_pages_per_step)
+    pps = max(1, int(kv_pages_per_step))  # pages per KV step of the prefill tiles
+    # Pages per KV step of the per-row path, largest first; each must be a multiple of the next.
+    if isinstance(row_kv_pages_per_step, int):
+        row_kv_pages_per_step = (row_kv_pages_per_step,)
+    row_steps = sorted({max(1, int(x)) for x in row_kv_pages_per_step}, reverse=True)
+    if any(a % b for a, b in zip(row_steps, row_steps[1:])):
+        raise ValueError(f"row_kv_pages_per_step={row_kv_pages_per_step}: each size must be a multiple of the next smaller one")
     step_tokens = pps * block_size
-    padded_blocks = _cdiv(max_blocks, pps) * pps
+    # Pad the block tables so that every KV step of either path reads whole columns.
+    multiple = math.lcm(pps, *row_steps)
+    padded_blocks = _cdiv(max_blocks, multiple) * multiple
     if padded_blocks != max_blocks:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
     # Garbage entries (and any id outside the cache) point at some real page; what they hold is masked.
     block_tables = jnp.clip(block_tables, 0, num_blocks - 1)
-    page_iota = jnp.arange(pps, dtype=jnp.int32)
-    step_iota = jnp.arange(step_tokens, dtype=jnp.int32)
 
     # Per-sequence metadata ([max_num_seqs]).
     seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
@@ -133,7 +162,9 @@ def _ragged_paged_attention_xla(
     row_valid = rows < cu_q_lens[num_seqs]
 
     precision = lax.Precision.HIGHEST
-    qf = q.astype(jnp.float32) * jnp.float32(sm_scale)
+    scale = jnp.float32(sm_scale)
+    # Every valid row is written exactly once, by its tile or its per-row group; padding rows stay zero.
+    out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
 
     # ---------------------------------------------------------------- per-row path
     # Decode rows, and rows of prefill sequences short enough that sharing their KV reads does not pay.
@@ -142,60 +173,64 @@ def _ragged_paged_attention_xla(
     short_seq = is_decode | (is_prefill & (seq_kv <= short_kv))
     per_row = row_valid & short_seq[row_seq]
     num_rows = jnp.sum(per_row).astype(jnp.int32)
-    d_rows = int(max(1, min(decode_rows, num_tokens)))
-    num_groups = _cdiv(num_tokens, d_rows)
+    g_rows = int(max(1, min(row_group, num_tokens)))
+    num_groups = _cdiv(num_tokens, g_rows)
     # Per-row rows first, longest extent first (stable), then everything else.
     order = jnp.argsort(jnp.where(per_row, -row_pos, 1), stable=True).astype(jnp.int32)
-    order = jnp.pad(order, (0, num_groups * d_rows - num_tokens))
-    slot_of_row = jnp.zeros(num_tokens, jnp.int32).at[order[:num_tokens]].set(rows)
-    row_tables = block_tables  # indexed by sequence below
-    rpps = max(1, int(row_kv_pages_per_step))
-    row_step_tokens = rpps * block_size
-    row_step_iota = jnp.arange(row_step_tokens, dtype=jnp.int32)
+    order = jnp.pad(order, (0, num_groups * g_rows - num_tokens))
 
-    def row_group(g, row_out):
-        slot0 = g * d_rows
-        rs = lax.dynamic_slice(order, (slot0,), (d_rows,))
-        live = slot0 + jnp.arange(d_rows, dtype=jnp.int32) < num_rows
-        extent = jnp.where(live, row_pos[rs] + 1, 0)  # [R] positions 0 .. extent - 1 are visible
-        qr = jnp.where(live[:, None, None], qf[rs], 0.0).reshape(d_rows, num_kv_heads, group, head_dim)
-        tables = row_tables[row_seq[rs]]  # [R, padded_blocks]
+    def row_kv_steps(rpps, first, count, qr, extent, seq_tables, carry):
+        """Folds KV steps first .. first + count - 1 of `rpps` pages each into a group's online softmax."""
+        c = rpps * block_size
+        c_iota = jnp.arange(c, dtype=jnp.int32)
+        # [steps, R, rpps]: each step's page ids as one contiguous slab.
+        tables = seq_tables.reshape(g_rows, -1, rpps).transpose(1, 0, 2)
 
         def kv_step(b, carry):
-            pages = lax.dynamic_slice_in_dim(tables, b * rpps, rpps, axis=1)  # [R, rpps]
-            pos = b * row_step_tokens + row_step_iota
-            vis = pos[None, :] < extent[:, None]  # [R, C]
-            k = k_pages[pages].astype(jnp.float32).reshape(d_rows, row_step_tokens, num_kv_heads, head_dim)
-            v = v_pages[pages].astype(jnp.float32).reshape(d_rows, row_step_tokens, num_kv_heads, head_dim)
+            pages = tables[b]  # [R, rpps]
+            vis = (b * c + c_iota)[None, :] < extent[:, None]  # [R, C]
+            k = k_pages[pages].astype(jnp.float32).reshape(g_rows, c, num_kv_heads, head_dim)
+            v = v_pages[pages].astype(jnp.float32).reshape(g_rows, c, num_kv_heads, head_dim)
             v = jnp.where(vis[:, :, None, None], v, 0.0)
             # Broadcast-multiply-reduce: XLA CPU runs these per-row products much faster than a batched dot.
             s = jnp.sum(qr[:, None] * k[:, :, :, None, :], axis=-1).transpose(0, 2, 3, 1)  # [R, H, G, C]
-            m, l, acc = carry
-            visible = vis[:, None, None, :]
-            s = jnp.where(visible, s, _MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l = l * alpha + jnp.sum(p, axis=-1)
-            pv = jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :], axis=1)  # [R, H, G, D]
-            return m_new, l, acc * alpha[..., None] + pv
+            # [R, H, G, D]
+            pv = lambda p: jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :], axis=1)
+            return _online_softmax_step(carry, s, vis[:, None, None, :], pv)
 
-        init = (
-            jnp.full((d_rows, num_kv_heads, group), _MASK_VALUE, jnp.float32),
-            jnp.zeros((d_rows, num_kv_heads, group), jnp.float32),
-            jnp.zeros((d_rows, num_kv_heads, group, head_dim), jnp.float32),
+        return lax.fori_loop(first, first + count, kv_step, carry)
+
+    def process_row_group(g, out):
+        slot0 = g * g_rows
+        rs = lax.dynamic_slice(order, (slot0,), (g_rows,))
+        live = slot0 + jnp.arange(g_rows, dtype=jnp.int32) < num_rows
+        extent = jnp.where(live, row_pos[rs] + 1, 0)  # [R] positions 0 .. extent - 1 are visible
+        qr = jnp.where(live[:, None, None], q[rs].astype(jnp.float32) * scale, 0.0)
+        qr = qr.reshape(g_rows, num_kv_heads, group, head_dim)
+        seq_tables = block_tables[row_seq[rs]]  # [R, padded_blocks]
+        carry = (
+            jnp.full((g_rows, num_kv_heads, group), _MASK_VALUE, jnp.float32),
+            jnp.zeros((g_rows, num_kv_heads, group), jnp.float32),
+            jnp.zeros((g_rows, num_kv_heads, group, head_dim), jnp.float32),
         )
-        _, l, acc = lax.fori_loop(0, _cdiv(jnp.max(extent), row_step_tokens), kv_step, init)
-        o = (acc / jnp.where(l > 0.0, l, 1.0)[..., None]).reshape(d_rows, num_q_heads, head_dim)
-        return lax.dynamic_update_slice(row_out, o, (slot0, 0, 0))
+        # Largest steps first while whole ones fit, then smaller ones; the smallest covers the rest.
+        max_extent, done = jnp.max(extent), jnp.int32(0)  # done: tokens covered so far
+        for i, rpps in enumerate(row_steps):
+            c = rpps * block_size
+            count = _cdiv(max_extent - done, c) if i == len(row_steps) - 1 else (max_extent - done) // c
+            carry = row_kv_steps(rpps, done // c, count, qr, extent, seq_tables, carry)
+            done = done + count * c
+        o = _finish(carry[1], carry[2]).reshape(g_rows, num_q_heads, head_dim)
+        # Rows of dead slots go to distinct out-of-range indices and are dropped.
+        dest = jnp.where(live, rs, num_tokens + jnp.arange(g_rows, dtype=jnp.int32))
+        return out.at[dest].set(o, mode="drop", unique_indices=True)
 
-    row_out = jnp.zeros((num_groups * d_rows, num_q_heads, head_dim), jnp.float32)
-    row_out = lax.fori_loop(0, _cdiv(num_rows, d_rows), row_group, row_out)
+    out = lax.fori_loop(0, _cdiv(num_rows, g_rows), process_row_group, out)
 
     # ---------------------------------------------------------------- prefill tiles
     bq = int(max(1, min(block_q, num_tokens)))
-    # Every prefill sequence has >= 2 rows, so there are at most T // 2 of them and at most T // 2 tiles.
-    max_tiles = max(1, min(_cdiv(num_tokens, bq) + min(max_num_seqs, num_tokens // 2), num_tokens // 2))
+    # Each tiled sequence has >= 2 rows (so there are at most T // 2 of them) and at most one partial tile.
+    max_tiles = max(1, min(_cdiv(num_tokens, bq) + min(max_num_seqs, num_tokens // 2), num_tokens))
     tiles_per_seq = jnp.where(is_prefill & ~short_seq, _cdiv(q_lens, bq), 0)
     tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
     num_tiles = tile_end[-1]
@@ -203,19 +238,26 @@ def _ragged_paged_attention_xla(
     t_seq = jnp.minimum(jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32), max_num_seqs - 1)
     t_local = (t - (tile_end[t_seq] - tiles_per_seq[t_seq])) * bq  # first row of the tile within its sequence
     t_row0 = cu_q_lens[t_seq] + t_local
+    t_rows = jnp.minimum(bq, q_lens[t_seq] - t_local)  # rows of the tile that belong to it
     t_kv = seq_kv[t_seq]
     t_pos0 = t_kv - q_lens[t_seq] + t_local  # position of the tile's first row
-    t_kv_end = jnp.clip(t_pos0 + jnp.minimum(bq, q_lens[t_seq] - t_local), 0, t_kv)
+    t_kv_end = jnp.clip(t_pos0 + t_rows, 0, t_kv)
+    # The tile reads and writes the window of bq rows starting at t_start, shifted back from t_row0 where
+    # needed to stay inside [0, T); its own rows are window rows t_off .. t_off + t_rows - 1.
+    t_start = jnp.minimum(t_row0, num_tokens - bq)
+    t_off = t_row0 - t_start
 
-    q_pad = jnp.pad(qf, ((0, bq), (0, 0), (0, 0)))
-    # Row r of a tile's [bq * group] matrix is query row r // group.
-    row_pos_off = jnp.repeat(jnp.arange(bq, dtype=jnp.int32), group)
+    step_iota = jnp.arange(step_tokens, dtype=jnp.int32)
+    window_iota = jnp.arange(bq, dtype=jnp.int32)
+    # Row r of a tile's [bq * group] matrix is window row r // group.
+    matrix_row = jnp.repeat(window_iota, group)
 
-    def prefill_tile(i, pre_out):
-        seq, row0, kv_len, pos0, kv_end = t_seq[i], t_row0[i], t_kv[i], t_pos0[i], t_kv_end[i]
-        qt = lax.dynamic_slice_in_dim(q_pad, row0, bq, axis=0).reshape(bq, num_kv_heads, group, head_dim)
-        qt = qt.transpose(1, 0, 2, 3).reshape(num_kv_heads, bq * group, head_dim)
-        q_pos = pos0 + row_pos_off  # [bq * group]
+    def prefill_tile(i, out):
+        seq, start, off, kv_len, kv_end = t_seq[i], t_start[i], t_off[i], t_kv[i], t_kv_end[i]
+        qt = lax.dynamic_slice_in_dim(q, start, bq, axis=0).astype(jnp.float32) * scale
+        qt = qt.reshape(bq, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+        qt = qt.reshape(num_kv_heads, bq * group, head_dim)
+        q_pos = t_pos0[i] - off + matrix_row  # [bq * group]; rows outside the tile are never stored
         table = block_tables[seq]
 
         def kv_step(b, carry):
@@ -226,7 +268,8 @@ def _ragged_paged_attention_xla(
             v = jnp.where((pos < kv_len)[:, None, None], v, 0.0)
             s = jnp.einsum("hrd,chd->hrc", qt, k, precision=precision)
             visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len)  # [bq * group, C]
-            return _online_softmax_step(carry, s, visible, v, precision, "hrc,chd->hrd")
+            pv = lambda p: jnp.einsum("hrc,chd->hrd", p, v, precision=precision)
+            return _online_softmax_step(carry, s, visible, pv)
 
         init = (
             jnp.full((num_kv_heads, bq * group), _MASK_VALUE, jnp.float32),
@@ -234,16 +277,11 @@ def _ragged_paged_attention_xla(
             jnp.zeros((num_kv_heads, bq * group, head_dim), jnp.float32),
         )
         _, l, acc = lax.fori_loop(0, _cdiv(kv_end, step_tokens), kv_step, init)
-        o = acc / jnp.where(l > 0.0, l, 1.0)[..., None]
-        o = o.reshape(num_kv_heads, bq, group, head_dim).transpose(1, 0, 2, 3).reshape(bq, num_q_heads, head_dim)
-        return lax.dynamic_update_slice_in_dim(pre_out, o, row0, axis=0)
+        o = _finish(l, acc).reshape(num_kv_heads, bq, group, head_dim).transpose(1, 0, 2, 3)
+        o = o.reshape(bq, num_q_heads, head_dim)
+        mine = (window_iota >= off) & (window_iota < off + t_rows[i])
+        old = lax.dynamic_slice_in_dim(out, start, bq, axis=0)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None, None], o, old), start, axis=0)
 
-    pre_out = jnp.zeros((num_tokens + bq, num_q_heads, head_dim), jnp.float32)
-    pre_out = lax.fori_loop(0, num_tiles, prefill_tile, pre_out)
-
-    # ---------------------------------------------------------------- assemble
-    out = jnp.where(
-        per_row[:, None, None], row_out[slot_of_row],
-        jnp.where(row_valid[:, None, None], pre_out[:num_tokens], 0.0),
-    )
+    out = lax.fori_loop(0, num_tiles, prefill_tile, out)
     return out.astype(out_dtype)
