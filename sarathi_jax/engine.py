@@ -8,6 +8,7 @@ sequences' KV blocks. The engine is driven by one thread; servers hand it work t
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +54,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
         self.config = config
         dtype = jnp.dtype(config.dtype)
-        self.model_config, params = load_model(config.model, dtype, seed=config.seed)
+        self.parallel_plan = None  # sarathi_jax.parallel.ParallelPlan when tensor/pipeline parallel
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
+
+            self.parallel_plan, self.model_config, params = load_parallel_model(
+                config.model, dtype, config.seed, config.tensor_parallel_size, config.pipeline_parallel_size
+            )
+        else:
+            self.model_config, params = load_model(config.model, dtype, seed=config.seed)
         self.tokenizer: Tokenizer | None = load_tokenizer(config.model) if Path(config.model).is_dir() else None
         mc = self.model_config
 
@@ -92,9 +101,11 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_step_tokens=max_step_tokens,
+            plan=self.parallel_plan,
         )
         if warmup:
             self.runner.warmup()
+        self._in_flight_steps: deque = deque()  # pipeline parallelism: (output, pending step, start time)
 
         self._requests: dict[str, _RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step()
@@ -174,6 +185,8 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- one iteration
 
     def step(self) -> list[RequestOutput]:
+        if self.config.pipeline_parallel_size > 1:
+            return self._step_pipelined()
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         for seq in sched.rejected:
@@ -203,6 +216,71 @@ class LLMEngine:
                 del self._requests[chunk.seq.seq_id]
         self._record_iteration(sched, start, now)
         return outputs
+
+    # ----------------------------------------------------------------------------------- pipeline parallelism
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """One call with pipeline_parallel_size = pp > 1: schedule and dispatch a new micro-batch without
+        waiting (the scheduler never picks a sequence that is still in flight), then retire the oldest
+        micro-batch only when pp are in flight or nothing new could be scheduled; the outputs are those of the
+        micro-batch retired by this call, if any. So stage k runs micro-batch i while stage k+1 runs i-1."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        for seq in sched.rejected:
+            state = self._requests.pop(seq.seq_id)
+            seq.metrics.finished_time = time.monotonic()
+            outputs.append(self._make_output(state))
+        if sched.chunks:
+            start = time.monotonic()
+            for chunk in sched.chunks:
+                if chunk.seq.metrics.first_scheduled_time is None:
+                    chunk.seq.metrics.first_scheduled_time = start
+            pending = self.runner.submit(sched.chunks, [self._sampling_row(chunk.seq) for chunk in sched.chunks])
+            self._in_flight_steps.append((sched, pending, start))
+        if not self._in_flight_steps or (
+            sched.chunks and len(self._in_flight_steps) < self.config.pipeline_parallel_size
+        ):
+            return outputs
+
+        sched, pending, start = self._in_flight_steps.popleft()
+        sampled = pending.result()
+        self.scheduler.on_step_done(sched)
+        now = time.monotonic()
+        for i, chunk in enumerate(sched.chunks):
+            if not chunk.needs_sample:
+                continue
+            state = self._requests.get(chunk.seq.seq_id)
+            if state is None:  # aborted while its micro-batch was in flight
+                continue
+            self._append_token(state, sampled, i, now)
+            outputs.append(self._make_output(state))
+            if state.seq.status == SequenceStatus.FINISHED:
+                del self._requests[chunk.seq.seq_id]
+        self._record_iteration(sched, start, now)  # duration: dispatch to retirement (overlaps others)
+        return outputs
+
+    def pipeline_stats(self) -> dict:
+        """Pipeline accounting since start (or `reset_pipeline_stats`): `bubble_fraction`
+        (1 - busy / (stages x wall)), `stage_busy_s`, `wall_s`, `num_microbatches`, `max_in_flight` (most
+        micro-batches dispatched and not yet retired at once) and `max_overlap` (most whose device work
+        overlapped in time). See `sarathi_jax.parallel.pipeline`. With pipeline_parallel_size 1 nothing is
+        measured: bubble_fraction is None."""
+        timeline = self.runner.timeline
+        if timeline is None:
+            return {"num_stages": 1, "num_microbatches": len(self.iteration_log),
+                    "max_in_flight": min(1, len(self.iteration_log)), "bubble_fraction": None}
+        return timeline.stats()
+
+    def reset_pipeline_stats(self) -> None:
+        if self.runner.timeline is not None:
+            self.runner.timeline.reset()
+
+    @property
+    def max_microbatches_in_flight(self) -> int:
+        timeline = self.runner.timeline
+        return timeline.max_in_flight if timeline is not None else min(1, len(self.iteration_log))
+
+    # ----------------------------------------------------------------------------------- sampling rows
 
     def _sampling_row(self, seq: Sequence) -> tuple:
         state = self._requests[seq.seq_id]

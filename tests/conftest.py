@@ -17,6 +17,14 @@ torch and transformers are imported inside the fixture: tests that use it fail (
 
 from __future__ import annotations
 
+import os
+
+# 8 virtual CPU devices for the tensor/pipeline-parallel tests (tests/sarathi_jax/parallel). Must be set before
+# JAX initialises its backends; single-device code keeps using device 0 (the default device).
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
+
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -114,6 +122,77 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
         if name not in built:
             folder = tmp_path_factory.mktemp(f"hf-{name}")
             _build_hf_checkpoint(name, folder, seed=sorted(HF_CHECKPOINT_SPECS).index(name))
+            built[name] = folder
+        return built[name]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------- Falcon
+
+# Tiny random FalconForCausalLM checkpoints (`falcon_checkpoint(name) -> Path`), float32, saved *sharded*
+# (max_shard_size 40KB -> several safetensors files and an index). hidden 64, 4 heads (head_dim 16), 2 layers,
+# vocab 256, ffn 128. Every weight is re-drawn (LayerNorm biases too), as for `hf_checkpoint`.
+#
+#     falcon-new   new_decoder_architecture=True (Falcon-40B/180B): GQA 4:2, separate ln_attn / ln_mlp,
+#                  bias=True, untied LM head, with tokenizer.json
+#     falcon-7b    7B style: new_decoder_architecture=False, multi_query=True (one K/V head), parallel_attn,
+#                  one input_layernorm, no bias, tied LM head
+#     falcon-seq   old layout without multi-query (interleaved [heads, 3, head_dim] fused QKV) and sequential
+#                  (parallel_attn=False) layers with post_attention_layernorm
+_FALCON_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_hidden_size=128,
+    max_position_embeddings=1024,
+    layer_norm_epsilon=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (config kwargs, write a tokenizer)
+FALCON_CHECKPOINT_SPECS: dict[str, tuple[dict[str, Any], bool]] = {
+    "falcon-new": (dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, tie_word_embeddings=False), True),
+    "falcon-7b": (dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False), False),
+    "falcon-seq": (dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True), False),
+}
+
+
+def _build_falcon_checkpoint(name: str, folder: Path, seed: int) -> None:
+    import torch
+    import transformers
+
+    config_kwargs, with_tokenizer = FALCON_CHECKPOINT_SPECS[name]
+    config = transformers.FalconConfig(**{**_FALCON_COMMON, **config_kwargs})
+    torch.manual_seed(1000 + seed)
+    model = transformers.FalconForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            is_norm_weight = param_name.endswith("weight") and any(
+                part in param_name for part in ("ln_attn", "ln_mlp", "layernorm", "ln_f")
+            )
+            if is_norm_weight:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, max_shard_size="40KB")
+    if with_tokenizer:
+        write_tiny_tokenizer(folder, config.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def falcon_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: `falcon_checkpoint("falcon-new")` -> folder of that tiny sharded Falcon checkpoint."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in FALCON_CHECKPOINT_SPECS:
+            raise KeyError(f"unknown Falcon test checkpoint {name!r}; have {sorted(FALCON_CHECKPOINT_SPECS)}")
+        if name not in built:
+            folder = tmp_path_factory.mktemp(f"hf-{name}")
+            _build_falcon_checkpoint(name, folder, seed=sorted(FALCON_CHECKPOINT_SPECS).index(name))
             built[name] = folder
         return built[name]
 

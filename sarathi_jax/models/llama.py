@@ -192,6 +192,11 @@ class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention_xla
+    # Pipeline-stage hook (None: the whole model). `(start, end)` runs layers start..end-1 only, with one KV
+    # cache per layer run. A stage with start > 0 takes hidden states `[T, embed]` in place of `token_ids`;
+    # a stage with end < num_hidden_layers returns `(hidden states, kv_caches)` instead of logits.
+    # Parameter names stay global (`layers_{i}`): a stage applies to its slice of the parameter tree.
+    layer_range: tuple[int, int] | None = None
 
     @nn.compact
     def __call__(
@@ -203,23 +208,30 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: jax.Array,
     ) -> tuple[jax.Array, list[KVCache]]:
         c = self.config
-        if len(kv_caches) != c.num_hidden_layers:
-            raise ValueError(f"got {len(kv_caches)} KV caches for {c.num_hidden_layers} layers")
-        embedding = self.param(
-            "embed_tokens", _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
-        )
-        x = jnp.take(embedding, token_ids, axis=0)
+        start, end = self.layer_range or (0, c.num_hidden_layers)
+        if not 0 <= start < end <= c.num_hidden_layers:
+            raise ValueError(f"layer_range {self.layer_range} is not a non-empty range of {c.num_hidden_layers} layers")
+        if len(kv_caches) != end - start:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {end - start} layers")
+        is_last = end == c.num_hidden_layers
+        if start == 0 or (is_last and c.tie_word_embeddings):
+            embedding = self.param(
+                "embed_tokens", _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
+            )
+        x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids
 
         # RoPE angles once per step, shared by all layers.
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
 
         new_kv_caches: list[KVCache] = []
-        for i in range(c.num_hidden_layers):
+        for i in range(start, end):
             x, kv_cache = DecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}")(
-                x, cos, sin, kv_caches[i], metadata
+                x, cos, sin, kv_caches[i - start], metadata
             )
             new_kv_caches.append(kv_cache)
+        if not is_last:
+            return x, new_kv_caches
 
         # Only the rows that sample go through the final norm and the LM head.
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="norm")(x[logits_indices])

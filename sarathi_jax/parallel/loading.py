@@ -1,0 +1,55 @@
+"""Restoring a model straight into its shards: each device receives only its part of each tensor.
+
+`load_parallel_model` reads just the config first (the split is checked before any weight is read), then
+calls `sarathi_jax.models.load_model(..., shardings=...)` with one target `NamedSharding` per parameter leaf
+(each on its pipeline stage's sub-mesh). That loader places leaf by leaf: an HF safetensors folder is
+streamed tensor by tensor and `device_put` with the leaf's sharding (host memory about one tensor, no device
+ever holds a full copy of a sharded tensor), an Orbax folder (`checkpoints_convert`) is restored shard by
+shard, and a preset's seeded weights are drawn on the host CPU and then placed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sarathi_jax.models import PRESETS, ModelConfig, load_model
+from sarathi_jax.models.loader import is_orbax_checkpoint
+
+
+def load_model_config(name_or_path: str | os.PathLike[str]) -> ModelConfig:
+    """The `ModelConfig` of a preset, HF folder or converted (Orbax) folder, without reading weights."""
+    name = os.fspath(name_or_path)
+    if name in PRESETS:
+        return PRESETS[name]
+    if os.path.isdir(name):
+        if is_orbax_checkpoint(name):
+            from sarathi_jax.models.loader import read_checkpoint_marker
+
+            read_checkpoint_marker(name)  # an interrupted conversion fails here, as in load_model
+        return ModelConfig.from_pretrained(name)
+    raise ValueError(f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")
+
+
+def load_parallel_model(
+    name_or_path: str | os.PathLike[str],
+    dtype: Any,
+    seed: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+) -> tuple[Any, ModelConfig, Any]:
+    """`(plan, model_config, params)` for a parallel engine: start multi-host JAX if the SARATHI_* variables
+    ask for it, read the config, check the split (ValueError before any weight is read), then restore the
+    weights straight into their shards (in the checkpoint's layout: replicated KV heads are expanded by the
+    runner when it places them)."""
+    from sarathi_jax.parallel.distributed import initialize_distributed_from_env
+    from sarathi_jax.parallel.plan import make_plan
+
+    initialize_distributed_from_env()
+    config = load_model_config(name_or_path)
+    plan = make_plan(config, tensor_parallel_size, pipeline_parallel_size)
+    loaded_config, params = load_model(
+        name_or_path, dtype, seed=seed, shardings=plan.param_shardings(for_loading=True)
+    )
+    assert loaded_config == config
+    return plan, config, params

@@ -1,0 +1,36 @@
+"""One process of the loopback multi-process test (test_multihost_loopback): SARATHI_* variables in the
+environment, argv = model_dir tp pp prompts_json; prints `RESULT <json tokens>` on success."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from sarathi_jax.parallel import initialize_distributed_from_env
+
+initialize_distributed_from_env()  # before anything touches a JAX backend
+
+from sarathi_jax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    model_dir, tp, pp, prompts_json, max_tokens = sys.argv[1:6]
+    engine = LLMEngine(EngineConfig(
+        model=model_dir, token_budget=16, max_num_seqs=4, block_size=16, num_blocks=48, max_model_len=128,
+        tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp),
+    ), warmup=False)
+    params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True)
+    pending = list(enumerate(json.loads(prompts_json)))
+    tokens: dict[str, list[int]] = {}
+    while pending or engine.has_unfinished_requests():  # every process runs the same loop on the same requests
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.token_ids)
+    print("RESULT " + json.dumps(tokens, sort_keys=True), flush=True)
+
+
+if __name__ == "__main__":
+    main()
