@@ -180,50 +180,18 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending_outputs)
+        return bool(self._requests or self._pending_outputs or self._in_flight_steps)
 
     # ----------------------------------------------------------------------------------- one iteration
 
     def step(self) -> list[RequestOutput]:
-        if self.config.pipeline_parallel_size > 1:
-            return self._step_pipelined()
-        outputs, self._pending_outputs = self._pending_outputs, []
-        sched = self.scheduler.schedule()
-        for seq in sched.rejected:
-            state = self._requests.pop(seq.seq_id)
-            seq.metrics.finished_time = time.monotonic()
-            outputs.append(self._make_output(state))
-        if not sched.chunks:
-            return outputs
+        """Schedule and dispatch one batch, then retire the oldest batch in flight.
 
-        start = time.monotonic()
-        for chunk in sched.chunks:
-            if chunk.seq.metrics.first_scheduled_time is None:
-                chunk.seq.metrics.first_scheduled_time = start
-        sampled = self.runner.execute(sched.chunks, [self._sampling_row(chunk.seq) for chunk in sched.chunks])
-        self.scheduler.on_step_done(sched)
-        now = time.monotonic()
-
-        for i, chunk in enumerate(sched.chunks):
-            if not chunk.needs_sample:
-                continue
-            state = self._requests.get(chunk.seq.seq_id)
-            if state is None:  # aborted while its step was in flight (pipeline parallelism)
-                continue
-            self._append_token(state, sampled, i, now)
-            outputs.append(self._make_output(state))
-            if state.seq.status == SequenceStatus.FINISHED:
-                del self._requests[chunk.seq.seq_id]
-        self._record_iteration(sched, start, now)
-        return outputs
-
-    # ----------------------------------------------------------------------------------- pipeline parallelism
-
-    def _step_pipelined(self) -> list[RequestOutput]:
-        """One call with pipeline_parallel_size = pp > 1: schedule and dispatch a new micro-batch without
-        waiting (the scheduler never picks a sequence that is still in flight), then retire the oldest
-        micro-batch only when pp are in flight or nothing new could be scheduled; the outputs are those of the
-        micro-batch retired by this call, if any. So stage k runs micro-batch i while stage k+1 runs i-1."""
+        With pipeline_parallel_size = pp > 1 up to pp micro-batches are in flight: a new one is dispatched
+        without waiting (the scheduler never picks a sequence still in flight), and the oldest is retired only
+        when pp are in flight or nothing new could be scheduled, so stage k runs micro-batch i while stage
+        k+1 runs i-1. With pp = 1 every batch is retired by the call that dispatched it.
+        """
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         for seq in sched.rejected:
@@ -256,8 +224,11 @@ class LLMEngine:
             outputs.append(self._make_output(state))
             if state.seq.status == SequenceStatus.FINISHED:
                 del self._requests[chunk.seq.seq_id]
-        self._record_iteration(sched, start, now)  # duration: dispatch to retirement (overlaps others)
+        # Under pp > 1 the duration runs from dispatch to retirement and overlaps other micro-batches.
+        self._record_iteration(sched, start, now)
         return outputs
+
+    # ----------------------------------------------------------------------------------- pipeline parallelism
 
     def pipeline_stats(self) -> dict:
         """Pipeline accounting since start (or `reset_pipeline_stats`): `bubble_fraction`
