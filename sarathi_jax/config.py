@@ -23,6 +23,9 @@ class EngineConfig:
     max_num_batched_tokens: whole-prompt policies (vllm, orca, ...): most tokens per batch.
     watermark: fraction of KV blocks kept free when admitting new requests.
     seed: seeds preset weights and the per-request seeds of unseeded sampled requests.
+    tensor_parallel_size: devices per pipeline stage; heads, KV heads and MLP columns are split over them.
+    pipeline_parallel_size: contiguous layer stages, each on its own sub-mesh, with up to this many
+        micro-batches in flight (see docs/parallelism.md).
     """
 
     model: str = "tiny-llama"

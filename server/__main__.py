@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None, help="xla or pallas")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="devices per pipeline stage")
+    p.add_argument("--pipeline-parallel-size", type=int, default=None, help="pipeline stages")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="refuse (RESOURCE_EXHAUSTED) beyond this many requests waiting for their first token")
     p.add_argument("--max-waiting-prompt-tokens", type=int, default=DEFAULT_MAX_WAITING_PROMPT_TOKENS,
@@ -47,7 +49,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     overrides = {}
     for name in ("token_budget", "scheduler", "max_num_seqs", "block_size", "num_blocks", "max_model_len",
-                 "attention_backend", "dtype", "seed"):
+                 "attention_backend", "dtype", "seed", "tensor_parallel_size", "pipeline_parallel_size"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
