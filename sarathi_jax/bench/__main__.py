@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import math
 import sys
 import time
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-seed", type=int, default=None, help="EngineConfig.seed (preset weights)")
     g.add_argument("--simulate", action="store_true",
                    help="use SimulatedEngine (real schedulers, cost model, virtual clock) instead of LLMEngine")
+    g.add_argument("--cost-model", default=None, metavar="PATH",
+                   help="--simulate: a cost model calibrated on the real runner (JSON written by "
+                        "`python -m sarathi_jax.bench.step_cost --mode calibrate --cost-model-out PATH`) "
+                        "instead of the simulator's default")
     g.add_argument("--endpoint", default=None, metavar="HOST:PORT",
                    help="drive a running server through server/loadgen.py instead of an in-process engine")
 
@@ -171,7 +176,16 @@ def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
     return kw
 
 
-def default_engine_factory(simulate: bool) -> Callable[[dict], Any]:
+def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -> Callable[[dict], Any]:
+    cost_model = None
+    if cost_model_path:
+        from sarathi_jax.bench.step_cost import BucketCostModel
+
+        try:
+            cost_model = BucketCostModel.load(cost_model_path)
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise BenchError(f"--cost-model {cost_model_path}: {type(e).__name__}: {e}") from None
+
     def make(kwargs: dict) -> Any:
         from sarathi_jax.config import EngineConfig
 
@@ -181,7 +195,7 @@ def default_engine_factory(simulate: bool) -> Callable[[dict], Any]:
                 import sarathi_jax.simulator  # noqa: F401
             except ImportError as e:
                 raise BenchError(f"--simulate needs sarathi_jax.simulator, which is not importable: {e}")
-            return make_simulated_engine(config)
+            return make_simulated_engine(config, cost_model=cost_model)
         try:
             import sarathi_jax.engine  # noqa: F401
         except ImportError as e:
@@ -307,7 +321,9 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
     quiet = args.quiet
     workload = build_workload(args)
     configs = run_configs(args)
-    factory = engine_factory or default_engine_factory(args.simulate)
+    if args.cost_model and not args.simulate:
+        raise BenchError("--cost-model is for the simulator: add --simulate")
+    factory = engine_factory or default_engine_factory(args.simulate, args.cost_model)
 
     runs: list[RunResult] = []
     capacities: dict[str, CapacityResult] = {}
@@ -403,6 +419,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
             "slo_ttft": args.slo_ttft,
             "decode_only_iteration_time": decode_time,
             "simulate": args.simulate,
+            "cost_model": args.cost_model,
         }
         paths = []
         for r in runs:

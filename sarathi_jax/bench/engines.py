@@ -13,15 +13,22 @@ def make_llm_engine(config: Any) -> Any:
     return LLMEngine(config)
 
 
-def make_simulated_engine(config: Any) -> Any:
+# Policies whose batches never exceed the token budget (as in sarathi_jax.engine): the runner's largest
+# bucket is the budget; the others' is max(budget, max_num_batched_tokens or max_model_len).
+_CHUNKING_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only")
+
+
+def make_simulated_engine(config: Any, cost_model: Any = None) -> Any:
     """A SimulatedEngine sized like the LLMEngine that `config` would build: same scheduler settings, same
     number of KV blocks (from the model's shape and kv_cache_bytes unless num_blocks is given), same
-    max_model_len rule. The cost model is the simulator's default (it does not model this CPU)."""
+    max_model_len rule. `cost_model`: None for the simulator's default (it does not model this CPU), or a
+    calibrated one such as `step_cost.BucketCostModel`; one with `with_buckets` is given the token buckets
+    the real engine would pad this configuration's batches to."""
     from sarathi_jax.simulator import SimulatedEngine
 
     for name in ("from_engine_config", "from_config"):
         ctor = getattr(SimulatedEngine, name, None)
-        if callable(ctor):
+        if callable(ctor) and cost_model is None:
             return ctor(config)
 
     import os
@@ -51,4 +58,12 @@ def make_simulated_engine(config: Any) -> Any:
         tile_size=config.tile_size,
         watermark=config.watermark,
     )
-    return SimulatedEngine(sc, num_blocks, config.block_size)
+    if cost_model is not None and callable(getattr(cost_model, "with_buckets", None)):
+        from sarathi_jax.model_runner import token_buckets
+
+        if config.scheduler in _CHUNKING_POLICIES:
+            max_step_tokens = config.token_budget
+        else:
+            max_step_tokens = max(config.token_budget, config.max_num_batched_tokens or max_model_len)
+        cost_model = cost_model.with_buckets(token_buckets(max_step_tokens))
+    return SimulatedEngine(sc, num_blocks, config.block_size, cost_model=cost_model)
