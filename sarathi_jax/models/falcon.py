@@ -47,10 +47,9 @@ from sarathi_jax.models.llama import (
     INIT_STD,
     AttentionFn,
     Projection,
-    _weight_init,
     apply_rope,
     dummy_inputs,
-    rope_inv_freq,
+    paged_decoder_forward,
 )
 
 ARCHITECTURES = FALCON_ARCHITECTURES
@@ -176,39 +175,12 @@ class FalconForCausalLM(nn.Module):
         logits_indices: jax.Array,
     ) -> tuple[jax.Array, list[KVCache]]:
         c = self.config
-        start, end = self.layer_range or (0, c.num_hidden_layers)
-        if not 0 <= start < end <= c.num_hidden_layers:
-            raise ValueError(f"layer_range {self.layer_range} is not a non-empty range of {c.num_hidden_layers} layers")
-        if len(kv_caches) != end - start:
-            raise ValueError(f"got {len(kv_caches)} KV caches for {end - start} layers")
-        is_last = end == c.num_hidden_layers
-        if start == 0 or (is_last and c.tie_word_embeddings):
-            embedding = self.param(
-                "word_embeddings", _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
-            )
-        x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids
-
-        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-
-        new_kv_caches: list[KVCache] = []
-        for i in range(start, end):
-            x, kv_cache = FalconDecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}")(
-                x, cos, sin, kv_caches[i - start], metadata
-            )
-            new_kv_caches.append(kv_cache)
-        if not is_last:
-            return x, new_kv_caches
-
-        h = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name="ln_f")(x[logits_indices])
-        if c.tie_word_embeddings:
-            logits = jnp.einsum("se,ve->sv", h, embedding, preferred_element_type=jnp.float32)
-        else:
-            lm_head = self.param(
-                "lm_head", _weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), self.dtype
-            )
-            logits = jnp.einsum("se,ev->sv", h, lm_head, preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32), new_kv_caches
+        return paged_decoder_forward(
+            self, token_ids, positions, kv_caches, metadata, logits_indices,
+            embedding_name="word_embeddings",
+            make_layer=lambda i: FalconDecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}"),
+            make_final_norm=lambda: LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name="ln_f"),
+        )
 
 
 def get_model(config: ModelConfig, dtype: Any = jnp.float32, attention_fn: AttentionFn | None = None) -> FalconForCausalLM:

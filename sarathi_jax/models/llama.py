@@ -182,6 +182,60 @@ class DecoderLayer(nn.Module):
         return x, kv_cache
 
 
+def paged_decoder_forward(
+    module: nn.Module,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv_caches: list[KVCache],
+    metadata: AttentionMetadata,
+    logits_indices: jax.Array,
+    *,
+    embedding_name: str,
+    make_layer: Callable[[int], nn.Module],
+    make_final_norm: Callable[[], nn.Module],
+) -> tuple[jax.Array, list[KVCache]]:
+    """The body every decoder here shares, called from its compact `__call__`: token embedding, the layers
+    over the paged KV cache, then the final norm and LM head on the `logits_indices` rows only.
+
+    Honours `module.layer_range` (pipeline stages): a stage with start > 0 takes hidden states `[T, embed]` in
+    place of `token_ids`; a stage that does not end the model returns `(hidden states, kv_caches)`.
+    """
+    c: ModelConfig = module.config
+    start, end = module.layer_range or (0, c.num_hidden_layers)
+    if not 0 <= start < end <= c.num_hidden_layers:
+        raise ValueError(f"layer_range {module.layer_range} is not a non-empty range of {c.num_hidden_layers} layers")
+    if len(kv_caches) != end - start:
+        raise ValueError(f"got {len(kv_caches)} KV caches for {end - start} layers")
+    is_last = end == c.num_hidden_layers
+    if start == 0 or (is_last and c.tie_word_embeddings):
+        embedding = module.param(
+            embedding_name, _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), module.dtype
+        )
+    x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids
+
+    # RoPE angles once per step, shared by all layers.
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    new_kv_caches: list[KVCache] = []
+    for i in range(start, end):
+        x, kv_cache = make_layer(i)(x, cos, sin, kv_caches[i - start], metadata)
+        new_kv_caches.append(kv_cache)
+    if not is_last:
+        return x, new_kv_caches
+
+    # Only the rows that sample go through the final norm and the LM head.
+    h = make_final_norm()(x[logits_indices])
+    if c.tie_word_embeddings:
+        logits = jnp.einsum("se,ve->sv", h, embedding, preferred_element_type=jnp.float32)
+    else:
+        lm_head = module.param(
+            "lm_head", _weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), module.dtype
+        )
+        logits = jnp.einsum("se,ev->sv", h, lm_head, preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32), new_kv_caches
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM over a paged KV cache; see the module docstring and docs/design.md (model contract).
 
@@ -208,41 +262,12 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: jax.Array,
     ) -> tuple[jax.Array, list[KVCache]]:
         c = self.config
-        start, end = self.layer_range or (0, c.num_hidden_layers)
-        if not 0 <= start < end <= c.num_hidden_layers:
-            raise ValueError(f"layer_range {self.layer_range} is not a non-empty range of {c.num_hidden_layers} layers")
-        if len(kv_caches) != end - start:
-            raise ValueError(f"got {len(kv_caches)} KV caches for {end - start} layers")
-        is_last = end == c.num_hidden_layers
-        if start == 0 or (is_last and c.tie_word_embeddings):
-            embedding = self.param(
-                "embed_tokens", _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
-            )
-        x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids
-
-        # RoPE angles once per step, shared by all layers.
-        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-
-        new_kv_caches: list[KVCache] = []
-        for i in range(start, end):
-            x, kv_cache = DecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}")(
-                x, cos, sin, kv_caches[i - start], metadata
-            )
-            new_kv_caches.append(kv_cache)
-        if not is_last:
-            return x, new_kv_caches
-
-        # Only the rows that sample go through the final norm and the LM head.
-        h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="norm")(x[logits_indices])
-        if c.tie_word_embeddings:
-            logits = jnp.einsum("se,ve->sv", h, embedding, preferred_element_type=jnp.float32)
-        else:
-            lm_head = self.param(
-                "lm_head", _weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), self.dtype
-            )
-            logits = jnp.einsum("se,ev->sv", h, lm_head, preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32), new_kv_caches
+        return paged_decoder_forward(
+            self, token_ids, positions, kv_caches, metadata, logits_indices,
+            embedding_name="embed_tokens",
+            make_layer=lambda i: DecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}"),
+            make_final_norm=lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="norm"),
+        )
 
 
 def get_model(config: ModelConfig, dtype: Any = jnp.float32, attention_fn: AttentionFn | None = None) -> LlamaForCausalLM:
