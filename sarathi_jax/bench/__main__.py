@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
     g.add_argument("--attention-backend", default=None, choices=("xla", "pallas"))
     g.add_argument("--engine-seed", type=int, default=None, help="EngineConfig.seed (preset weights)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, help="EngineConfig.tensor_parallel_size")
+    g.add_argument("--pipeline-parallel-size", type=int, default=None,
+                   help="EngineConfig.pipeline_parallel_size; the bubble fraction of each run is printed")
     g.add_argument("--simulate", action="store_true",
                    help="use SimulatedEngine (real schedulers, cost model, virtual clock) instead of LLMEngine")
     g.add_argument("--cost-model", default=None, metavar="PATH",
@@ -167,7 +170,8 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
 def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
     kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"]}
     for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes",
-                 "max_num_batched_tokens", "tile_size", "dtype", "attention_backend"):
+                 "max_num_batched_tokens", "tile_size", "dtype", "attention_backend",
+                 "tensor_parallel_size", "pipeline_parallel_size"):
         v = getattr(args, name)
         if v is not None and not (name in ("max_num_seqs", "max_model_len") and v == 0):
             kw[name] = v
@@ -408,6 +412,11 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
         extra = f" ({args.slo_tbt_multiple:g}x decode-only iteration {fmt_seconds(decode_time)})" if decode_time else ""
         print(f"TBT SLO: {fmt_seconds(slo_tbt)}{extra}")
     print(format_table(runs, capacities))
+    for run in runs:
+        if run.pipeline and run.pipeline.get("bubble_fraction") is not None:
+            p = run.pipeline
+            print(f"[{run.label}] pipeline: bubble fraction {p['bubble_fraction']:.2f} over {p['num_stages']} stages, "
+                  f"max micro-batches in flight {p['max_in_flight']}")
     print(f"stalls: TBTs above {args.stall_factor:g}x the run's median TBT"
           + ("; virtual time (simulator)" if args.simulate else ""))
 

@@ -95,6 +95,7 @@ class RunResult:
     stopped_early: bool = False  # the early-stop condition fired; the remaining requests were aborted
     config: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
+    pipeline: dict | None = None  # engine.pipeline_stats() of the run (bubble fraction) under pipeline parallelism
 
 
 @dataclass
@@ -158,6 +159,8 @@ def run_workload(
     log = getattr(engine, "iteration_log", [])
     log_start = len(log)
     preempt_start = _num_preemptions(engine)
+    if hasattr(engine, "reset_pipeline_stats"):
+        engine.reset_pipeline_stats()  # count bubbles of this run only, not warm-up or earlier runs
     latest: dict[str, Any] = {}
     finished: dict[str, Any] = {}
     add_errors: dict[str, str] = {}
@@ -255,6 +258,7 @@ def run_workload(
         num_preemptions=num_preemptions,
         wall_time=wall,
         stopped_early=stopped,
+        pipeline=engine.pipeline_stats() if hasattr(engine, "pipeline_stats") else None,
     )
 
 
