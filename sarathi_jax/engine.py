@@ -332,12 +332,4 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- introspection
 
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_total_blocks,
-            "kv_cache_usage": bm.num_used_blocks / bm.num_total_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-        }
+        return self.scheduler.stats()

@@ -159,16 +159,7 @@ class SimulatedEngine:
         return outputs
 
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_total_blocks,
-            "kv_cache_usage": bm.num_used_blocks / bm.num_total_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "clock": self.clock,
-        }
+        return {**self.scheduler.stats(), "clock": self.clock}
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         del self._seqs[seq.seq_id]

@@ -163,6 +163,18 @@ class Scheduler:
     def num_preemptions(self) -> int:
         return self._num_preemptions
 
+    def stats(self) -> dict:
+        """Queue and KV-cache occupancy: what engines, servers and benchmarks report."""
+        bm = self.block_manager
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_total_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_total_blocks,
+            "num_preemptions": self.num_preemptions,
+        }
+
     @property
     def running(self) -> tuple[Sequence, ...]:
         """Admitted sequences, earliest arrival first."""
