@@ -4,7 +4,6 @@ on a tiny model."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 
@@ -12,13 +11,6 @@ import pytest
 from bench_fakes import FakeEngine
 
 from sarathi_jax.bench.__main__ import main
-
-
-def has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:
-        return False
 
 
 def check_outputs(out, labels, capacity=False):
@@ -150,7 +142,6 @@ def test_endpoint_hook(tmp_path, capsys, monkeypatch):
     assert "server/loadgen.py" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not has_module("sarathi_jax.simulator"), reason="simulator not available")
 def test_simulate_comparison(tmp_path, capsys):
     rc = main(["--simulate", "--scheduler", "sarathi,vllm", "--token-budget", "256", "--num-requests", "40",
                "--qps", "4", "--prompt-len", "uniform:64:900", "--output-len", "uniform:8:64", "--out", str(tmp_path),
@@ -161,7 +152,6 @@ def test_simulate_comparison(tmp_path, capsys):
     assert all(r["num_completed"] == "40" for r in summary)
 
 
-@pytest.mark.skipif(not has_module("sarathi_jax.engine"), reason="engine not available")
 def test_real_engine_tiny_model(tmp_path, capsys):
     # The smallest real run: tiny-llama (random weights), two compiled buckets (16, 32), four short requests.
     rc = main(["--model", "tiny-llama", "--scheduler", "sarathi", "--token-budget", "32", "--max-num-seqs", "4",

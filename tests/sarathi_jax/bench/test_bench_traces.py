@@ -66,7 +66,6 @@ def test_missing_file(tmp_path):
         load_trace(tmp_path)
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED), reason="shared traces not present")
 def test_shared_traces_load():
     arxiv = load_trace(os.path.join(SHARED, "arxiv_summarization.csv"))
     assert len(arxiv) == 28257 and arxiv.arrivals is None
