@@ -19,16 +19,15 @@ from pallas_kernels import get_attention_fn
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.config import EngineConfig
 from sarathi_jax.model_runner import ModelRunner
-from sarathi_jax.models import ModelConfig, load_model
+from sarathi_jax.models import load_model
 from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
 from sarathi_jax.sampling import MAX_BANNED
 from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
+from sarathi_jax.scheduler import SchedulerOutput, make_scheduler
+from sarathi_jax.sizing import size_engine
 from sarathi_jax.sequence import Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer, load_tokenizer
 
-# Policies that put whole prompts into one batch: their batches can exceed the token budget.
-_CHUNKING_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only")
 
 
 @dataclass
@@ -44,10 +43,6 @@ class _RequestState:
     emitted_tokens: int = 0  # output tokens already reported to the caller
     text_delta: str = ""  # released text not yet reported
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-def _kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 
 class LLMEngine:
@@ -66,31 +61,13 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = load_tokenizer(config.model) if Path(config.model).is_dir() else None
         mc = self.model_config
 
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // _kv_bytes_per_block(mc, config.block_size, dtype))
-        model_limit = mc.max_position_embeddings
-        if mc.sliding_window is not None:
-            model_limit = min(model_limit, mc.sliding_window)  # attention here is full: stay inside the window
-        if config.max_model_len is not None and config.max_model_len > model_limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_limit} tokens")
-        self.max_model_len = min(config.max_model_len or model_limit, num_blocks * config.block_size)
-
-        self.scheduler_config = SchedulerConfig(
-            policy=config.scheduler,
-            token_budget=config.token_budget,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            tile_size=config.tile_size,
-            watermark=config.watermark,
-        )
+        sizing = size_engine(config, mc)
+        num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
+        self.scheduler_config = sizing.scheduler_config
         self.block_manager = BlockManager(
             num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks)
         )
         self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
-        if config.scheduler in _CHUNKING_POLICIES:
-            max_step_tokens = config.token_budget
-        else:
-            max_step_tokens = max(config.token_budget, config.max_num_batched_tokens or self.max_model_len)
         self.runner = ModelRunner(
             mc,
             params,
@@ -100,7 +77,7 @@ class LLMEngine:
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
-            max_step_tokens=max_step_tokens,
+            max_step_tokens=sizing.max_step_tokens,
             plan=self.parallel_plan,
         )
         if warmup:
