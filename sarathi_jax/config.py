@@ -26,6 +26,9 @@ class EngineConfig:
     tensor_parallel_size: devices per pipeline stage; heads, KV heads and MLP columns are split over them.
     pipeline_parallel_size: contiguous layer stages, each on its own sub-mesh, with up to this many
         micro-batches in flight (see docs/parallelism.md).
+    async_scheduling: overlap the host with the device: batch N+1 is scheduled and dispatched before batch
+        N's sampled tokens are fetched, and decodes read their input token on the device (see
+        sarathi_jax/engine_core.py). False: the synchronous loop (dispatch, wait, postprocess), for comparison.
     """
 
     model: str = "tiny-llama"
@@ -44,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +56,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.token_budget % 16:
             raise ValueError(f"token_budget must be a multiple of 16 (the smallest bucket), got {self.token_budget}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -1,8 +1,16 @@
-"""Turns a scheduled batch into padded device arrays and runs one jitted step per iteration.
+"""Turns a scheduled batch into one packed device array and runs the jitted model step and sampler.
 
 Every step runs at one of a few fixed token counts (`buckets`): tile-aligned sizes up to the largest batch
-the scheduler can produce. All of them are compiled by `warmup()`, so serving never compiles again;
-`num_compilations` counts traces of the step function and lets tests check that.
+the scheduler can produce. The sampler is a separate jitted function with one variant per sampling need
+(`sampling.SamplerVariant`: greedy only, sampled, top-k/top-p, logprobs), chosen on the host, so no step
+contains a conditional whose predicate lives on the device (on a GPU that is a host sync mid-step). Every
+bucket and every variant is compiled by `warmup()`, so serving never compiles again; `num_compilations`
+counts traces and lets tests check that.
+
+Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
+settings) go up as one int32 array (`sarathi_jax.step_inputs`), parameters and the KV cache stay on the
+device, and `submit()` returns at once. A pending token (the overlapped loop: a decode scheduled before its
+input token reached the host) is read on the device from the previous step's sampled tokens.
 
 Parallelism (`plan`, see `sarathi_jax.parallel`): the model is cut into `pp` pipeline stages (contiguous
 layer ranges), each one jitted function on its own sub-mesh of `tp` devices, with parameters and the paged KV
@@ -15,6 +23,7 @@ tp = pp = 1) there is one stage on the default device, exactly the single-device
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sarathi_jax.models import AttentionMetadata, ModelConfig, get_model, init_kv_caches
-from sarathi_jax.sampling import SamplerOutput, SamplingArrays, make_sampling_arrays, sample
+from sarathi_jax.models import ModelConfig, get_model, init_kv_caches
+from sarathi_jax.sampling import (
+    SAMPLER_VARIANTS,
+    SamplerOutput,
+    SamplerVariant,
+    make_sampling_arrays,
+    sample,
+    sampler_variant,
+)
 from sarathi_jax.scheduler import ScheduledChunk
+from sarathi_jax.step_inputs import BatchLayout, pack_sampling, unpack_sampling
 
 SMALLEST_BUCKET = 16
 
@@ -79,24 +96,39 @@ class _Stage:
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
 
-class PendingStep:
-    """A dispatched step; `result()` waits for it and returns the host `SamplerOutput` (cached).
-    With `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits `[max_num_seqs, vocab]`
-    on the host after `result()`."""
+def _sample_packed(logits: jax.Array, packed: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
+    return sample(logits, unpack_sampling(packed, logits.shape[0]), variant)
 
-    def __init__(self, out: Any, record: Any = None, timeline: Any = None) -> None:
-        self._out = out
+
+# Module level: engines with the same shapes share the compiled sampler variants.
+_sample_packed_jit = jax.jit(_sample_packed, static_argnames=("variant",))
+
+
+class PendingStep:
+    """A dispatched step; `result()` waits for it and returns the host `SamplerOutput` (cached): token ids,
+    and the logprob arrays when the step's sampler variant computed them (else None). The arrays it will
+    fetch are already being copied to the host as soon as they are ready. With
+    `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits `[max_num_seqs, vocab]` on
+    the host after `result()`."""
+
+    def __init__(self, out: SamplerOutput, want_logprobs: bool, logits: Any = None, record: Any = None,
+                 timeline: Any = None) -> None:
+        self._out: Any = out if want_logprobs else SamplerOutput(out.token_ids, None, None, None)
+        self._device_logits = logits
         self._record = record
         self._timeline = timeline
-        self._result: Any = None
+        self._result: SamplerOutput | None = None
         self.logits: np.ndarray | None = None
+        for leaf in jax.tree.leaves(self._out):
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
 
-    def result(self) -> Any:
+    def result(self) -> SamplerOutput:
         if self._result is None:
             out = jax.tree.map(_to_host, self._out)
-            if isinstance(out, tuple) and not isinstance(out, SamplerOutput):
-                out, self.logits = out
-            self._result, self._out = out, None
+            if self._device_logits is not None:
+                self.logits = _to_host(self._device_logits)
+            self._result, self._out, self._device_logits = out, None, None
             if self._record is not None:
                 self._timeline.retired(self._record)
         return self._result
@@ -141,6 +173,14 @@ class ModelRunner:
         self._capture_logits = False
         for stage in self.stages:
             stage.step = self._make_stage_step(stage)
+        self._sampler_cache_size = _sample_packed_jit._cache_size()  # compiled variants seen at start
+        self._sampler_traces = 0  # sampler variants this runner compiled (others came from the shared cache)
+        # The previous step: its sampled token ids (device) and which row sampled for which sequence, so a
+        # pending input token is read on the device. Pipelines never schedule a sequence in flight, so only
+        # a single stage feeds it back; stage 0 otherwise gets a constant.
+        self._no_tokens = self.stages[0].place(jnp.zeros(max_num_seqs, jnp.int32))
+        self._prev_tokens: jax.Array = self._no_tokens
+        self._prev_rows: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------- building
 
@@ -164,21 +204,30 @@ class ModelRunner:
         return stages
 
     def _make_stage_step(self, stage: _Stage) -> Callable:
-        model, index, is_last, mesh = stage.model, stage.index, stage.is_last, stage.mesh
+        """The jitted model step of one stage: (params, kv_caches, x, packed, prev_tokens) -> (out, kv_caches).
+        Stage 0 takes x = None and reads token ids from `packed` (pending ones from `prev_tokens`); the last
+        stage returns float32 logits [S, vocab], the others their activations."""
+        model, index, is_first, is_last, mesh = stage.model, stage.index, stage.index == 0, stage.is_last, stage.mesh
         replicate_logits = mesh is not None and self.plan.tensor_parallel_size > 1
         vocab_parallel = replicate_logits and self.plan.shard_vocab
-        capture = self._capture_logits
+        s, b = self.max_num_seqs, self.max_blocks_per_seq
 
-        def step_impl(params, kv_caches, x, positions, metadata, logits_indices, sampling_arrays):
+        def step_impl(params, kv_caches, x, packed, prev_tokens):
             self._stage_traces[index] += 1  # Python side effect: runs once per trace, never per call
-            out, kv_caches = model.apply({"params": params}, x, positions, kv_caches, metadata, logits_indices)
+            layout = BatchLayout.of_packed(packed.shape[0], s, b)
+            token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(packed)
+            if is_first:  # a pending token is the previous step's sample in row src_rows[t]
+                x = jnp.where(src_rows >= 0, prev_tokens[jnp.clip(src_rows, 0, s - 1)], token_ids)
+            out, kv_caches = model.apply(
+                {"params": params}, x, positions, kv_caches, metadata, logits_indices if is_last else None
+            )
             if is_last:
                 P = jax.sharding.PartitionSpec
                 if vocab_parallel:  # logits computed vocab-sharded (else XLA may all-gather the LM head)...
                     out = jax.lax.with_sharding_constraint(out, jax.sharding.NamedSharding(mesh, P(None, "tp")))
                 if replicate_logits:  # ...then one all-gather of [S, vocab] and an unsharded sampler
                     out = jax.lax.with_sharding_constraint(out, jax.sharding.NamedSharding(mesh, P()))
-                out = (sample(out, sampling_arrays), out) if capture else sample(out, sampling_arrays)
+                out = out.astype(jnp.float32)
             return out, kv_caches
 
         # The KV cache is donated: XLA updates it in place instead of copying it every step.
@@ -192,9 +241,15 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------- public API
 
     @property
-    def num_compilations(self) -> int:
-        """Traces of the step: one per bucket (times the number of pipeline stages with PP)."""
+    def num_step_compilations(self) -> int:
+        """Traces of the model step alone: one per bucket, times the pipeline stages."""
         return sum(self._stage_traces)
+
+    @property
+    def num_compilations(self) -> int:
+        """Traces of the model step (one per bucket, times the pipeline stages) plus sampler variants this
+        runner compiled (each variant once per process and shape: runners share the sampler's cache)."""
+        return sum(self._stage_traces) + self._sampler_traces
 
     @property
     def params(self) -> Any:
@@ -218,9 +273,12 @@ class ModelRunner:
         raise ValueError(f"a batch of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
     def warmup(self) -> None:
-        """Compile every bucket with an all-padding batch (num_seqs = 0 writes nothing to the cache)."""
+        """Compile every bucket and every sampler variant with all-padding batches (num_seqs = 0 writes
+        nothing to the cache)."""
         for bucket in self.buckets:
-            self._dispatch(*self._empty_batch(bucket), timed=False)
+            self._dispatch(self._layout(bucket).empty(), SAMPLER_VARIANTS[0], timed=False)
+        for variant in SAMPLER_VARIANTS[1:]:
+            self._dispatch(self._layout(self.buckets[0]).empty(), variant, timed=False)
         for stage in self.stages:
             jax.block_until_ready(stage.kv_caches)
 
@@ -229,41 +287,54 @@ class ModelRunner:
         return self.submit(chunks, sampling_rows).result()
 
     def submit(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> PendingStep:
-        """Dispatch one step without waiting for it (pipeline parallelism keeps several in flight)."""
-        token_ids, positions, metadata, logits_indices = self._host_batch(chunks)
-        sampling_arrays = make_sampling_arrays(sampling_rows, self.max_num_seqs)
-        return self._dispatch(token_ids, positions, metadata, logits_indices, sampling_arrays)
+        """Dispatch one step without waiting for it. A chunk may end in a pending token
+        (`PENDING_TOKEN`) that the step submitted just before this one sampled."""
+        packed = self._pack(chunks, sampling_rows)
+        pending = self._dispatch(packed, sampler_variant(sampling_rows))
+        self._prev_rows = {c.seq.seq_id: i for i, c in enumerate(chunks) if c.needs_sample}
+        return pending
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        return self.bucket_for(num_tokens)
+
+    def now(self) -> float:
+        return time.monotonic()
 
     def capture_logits(self, enable: bool = True) -> None:
-        """Make every step also return its logits (`PendingStep.logits`), for tests and debugging. Rebuilds
-        the step functions: call it before warm-up or the first step, or they compile again."""
-        if enable != self._capture_logits:
-            self._capture_logits = enable
-            for stage in self.stages:
-                stage.step = self._make_stage_step(stage)
+        """Make every step also return its logits (`PendingStep.logits`), for tests and debugging."""
+        self._capture_logits = enable
 
     # ------------------------------------------------------------------------------------- internals
 
-    def _dispatch(self, token_ids, positions, metadata, logits_indices, sampling_arrays, *, timed: bool = True):
+    def _layout(self, bucket: int) -> BatchLayout:
+        return BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
+
+    def _dispatch(self, packed: np.ndarray, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
         timeline = self.timeline if timed else None
-        record = timeline.begin(len(token_ids)) if timeline is not None else None
-        x = token_ids
+        record = timeline.begin(BatchLayout.of_packed(packed.size, self.max_num_seqs,
+                                                      self.max_blocks_per_seq).num_tokens) if timeline else None
+        single = len(self.stages) == 1
+        x = packed_on_device = None
         for stage in self.stages:
-            last = stage.is_last
-            x, stage.kv_caches = stage.step(
-                stage.params,
-                stage.kv_caches,
-                stage.place(x),
-                stage.place(positions),
-                stage.place(metadata),
-                stage.place(logits_indices) if last else None,
-                stage.place(sampling_arrays) if last else None,
-            )
+            # One upload to the first stage; later stages get a device-to-device copy.
+            if packed_on_device is None:
+                packed_on_device = jax.device_put(packed) if stage.mesh is None else stage.place(packed)
+            else:
+                packed_on_device = stage.place(packed_on_device)
+            prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
+            x, stage.kv_caches = stage.step(stage.params, stage.kv_caches, stage.place(x), packed_on_device, prev)
+            if stage.is_last:
+                logits = x
+                before = _sample_packed_jit._cache_size()
+                x = _sample_packed_jit(logits, packed_on_device, variant=variant)
+                self._sampler_traces += _sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)
+        if single:
+            self._prev_tokens = x.token_ids
         if len(self.stages) > 1 and jax.process_count() > 1:
             x = self._copy_to_every_process(x)
-        return PendingStep(x, record, timeline)
+        return PendingStep(x, variant.logprobs, logits if self._capture_logits else None, record, timeline)
 
     def _copy_to_every_process(self, out: Any) -> Any:
         """Multi-process pipelines: also put the (replicated) sampler output on the stages of the processes
@@ -285,54 +356,42 @@ class ModelRunner:
                 c.append(leaf)
         return jax.tree.unflatten(treedef, [_Copies(c) for c in copies])
 
-    def _host_batch(self, chunks: Sequence[ScheduledChunk]) -> tuple:
+    def _pack(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> np.ndarray:
+        """The packed int32 inputs of one step (layout: `sarathi_jax.step_inputs`)."""
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
-        bucket = self.bucket_for(num_tokens)
-        token_ids, positions, slot_mapping, kv_lens, block_tables, cu_q_lens = self._empty_host_arrays(bucket)
-        logits_indices = np.zeros(self.max_num_seqs, np.int32)
+        layout = self._layout(self.bucket_for(num_tokens))
+        buf = layout.empty()
+        v = layout.host_views(buf)
+        token_ids, positions, slot_mapping, src_rows = v["token_ids"], v["positions"], v["slot_mapping"], v["src_rows"]
+        block_tables, block_size = v["block_tables"], self.block_size
+        kv_lens, cu_q_lens = v["kv_lens"], v["cu_q_lens"]
         offset = 0
-        block_size = self.block_size
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start_position, chunk.num_new_tokens
             end = offset + n
-            token_ids[offset:end] = seq.token_ids[start : start + n]
-            pos = np.arange(start, start + n, dtype=np.int32)
-            positions[offset:end] = pos
-            table = np.asarray(seq.block_table, np.int32)
-            slot_mapping[offset:end] = table[pos // block_size] * block_size + pos % block_size
+            table = seq.block_table
+            if n == 1:  # decodes: plain ints, no numpy temporaries
+                token_ids[offset] = seq.token_ids[start]
+                positions[offset] = start
+                slot_mapping[offset] = table[start // block_size] * block_size + start % block_size
+            else:
+                token_ids[offset:end] = seq.token_ids[start : start + n]
+                pos = np.arange(start, start + n, dtype=np.int32)
+                positions[offset:end] = pos
+                slot_mapping[offset:end] = np.asarray(table, np.int32)[pos // block_size] * block_size + pos % block_size
+            if seq.num_pending_tokens and start + n > seq.num_tokens - seq.num_pending_tokens:
+                # Only the previous step's sample can be read on the device, and it is the sequence's last token.
+                row = self._prev_rows.get(seq.seq_id)
+                if seq.num_pending_tokens != 1 or start + n != seq.num_tokens or row is None:
+                    raise RuntimeError(f"{seq!r}: a chunk reads a token that the previous step did not sample")
+                token_ids[end - 1] = 0
+                src_rows[end - 1] = row
             kv_lens[i] = start + n
             block_tables[i, : len(table)] = table
             cu_q_lens[i + 1] = end
-            logits_indices[i] = end - 1
+            v["logits_indices"][i] = end - 1
             offset = end
         cu_q_lens[len(chunks) + 1 :] = offset
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            kv_lens=kv_lens,
-            block_tables=block_tables,
-            cu_q_lens=cu_q_lens,
-            num_seqs=np.array([len(chunks)], np.int32),
-        )
-        return token_ids, positions, metadata, logits_indices
-
-    def _empty_host_arrays(self, bucket: int) -> tuple[np.ndarray, ...]:
-        return (
-            np.zeros(bucket, np.int32),  # token_ids
-            np.zeros(bucket, np.int32),  # positions
-            np.full(bucket, -1, np.int32),  # slot_mapping: -1 rows are dropped, never written
-            np.zeros(self.max_num_seqs, np.int32),  # kv_lens
-            np.zeros((self.max_num_seqs, self.max_blocks_per_seq), np.int32),  # block_tables
-            np.zeros(self.max_num_seqs + 1, np.int32),  # cu_q_lens
-        )
-
-    def _empty_batch(self, bucket: int) -> tuple:
-        token_ids, positions, slot_mapping, kv_lens, block_tables, cu_q_lens = self._empty_host_arrays(bucket)
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            kv_lens=kv_lens,
-            block_tables=block_tables,
-            cu_q_lens=cu_q_lens,
-            num_seqs=np.zeros(1, np.int32),
-        )
-        logits_indices = np.zeros(self.max_num_seqs, np.int32)
-        return token_ids, positions, metadata, logits_indices, make_sampling_arrays([], self.max_num_seqs)
+        v["num_seqs"][0] = len(chunks)
+        pack_sampling(make_sampling_arrays(sampling_rows, self.max_num_seqs), buf[layout.batch_len :])
+        return buf

@@ -1,29 +1,46 @@
 """Device sampler: one jitted, fixed-shape function from logits to next tokens and logprobs.
 
-`sample(logits f32[S, V], arrays)` runs inside the engine's jitted step; S = max_num_seqs rows, one per
-scheduled sequence, the rest padding (temperature < 0: their outputs are meaningless and ignored).
+`sample(logits f32[S, V], arrays, variant)` runs inside the engine's jitted step; S = max_num_seqs rows, one
+per scheduled sequence, the rest padding (temperature < 0: their outputs are meaningless and ignored).
 
 Per non-greedy row: logits / temperature, then the top-k, top-p and min-p masks (vLLM's order and semantics:
-top-p is taken over the top-k-renormalised distribution; min-p keeps p >= min_p * p_max), then inverse-CDF
-sampling with one uniform drawn from `fold_in(PRNGKey(seed), step)`. The key depends only on the request's
-seed and its number of generated tokens, and every operation is row-wise, so a seeded request gets the same
-tokens whatever else is in the batch and whichever row it lands in (given the same logits).
+top-k keeps every token >= the k-th largest logit, ties kept; top-p keeps the smallest top set whose mass is
+>= top_p * total mass of the top-k-renormalised distribution, i.e. `probs >= t` for the largest t with
+mass(probs >= t) >= top_p * total; min-p keeps p >= min_p * p_max), then inverse-CDF sampling with one
+uniform drawn from `fold_in(PRNGKey(seed), step)`. The key depends only on the request's seed and its number
+of generated tokens, and every operation is row-wise, so a seeded request gets the same tokens whatever else
+is in the batch and whichever row it lands in (given the same logits).
+
+No data-dependent control flow: on a GPU every `lax.cond` / `while_loop` on a device predicate copies the
+predicate to the host, a sync in the middle of each engine step. Work is skipped statically instead:
+  * `SamplerVariant` (sampled, filtered, logprobs) is chosen on the host from the batch's rows by
+    `sampler_variant` and passed as a static argument (`sample_jit`); each of the 6 `SAMPLER_VARIANTS` is a
+    straight-line program. A variant without a capability is still exact for the rows that do not need it
+    (greedy and padding rows of a sampled batch, unfiltered rows of a filtered batch), and the host's choice
+    gives bitwise the same tokens and logprobs as the most general variant (`FULL_VARIANT`);
+  * exact top-k (any k) and top-p (any nucleus size) are a fixed 3-pass radix select (11/11/10 bits) over
+    order-preserving uint32 keys: the ordered bits of the masked logits for top-k (temperature does not
+    change the order), the raw bits of the non-negative probs for top-p. Each pass is one per-row histogram
+    over [S, 2048] bins (`segment_sum`: token counts for top-k, probability mass for top-p) of the tokens
+    whose higher bits match the prefix chosen so far, a reverse cumsum, and the largest bin whose cumulative
+    count / mass (plus what lies above the prefix) still reaches the target. After 3 passes the prefix is the
+    exact k-th largest key / largest top-p threshold. Rows that do not ask for a mask get "keep all".
 
 Cost notes (why no sort): a full sort of [128, 32000] costs ~1 s on a 2-core CPU, and Gumbel-max needs
 S*V random numbers (~110 ms there). Instead
-  * top-k / top-p run only (`lax.cond`) when some sampled row asks for them. One `lax.top_k` of 128
-    candidates per row gives the k-th value (k <= 128) and the nucleus when it fits in those candidates;
-    other rows get an exact per-row bisection on the float bit patterns (<= 32 passes of compare+reduce,
-    stopping once every row's kept set is final), run only when some row needs it;
+  * the radix select reads [S, V] 3 times per mask; `lax.top_k` of 128 candidates would cost about as much
+    as the 3 top-k passes and is exact only for small k / nuclei, so it is not used;
   * sampling draws one uniform per row and inverts the CDF in two levels (block sums of 128 tokens, then the
     chosen block), so no long cumsum and no S*V random numbers;
   * greedy argmax is `max` then `min(where(x == max, iota, V))` (~2-3x faster than XLA:CPU's variadic argmax,
     same first-index-on-ties result);
-  * the top-MAX_LOGPROBS `lax.top_k` only runs when some row asked for logprobs.
+  * the top-MAX_LOGPROBS `lax.top_k` only runs in variants with `logprobs`.
+`python -m sarathi_jax.bench.sampler_cost` times every variant.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -44,8 +61,8 @@ SAMPLING_EPS = 1e-5
 # Tokens per block of the two-level inverse CDF.
 _CDF_BLOCK = 128
 
-# Candidates per row for the top-k / top-p fast path (one lax.top_k); larger k or nuclei use bisection.
-_CANDIDATES = 128
+# Digit widths of the radix select, most significant first: 32 bits, histograms of at most 2048 bins per row.
+_RADIX_BITS = (11, 11, 10)
 
 _U32_MASK = 0xFFFFFFFF
 
@@ -118,83 +135,128 @@ def make_sampling_arrays(rows: Sequence[SamplingRow], max_num_seqs: int) -> Samp
     return SamplingArrays(temperature, top_k, top_p, min_p, keys, steps, banned_ids, num_logprobs)
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """Which optional work `sample` compiles in (a static, hashable jit argument); see `sampler_variant`."""
+
+    sampled: bool = True  # some row has temperature >= SAMPLING_EPS; else greedy only, no sampling work
+    filtered: bool = True  # some sampled row sets top_k > 0 or top_p < 1 (radix selects); needs `sampled`
+    logprobs: bool = True  # some row asked for top-N logprobs; else the top arrays are zeros / -inf
+
+    def __post_init__(self) -> None:
+        if self.filtered and not self.sampled:
+            raise ValueError("SamplerVariant: filtered requires sampled (greedy rows are never filtered)")
+
+
+# Every valid variant; the last, FULL_VARIANT, serves any batch.
+SAMPLER_VARIANTS: tuple[SamplerVariant, ...] = tuple(
+    SamplerVariant(sampled, filtered, logprobs)
+    for sampled in (False, True)
+    for filtered in ((False, True) if sampled else (False,))
+    for logprobs in (False, True)
+)
+FULL_VARIANT = SamplerVariant(sampled=True, filtered=True, logprobs=True)
+
+
+def sampler_variant(rows: Sequence[SamplingRow]) -> SamplerVariant:
+    """The cheapest variant that is exact for these rows (the same rows `make_sampling_arrays` takes).
+
+    Mirrors the device's per-row tests: sampled iff temperature >= SAMPLING_EPS; filtered iff a sampled row
+    has top_k > 0 or top_p < 1 (k >= V is "off" on device, which the host cannot see: it only costs time);
+    logprobs iff some row asked for N > 0 (the sampled token's own logprob is always computed).
+    """
+    sampled = filtered = logprobs = False
+    for row in rows:
+        params = row[0]
+        if params.temperature >= SAMPLING_EPS:
+            sampled = True
+            filtered = filtered or params.top_k > 0 or params.top_p < 1.0
+        logprobs = logprobs or (params.logprobs or 0) > 0
+    return SamplerVariant(sampled, filtered, logprobs)
+
+
 # ----------------------------------------------------------------------------------------------- device
 
 
-def _first_index_of_max(x: jax.Array, row_max: jax.Array) -> jax.Array:
-    """argmax along the last axis, first index on ties (== np.argmax for NaN-free rows)."""
-    v = x.shape[-1]
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    idx = jnp.min(jnp.where(x == row_max[..., None], iota, v), axis=-1)
-    return jnp.minimum(idx, v - 1)  # all-NaN row: stay in range
+def _first_index_of_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(argmax, max) along the last axis of [S, V], first index on ties (== np.argmax for NaN-free rows).
+
+    Two levels, each reading little more than its input once: the maxima of blocks of _CDF_BLOCK tokens, the
+    first block holding the row max, then the first index of the max inside that block. One-level
+    `min(where(x == max, iota, V))` makes XLA:CPU materialise [S, V] temporaries (~5x slower at V=128256),
+    and its variadic argmax is slower still.
+    """
+    s, v = x.shape
+    width = min(_CDF_BLOCK, v)
+    n_full = v // width
+    full = x[:, : n_full * width].reshape(s, n_full, width)
+    block_max = jnp.max(full, axis=-1)  # [S, n_full]
+    tail = None
+    if n_full * width < v:  # a last partial block, padded on its own (a small [S, width] copy)
+        tail = jnp.pad(x[:, n_full * width :], ((0, 0), (0, width - (v - n_full * width))), constant_values=-jnp.inf)
+        block_max = jnp.concatenate([block_max, jnp.max(tail, axis=-1, keepdims=True)], axis=-1)
+    row_max = jnp.max(block_max, axis=-1)
+    n_blocks = block_max.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, block_max.shape, 1)
+    block = jnp.minimum(jnp.min(jnp.where(block_max == row_max[:, None], iota, n_blocks), axis=-1), n_blocks - 1)
+    inner = jnp.take_along_axis(full, jnp.minimum(block, n_full - 1)[:, None, None], axis=1)[:, 0, :]
+    if tail is not None:
+        inner = jnp.where((block == n_full)[:, None], tail, inner)
+    iota = jax.lax.broadcasted_iota(jnp.int32, inner.shape, 1)
+    offset = jnp.min(jnp.where(inner == row_max[:, None], iota, width), axis=-1)
+    return jnp.minimum(block * width + offset, v - 1), row_max  # all-NaN row: stay in range
 
 
 def _ordered_u32(x: jax.Array) -> jax.Array:
-    """Map float32 to uint32 so that unsigned order == float order (for bisection on bit patterns)."""
+    """Map float32 to uint32 so that unsigned order == float order (radix select on bit patterns)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     sign = bits >> 31
     return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _top_k_threshold(scaled: jax.Array, k: jax.Array, active: jax.Array) -> jax.Array:
-    """Per-row uint32 threshold T: keep `_ordered_u32(scaled) >= T` = the top k (ties with the k-th kept).
+def _ordered_f32(key: jax.Array) -> jax.Array:
+    """Inverse of `_ordered_u32`."""
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
-    Bisection keeps count(key >= lo) >= k > count(key >= hi); a row is done once count(lo) == k or hi == lo+1.
-    Done rows never move again, so each row's result is independent of the other rows.
+
+def _radix_select(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the largest uint32 t with sum(weights[keys >= t]) >= target (0 if none), in len(_RADIX_BITS)
+    fixed passes.
+
+    keys u32[S, V], weights [S, V] (non-negative: i32 ones for a k-th largest key, f32 probs for a top-p
+    threshold), target [S] of the weights' dtype. Each pass histograms the weights of the tokens whose higher
+    bits equal the prefix chosen so far by their next digit, and extends the prefix by the largest digit
+    whose suffix sum (plus the weight above the prefix) reaches the target. Every row only sees its own
+    tokens and bins. Float masses are summed per bin, so a target within rounding of a cumulative mass may
+    land one token either side of an exact (float64) sort.
     """
-    keys = _ordered_u32(scaled)
-    lo = jnp.min(keys, axis=-1)
-    hi = jnp.max(keys, axis=-1) + jnp.uint32(1)  # +inf maps to 0xFF800000: no overflow for non-NaN rows
-    done = ~active | (jnp.sum(keys >= lo[:, None], axis=-1, dtype=jnp.int32) <= k)
-
-    def cond(state):
-        lo, hi, done = state
-        return jnp.any(~done & (hi - lo > 1))
-
-    def body(state):
-        lo, hi, done = state
-        mid = lo + (hi - lo) // 2
-        count = jnp.sum(keys >= mid[:, None], axis=-1, dtype=jnp.int32)
-        ok = count >= k
-        lo = jnp.where(done | ~ok, lo, mid)
-        hi = jnp.where(done | ok, hi, mid)
-        return lo, hi, done | (ok & (count == k))
-
-    lo, _, _ = jax.lax.while_loop(cond, body, (lo, hi, done))
-    return lo
-
-
-def _top_p_threshold(probs: jax.Array, top_p: jax.Array, active: jax.Array) -> jax.Array:
-    """Per-row probability threshold t: `probs >= t` is the smallest top set with mass >= top_p * total.
-
-    `probs` are unnormalised (max 1, masked tokens 0). Bisection over the bit patterns of non-negative floats
-    keeps mass(lo) >= target > mass(hi); a row is done once dropping its smallest kept prob would fall below
-    the target (the set is minimal) or hi == lo + 1.
-    """
-    bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # order-preserving for floats >= 0
-    total = jnp.sum(probs, axis=-1)
-    target = top_p * total
-    lo = jnp.zeros(probs.shape[:1], jnp.uint32)
-    hi = jnp.full(probs.shape[:1], 0x3F800001, jnp.uint32)  # bits(1.0) + 1: mass(hi) = 0
-    done = ~active
-
-    def cond(state):
-        lo, hi, done = state
-        return jnp.any(~done & (hi - lo > 1))
-
-    def body(state):
-        lo, hi, done = state
-        mid = lo + (hi - lo) // 2
-        keep = bits >= mid[:, None]
-        mass = jnp.sum(jnp.where(keep, probs, 0.0), axis=-1)
-        smallest = jnp.min(jnp.where(keep, probs, jnp.inf), axis=-1)
-        ok = mass >= target
-        lo = jnp.where(done | ~ok, lo, mid)
-        hi = jnp.where(done | ok, hi, mid)
-        return lo, hi, done | (ok & (mass - smallest < target))
-
-    lo, _, _ = jax.lax.while_loop(cond, body, (lo, hi, done))
-    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+    s, v = keys.shape
+    rows = jax.lax.broadcasted_iota(jnp.int32, (s, v), 0)
+    prefix = jnp.zeros((s,), jnp.uint32)
+    above = jnp.zeros((s,), weights.dtype)  # weight of the tokens above the current prefix range
+    shift = 32
+    for bits in _RADIX_BITS:
+        shift -= bits
+        n_bins = 1 << bits
+        digit = ((keys >> shift) & jnp.uint32(n_bins - 1)).astype(jnp.int32)
+        segment = rows * n_bins + digit
+        if shift + bits < 32:  # later passes: only the tokens inside the chosen range; the rest are dropped
+            high = shift + bits
+            in_range = (keys >> high) == (prefix >> high)[:, None]
+            segment = jnp.where(in_range, segment, s * n_bins)
+        hist = jax.ops.segment_sum(weights.reshape(-1), segment.reshape(-1), num_segments=s * n_bins)
+        # at_least[b] = weight of the tokens with key >= prefix | b << shift.
+        at_least = above[:, None] + jax.lax.cumsum(hist.reshape(s, n_bins), axis=1, reverse=True)
+        iota = jax.lax.broadcasted_iota(jnp.int32, at_least.shape, 1)
+        # The largest qualifying digit (a max, not a count: float suffix sums need not be monotone); 0 if none.
+        best = jnp.max(jnp.where(at_least >= target[:, None], iota, 0), axis=1)
+        next_bin = jnp.minimum(best + 1, n_bins - 1)[:, None]
+        above = jnp.where(best < n_bins - 1, jnp.take_along_axis(at_least, next_bin, axis=1)[:, 0], above)
+        prefix = prefix | (best.astype(jnp.uint32) << shift)
+    return prefix
 
 
 def _first_true_or_last(cond: jax.Array, fallback: jax.Array) -> jax.Array:
@@ -236,43 +298,47 @@ def _row_uniforms(keys: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(one)(keys, steps)
 
 
-def sample(logits: jax.Array, arrays: SamplingArrays) -> SamplerOutput:
-    """Next token per row, its logprob and the top-MAX_LOGPROBS logprobs (of the raw logits). Jittable."""
+def _row_uniforms(keys: jax.Array, steps: jax.Array) -> jax.Array:
+    def one(key_data: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+        return jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
+
+    return jax.vmap(one)(keys, steps)
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, variant: SamplerVariant = FULL_VARIANT) -> SamplerOutput:
+    """Next token per row, its logprob and the top-MAX_LOGPROBS logprobs (of the raw logits).
+
+    Jittable with `variant` static (see `sample_jit`); straight-line array ops for every variant.
+    """
     logits = logits.astype(jnp.float32)
     s, v = logits.shape
     temperature = arrays.temperature
-    greedy = (temperature >= 0) & (temperature < SAMPLING_EPS)  # padding rows (< 0) are neither
-    sampled = temperature >= SAMPLING_EPS
+    sampled = temperature >= SAMPLING_EPS  # greedy: [0, SAMPLING_EPS); padding (< 0): neither
 
     # Banned ids -> -inf by scattering into a copy (cheaper than building an [S, V] mask); -1 pads are pushed
     # out of range and dropped.
     rows = jax.lax.broadcasted_iota(jnp.int32, arrays.banned_token_ids.shape, 0)
     banned_ids = jnp.where(arrays.banned_token_ids < 0, v, arrays.banned_token_ids)
     masked = logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
-    masked_max = jnp.max(masked, axis=-1)
 
-    zeros = jnp.zeros((s,), jnp.int32)
-    greedy_tokens = jax.lax.cond(
-        jnp.any(greedy), lambda: _first_index_of_max(masked, masked_max), lambda: zeros
-    )
-    sampled_tokens = jax.lax.cond(
-        jnp.any(sampled), lambda: _sample_rows(masked, masked_max, arrays, sampled, greedy_tokens), lambda: zeros
-    )
-    token_ids = jnp.where(sampled, sampled_tokens, greedy_tokens).astype(jnp.int32)
+    # Always computed: greedy rows may sit in any batch, and it is the fallback of all-banned sampled rows.
+    token_ids, masked_max = _first_index_of_max(masked)
+    if variant.sampled:
+        sampled_tokens = _sample_rows(masked, masked_max, arrays, sampled, token_ids, variant.filtered)
+        token_ids = jnp.where(sampled, sampled_tokens, token_ids)
+    token_ids = token_ids.astype(jnp.int32)
 
     # Logprobs of the raw logits (no temperature, no masks), as vLLM reports them.
     lse = jax.nn.logsumexp(logits, axis=-1)
     token_logprobs = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
     n_top = min(MAX_LOGPROBS, v)
-
-    def top() -> tuple[jax.Array, jax.Array]:
-        values, ids = jax.lax.top_k(logits, n_top)
-        return ids.astype(jnp.int32), values - lse[:, None]
-
-    def no_top() -> tuple[jax.Array, jax.Array]:
-        return jnp.zeros((s, n_top), jnp.int32), jnp.full((s, n_top), -jnp.inf, jnp.float32)
-
-    top_ids, top_logprobs = jax.lax.cond(jnp.any(arrays.num_logprobs > 0), top, no_top)
+    if variant.logprobs:
+        top_logits, top_ids = jax.lax.top_k(logits, n_top)
+        top_ids, top_logprobs = top_ids.astype(jnp.int32), top_logits - lse[:, None]
+    else:
+        top_ids = jnp.zeros((s, n_top), jnp.int32)
+        top_logprobs = jnp.full((s, n_top), -jnp.inf, jnp.float32)
     if n_top < MAX_LOGPROBS:  # tiny vocabularies (tests): pad to the fixed width
         pad = ((0, 0), (0, MAX_LOGPROBS - n_top))
         top_ids = jnp.pad(top_ids, pad)
@@ -280,66 +346,53 @@ def sample(logits: jax.Array, arrays: SamplingArrays) -> SamplerOutput:
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs)
 
 
+# The jitted sampler for callers outside a jitted step; module-level so that every engine in the process
+# shares one compilation cache (one compile per shape and variant).
+sample_jit = jax.jit(sample, static_argnames=("variant",))
+
+
 def _apply_top_k_top_p(
     masked: jax.Array, probs: jax.Array, k: jax.Array, top_p: jax.Array, want_top_k: jax.Array, want_top_p: jax.Array
 ) -> jax.Array:
-    """Zero `probs` outside each row's top-k, then outside the top-p nucleus of what is left.
+    """Zero `probs` outside each row's top-k, then outside the top-p nucleus of what is left (exact, any size).
 
-    Fast path: the top _CANDIDATES logits of each row (one `lax.top_k`) give the k-th value when
-    k <= _CANDIDATES, and the nucleus when it fits in those candidates. Rows where they do not suffice take the
-    exact bisection, which runs only if some row needs it. Which path a row takes depends on its own values
-    only, so a row's result never depends on the rest of the batch.
+    Rows with want_top_k / want_top_p False keep everything (their probs pass through bitwise unchanged).
     """
-    s, v = masked.shape
-    n_cand = min(_CANDIDATES, v)
-    cand_logits, cand_ids = jax.lax.top_k(masked, n_cand)  # most likely first
-
-    # top-k (on the masked logits: temperature does not change the order). Ties with the k-th value are kept.
-    fast_k = want_top_k & (k <= n_cand)
-    slow_k = want_top_k & ~fast_k
-    kth = jnp.take_along_axis(cand_logits, jnp.clip(k - 1, 0, n_cand - 1)[:, None], axis=-1)
-    keep = jnp.where(fast_k[:, None], masked >= kth, True)
-    keep = jax.lax.cond(
-        jnp.any(slow_k),
-        lambda: keep & (~slow_k[:, None] | (_ordered_u32(masked) >= _top_k_threshold(masked, k, slow_k)[:, None])),
-        lambda: keep,
-    )
+    # top-k on the masked logits (temperature does not change the order): the k-th largest key, then a float
+    # compare so that every token equal to the k-th value is kept.
+    ones = jnp.ones(masked.shape, jnp.int32)
+    kth = _ordered_f32(_radix_select(_ordered_u32(masked), ones, k))
+    keep = ~want_top_k[:, None] | (masked >= kth[:, None])
     probs = jnp.where(keep, probs, 0.0)
 
-    # top-p over the top-k-renormalised distribution: smallest top set with mass >= top_p * total.
-    cand_probs = jnp.take_along_axis(probs, cand_ids, axis=-1)  # non-increasing
-    cand_cdf = jnp.cumsum(cand_probs, axis=-1)
+    # top-p over the top-k-renormalised distribution: probs >= t for the largest t reaching the target mass.
+    # Non-negative floats order like their bits; t is some kept token's prob (target > 0), so the max (1) stays.
     target = top_p * jnp.sum(probs, axis=-1)
-    fits = cand_cdf[:, -1] >= target
-    first = jnp.minimum(jnp.argmax(cand_cdf >= target[:, None], axis=-1), n_cand - 1)
-    fast_threshold = jnp.take_along_axis(cand_probs, first[:, None], axis=-1)[:, 0]
-    slow_p = want_top_p & ~fits
-    threshold = jnp.where(want_top_p, fast_threshold, 0.0)
-    threshold = jax.lax.cond(
-        jnp.any(slow_p),
-        lambda: jnp.where(slow_p, _top_p_threshold(probs, top_p, slow_p), threshold),
-        lambda: threshold,
+    t = jax.lax.bitcast_convert_type(
+        _radix_select(jax.lax.bitcast_convert_type(probs, jnp.uint32), probs, target), jnp.float32
     )
+    threshold = jnp.where(want_top_p, t, 0.0)
     return jnp.where(probs >= threshold[:, None], probs, 0.0)
 
 
 def _sample_rows(
-    masked: jax.Array, masked_max: jax.Array, arrays: SamplingArrays, sampled: jax.Array, greedy_tokens: jax.Array
+    masked: jax.Array,
+    masked_max: jax.Array,
+    arrays: SamplingArrays,
+    sampled: jax.Array,
+    greedy_tokens: jax.Array,
+    filtered: bool,
 ) -> jax.Array:
-    """Temperature, top-k, top-p, min-p, then inverse-CDF sampling; meaningful where `sampled`."""
+    """Temperature, top-k and top-p (if `filtered`), min-p, then inverse-CDF sampling; meaningful where `sampled`."""
     s, v = masked.shape
     inv_t = jnp.where(sampled, 1.0 / jnp.where(sampled, arrays.temperature, 1.0), 1.0)
     # Unnormalised probabilities of logits / T with the max at 1 (T > 0 keeps the argmax).
     probs = jnp.exp((masked - masked_max[:, None]) * inv_t[:, None])
 
-    want_top_k = sampled & (arrays.top_k > 0) & (arrays.top_k < v)
-    want_top_p = sampled & (arrays.top_p < 1.0)
-    probs = jax.lax.cond(
-        jnp.any(want_top_k | want_top_p),
-        lambda p: _apply_top_k_top_p(masked, p, arrays.top_k, arrays.top_p, want_top_k, want_top_p),
-        lambda p: p,
-        probs,
-    )
+    if filtered:
+        want_top_k = sampled & (arrays.top_k > 0) & (arrays.top_k < v)
+        want_top_p = sampled & (arrays.top_p < 1.0)
+        probs = _apply_top_k_top_p(masked, probs, arrays.top_k, arrays.top_p, want_top_k, want_top_p)
     # min-p: p_i >= min_p * p_max, and p_max == 1 here (top-k/top-p always keep the max).
     probs = jnp.where(probs >= arrays.min_p[:, None], probs, 0.0)
 

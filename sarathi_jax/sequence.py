@@ -11,6 +11,10 @@ from sarathi_jax.outputs import RequestMetrics
 from sarathi_jax.sampling_params import SamplingParams
 
 
+# The value of a pending token in `Sequence.token_ids`: sampled on the device, not yet on the host.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued: never scheduled, or preempted (by recompute) and re-queued
     RUNNING = "running"  # admitted: holds KV blocks
@@ -23,6 +27,12 @@ class Sequence:
     Each step the scheduler picks `num_new_tokens <= num_uncomputed_tokens` query tokens starting at
     `num_computed_tokens`; a chunk that reaches `num_tokens` samples the next token. Prompt chunks, decodes
     and the re-prefill after a preemption all go through that one rule.
+
+    Pending tokens (the overlapped engine loop): when a step that samples for this sequence is dispatched, a
+    placeholder (`PENDING_TOKEN`) is appended at once, so the next step can be scheduled before the sampled
+    value reaches the host; the model runner feeds that position from the device. `resolve_pending_token`
+    fills the oldest placeholder in when the step retires. `output_token_ids` holds resolved tokens only;
+    `token_ids` and `num_tokens` include the placeholders.
     """
 
     def __init__(
@@ -38,8 +48,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        # Prompt + output kept in one list so `token_ids` costs nothing (the runner slices it every step).
+        # Prompt + output (+ placeholders) in one list so `token_ids` costs nothing (the runner slices it).
         self._token_ids = list(self.prompt_token_ids)
+        self._num_pending = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -49,6 +60,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self._token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Sampled tokens dispatched but not yet known on the host (placeholders at the end of `token_ids`)."""
+        return self._num_pending
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens including pending ones: the sampling step index of the next token."""
+        return len(self.output_token_ids) + self._num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,8 +98,29 @@ class Sequence:
         return self.num_prompt_tokens + self.sampling_params.max_tokens
 
     def append_token(self, token_id: int) -> None:
+        """Append a known token (no placeholder outstanding)."""
+        assert not self._num_pending, "resolve the pending tokens first"
         self.output_token_ids.append(token_id)
         self._token_ids.append(token_id)
+
+    def append_pending_token(self) -> None:
+        """A step that samples this sequence's next token was dispatched; its value is not known yet."""
+        self._token_ids.append(PENDING_TOKEN)
+        self._num_pending += 1
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        """The oldest pending token's value arrived."""
+        assert self._num_pending > 0, f"{self.seq_id!r} has no pending token"
+        self._token_ids[len(self.output_token_ids) + len(self.prompt_token_ids)] = token_id
+        self.output_token_ids.append(token_id)
+        self._num_pending -= 1
+
+    def discard_pending_tokens(self) -> None:
+        """Finished: tokens sampled for it after its last one are dropped, never emitted."""
+        if self._num_pending:
+            del self._token_ids[len(self._token_ids) - self._num_pending :]
+            self._num_pending = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self._token_ids))
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache contents are dropped (the caller frees the blocks first),
@@ -91,5 +133,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.seq_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
-            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"output={self.num_output_tokens}, pending={self._num_pending}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )

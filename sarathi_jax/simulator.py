@@ -1,8 +1,10 @@
 """Discrete-event serving simulator: the real schedulers and block manager, a cost model instead of a model.
 
-`SimulatedEngine` has the engine API of docs/design.md on a virtual clock: each `step()` runs one scheduler
-iteration, advances `clock` by the cost model's time for that batch and emits dummy tokens. `simulate()` feeds
-a trace of timed arrivals. Stop condition: max_tokens only (as with ignore_eos). No JAX.
+`SimulatedEngine` has the engine API of docs/design.md on a virtual clock: it is the engine's own core
+(`sarathi_jax.engine_core.EngineCore`: scheduler, block manager, postprocessing, outputs) driving
+`CostModelExecutor`, whose batches advance `clock` by the cost model's time and sample dummy tokens.
+`simulate()` feeds a trace of timed arrivals. Stop conditions: those of the engine; dummy tokens never hit
+an EOS (the simulator has none) or a stop token unless asked. No JAX.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from collections.abc import Sequence as Sequence_
+
 from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.outputs import IterationRecord, RequestOutput
 from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
-from sarathi_jax.sequence import Sequence, SequenceStatus
+from sarathi_jax.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutput, make_scheduler
+from sarathi_jax.sequence import Sequence
+from sarathi_jax.tokenizer import StopStringChecker
 
 DUMMY_VOCAB = 32000
 
@@ -54,8 +60,53 @@ class CostModel:
         )
 
 
+@dataclass
+class _SimulatedBatch:
+    """What the cost-model executor "samples": dummy token ids; no logprobs."""
+
+    token_ids: list[int]
+    logprobs: None = None
+    top_token_ids: None = None
+    top_logprobs: None = None
+
+
+class _SimulatedStep:
+    def __init__(self, executor: CostModelExecutor, end: float, token_ids: list[int]) -> None:
+        self._executor, self._end, self._batch = executor, end, _SimulatedBatch(token_ids)
+
+    def result(self) -> _SimulatedBatch:
+        """The batch has run once the virtual clock reaches its end."""
+        self._executor.clock = max(self._executor.clock, self._end)
+        return self._batch
+
+
+class CostModelExecutor:
+    """The `engine_core.Executor` of the simulator: a batch takes `cost_model.iteration_time` virtual seconds,
+    back to back on one virtual device, and samples a dummy token (a function of its position)."""
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+        self.clock = 0.0
+        self._device_free_at = 0.0  # when the batches submitted so far are done
+
+    def submit(self, chunks: Sequence_[ScheduledChunk], sampling_rows: Sequence_[tuple]) -> _SimulatedStep:
+        start = max(self.clock, self._device_free_at)
+        self._device_free_at = end = start + self.cost_model.iteration_time(SchedulerOutput.of(tuple(chunks)))
+        tokens = [((c.start_position + c.num_new_tokens) * 7919) % DUMMY_VOCAB for c in chunks]
+        return _SimulatedStep(self, end, tokens)
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        padded = getattr(self.cost_model, "padded", None)  # BucketCostModel pads like the engine it stands for
+        return padded(num_tokens) if padded is not None else num_tokens
+
+    def now(self) -> float:
+        return self.clock
+
+
 class SimulatedEngine:
-    """The engine API on a virtual clock. Times in RequestMetrics and IterationRecord are virtual seconds."""
+    """The engine API on a virtual clock: the engine core (scheduler, block manager, postprocessing, outputs)
+    with a cost model for an executor. Times in RequestMetrics and IterationRecord are virtual seconds.
+    Synchronous by default: a virtual device has no host work to hide."""
 
     def __init__(
         self,
@@ -63,6 +114,8 @@ class SimulatedEngine:
         num_blocks: int,
         block_size: int = 16,
         cost_model: CostModel | None = None,
+        *,
+        async_scheduling: bool = False,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cost_model = cost_model or CostModel()
@@ -71,11 +124,20 @@ class SimulatedEngine:
         self.max_model_len = scheduler_config.max_model_len
         self.model_config = None
         self.tokenizer = None
-        self.clock = 0.0
-        self.iteration_log: list[IterationRecord] = []
-        self._seqs: dict[str, Sequence] = {}  # unfinished requests
-        self._emitted: dict[str, int] = {}  # output tokens already reported, per request
-        self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step()
+        self.executor = CostModelExecutor(self.cost_model)
+        self.core = EngineCore(self.scheduler, self.executor, loop=LoopConfig(async_scheduling=async_scheduling))
+
+    @property
+    def clock(self) -> float:
+        return self.executor.clock
+
+    @clock.setter
+    def clock(self, t: float) -> None:
+        self.executor.clock = t
+
+    @property
+    def iteration_log(self) -> list[IterationRecord]:
+        return self.core.iteration_log
 
     def add_request(
         self,
@@ -86,7 +148,7 @@ class SimulatedEngine:
     ) -> None:
         """`prompt` is token ids or just a length (dummy ids are made up). ValueError naming the bad field."""
         params = params or SamplingParams()
-        if request_id in self._seqs:
+        if request_id in self.core:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             raise ValueError("prompt: the simulator has no tokenizer; pass token ids or a prompt length")
@@ -97,91 +159,20 @@ class SimulatedEngine:
         if not prompt:
             raise ValueError("prompt: empty")
         seq = Sequence(request_id, list(prompt), params, self.clock if arrival_time is None else arrival_time)
-        self._seqs[request_id] = seq
-        self._emitted[request_id] = 0
-        self.scheduler.add_sequence(seq)
+        self.core.add(RequestState(seq, seed=0, banned_until_min_tokens=(), detokenizer=None,
+                                   stop_checker=StopStringChecker(())))
 
     def abort(self, request_id: str) -> bool:
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return False
-        self.scheduler.abort_sequence(request_id)
-        seq.metrics.finished_time = self.clock
-        self._pending_outputs.append(self._finish_output(seq))
-        return True
+        return self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._seqs) or bool(self._pending_outputs)
+        return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
-        sched = self.scheduler.schedule()
-        for seq in sched.rejected:
-            seq.metrics.finished_time = self.clock
-            outputs.append(self._finish_output(seq))
-        if sched.is_empty:
-            return outputs
-
-        start = self.clock
-        duration = self.cost_model.iteration_time(sched)
-        for chunk in sched.chunks:
-            if chunk.seq.metrics.first_scheduled_time is None:
-                chunk.seq.metrics.first_scheduled_time = start
-        self.scheduler.on_step_done(sched)
-        self.clock = now = start + duration
-
-        for chunk in sched.chunks:
-            seq = chunk.seq
-            if not chunk.needs_sample or seq.status is not SequenceStatus.RUNNING:
-                continue
-            seq.append_token((seq.num_tokens * 7919) % DUMMY_VOCAB)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            seq.metrics.token_times.append(now)
-            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                self.scheduler.finish_sequence(seq, "length")
-                seq.metrics.finished_time = now
-                outputs.append(self._finish_output(seq))
-            else:
-                outputs.append(self._output(seq))
-
-        self.iteration_log.append(IterationRecord(
-            iteration=len(self.iteration_log),
-            start_time=start,
-            duration=duration,
-            num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_tokens=sched.num_decode_tokens,
-            num_seqs=len(sched.chunks),
-            chunk_sizes=tuple(c.num_new_tokens for c in sched.chunks if not c.is_decode),
-            num_preemptions=len(sched.preempted),
-            num_padded_tokens=sched.num_batched_tokens,  # no padding in the simulator
-        ))
-        return outputs
+        return self.core.step()
 
     def stats(self) -> dict:
-        return {**self.scheduler.stats(), "clock": self.clock}
-
-    def _finish_output(self, seq: Sequence) -> RequestOutput:
-        del self._seqs[seq.seq_id]
-        return self._output(seq, self._emitted.pop(seq.seq_id))
-
-    def _output(self, seq: Sequence, emitted: int | None = None) -> RequestOutput:
-        if emitted is None:
-            emitted, self._emitted[seq.seq_id] = self._emitted[seq.seq_id], seq.num_output_tokens
-        finished = seq.status is SequenceStatus.FINISHED
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=tuple(seq.prompt_token_ids),
-            new_token_ids=tuple(seq.output_token_ids[emitted:]),
-            token_ids=tuple(seq.output_token_ids),
-            text_delta="",
-            text="",
-            new_logprobs=(),
-            finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            metrics=seq.metrics,
-            error=seq.error,
-        )
+        return {**self.core.stats(), "clock": self.clock}
 
 
 # ------------------------------------------------------------------------------------------ traces and runs

@@ -14,6 +14,10 @@ Shared rules (every policy):
   chunk shrinks to what fits (or waits).
 - Pipeline parallelism: `schedule()` may be called again before `on_step_done` of earlier outputs; a
   sequence in an output that is not done yet ("in flight") is neither scheduled again nor preempted.
+- The overlapped loop (pipeline_parallel_size 1) calls `on_step_done` as soon as a batch is dispatched, so a
+  sequence whose sampled token is still pending on the device (`Sequence.num_pending_tokens`) is scheduled
+  again at once: its next decode reads that token on the device. A sequence whose outputs, pending ones
+  included, already reach max_tokens is not scheduled again.
 - Requests that can never run are rejected at `add_sequence` and reported in the next output's `rejected`.
 """
 
@@ -130,14 +134,7 @@ class Scheduler:
         batch = self._schedule()
         chunks = tuple(ScheduledChunk(seq, n, seq.num_computed_tokens) for seq, n, _ in batch.items)
         self._in_flight.update(c.seq.seq_id for c in chunks)
-        num_decode = sum(1 for c in chunks if c.is_decode)
-        return SchedulerOutput(
-            chunks=chunks,
-            preempted=tuple(self._preempted),
-            rejected=rejected,
-            num_prefill_tokens=batch.num_tokens - num_decode,
-            num_decode_tokens=num_decode,
-        )
+        return SchedulerOutput.of(chunks, preempted=tuple(self._preempted), rejected=rejected)
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The batch ran: its tokens' K/V are in the cache. Call before appending sampled tokens."""
@@ -199,9 +196,13 @@ class Scheduler:
         return Batch(self.config.batch_token_limit if token_limit is None else token_limit, self.config.max_num_seqs)
 
     def _ready_running(self) -> list[Sequence]:
-        """Running sequences that may be scheduled now (not in flight), earliest arrival first. A snapshot:
-        entries may get preempted while the caller iterates, so callers re-check `status`."""
-        return [s for s in self._running if s.seq_id not in self._in_flight]
+        """Running sequences that may be scheduled now, earliest arrival first: not in flight, and not already
+        holding (with pending tokens) all max_tokens outputs, which only wait for the host to finish them.
+        A snapshot: entries may get preempted while the caller iterates, so callers re-check `status`."""
+        return [
+            s for s in self._running
+            if s.seq_id not in self._in_flight and s.num_tokens < s.max_total_tokens
+        ]
 
     def _schedule_decodes(self, batch: Batch) -> None:
         """Every ready running decode, earliest arrival first; one that cannot get a block preempts later

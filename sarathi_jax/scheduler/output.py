@@ -44,6 +44,14 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
+    @classmethod
+    def of(cls, chunks: tuple[ScheduledChunk, ...], *, preempted: tuple[Sequence, ...] = (),
+           rejected: tuple[Sequence, ...] = ()) -> SchedulerOutput:
+        """The output for `chunks`, with its prefill / decode token counts."""
+        num_decode = sum(1 for c in chunks if c.is_decode)
+        num_prefill = sum(c.num_new_tokens for c in chunks) - num_decode
+        return cls(chunks, preempted, rejected, num_prefill, num_decode)
+
     @property
     def num_batched_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens

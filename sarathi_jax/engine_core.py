@@ -1,0 +1,320 @@
+"""The engine core: the one serving loop that the engine, the simulator and the tests drive.
+
+`EngineCore` owns the scheduler (and through it the KV block manager), each request's host state, the
+postprocessing of sampled tokens (append, stop checks, finish: `_postprocess`, the one place a sampled token
+is handled), the outputs and the iteration records. What runs a batch is an `Executor`: the model runner
+(`LLMEngine`) or a cost model on a virtual clock (`SimulatedEngine`). No JAX here.
+
+One `step()`:
+  1. schedule a batch and dispatch it (`Executor.submit` returns at once; the device works behind it). Each
+     sequence the batch samples for gets a pending token at once (`Sequence.append_pending_token`);
+  2. retire the oldest batches in flight beyond `keep_in_flight`: fetch their sampled tokens, resolve the
+     pending tokens, check stop conditions, finish sequences, build outputs.
+
+How many batches stay in flight after a step (`LoopConfig`):
+  * synchronous (`async_scheduling=False`, pipeline depth 1): none. Dispatch, wait, postprocess.
+  * overlapped (`async_scheduling=True`, depth 1): one. Batch N+1 is scheduled and dispatched before batch
+    N's tokens reach the host: the scheduler is told a batch is done as soon as it is dispatched, and a
+    decode whose input token is still pending reads it on the device (the runner takes it from batch N's
+    sampled tokens). Then the host fetches and postprocesses N while the device runs N+1. A sequence that N
+    finished (stop token, stop string, length) or that was aborted meanwhile may have run in N+1: that extra
+    token is dropped, never emitted, and its KV blocks were freed when it finished (the device runs batches
+    in order, so N+1's stale writes land before any later owner of those blocks writes them).
+  * pipeline parallel (depth pp > 1): up to pp micro-batches in flight; the scheduler is told a batch is done
+    only when it retires, so a sequence is in at most one micro-batch at a time (the next stage runs
+    micro-batch i while this one runs i + 1). The host already overlaps there; async_scheduling adds nothing.
+In every mode a request's sampled tokens depend only on its own tokens and seed, so the modes agree.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
+from sarathi_jax.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from sarathi_jax.sequence import Sequence, SequenceStatus
+from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker
+
+# (params, seed, step, banned ids): what the executor's sampler needs for one row (`sampling.SamplingRow`).
+SamplingRow = tuple
+
+
+class SampledBatch(Protocol):
+    """Host arrays of one retired batch; row i belongs to chunk i. The logprob arrays may be None when no
+    row asked for logprobs."""
+
+    token_ids: Any  # int[>= num_chunks]
+    logprobs: Any  # float[>= num_chunks]
+    top_token_ids: Any  # int[>= num_chunks, N]
+    top_logprobs: Any  # float[>= num_chunks, N]
+
+
+class StepHandle(Protocol):
+    def result(self) -> SampledBatch:
+        """Wait for the batch and return its sampled tokens on the host (cached)."""
+        ...
+
+
+class Executor(Protocol):
+    """Runs batches: the model runner on a device, or a cost model on a virtual clock."""
+
+    def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_rows: SequenceOf[SamplingRow]) -> StepHandle:
+        """Dispatch one batch without waiting for it. A chunk's tokens may include one pending token (the
+        last, `PENDING_TOKEN`), sampled by the batch submitted just before this one."""
+        ...
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The token count a batch of `num_tokens` really runs at (its bucket)."""
+        ...
+
+    def now(self) -> float:
+        """The clock that stamps metrics: time.monotonic(), or the simulator's virtual seconds."""
+        ...
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """async_scheduling: overlap the host's work on batch N with the device running N + 1 (depth 1 only).
+    pipeline_depth: pipeline stages; that many micro-batches are kept in flight."""
+
+    async_scheduling: bool = True
+    pipeline_depth: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pipeline_depth, int) or self.pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be a positive integer, got {self.pipeline_depth!r}")
+
+    @property
+    def max_in_flight(self) -> int:
+        """Batches in flight right after a dispatch; the oldest is retired when this many are."""
+        if self.pipeline_depth > 1:
+            return self.pipeline_depth
+        return 2 if self.async_scheduling else 1
+
+    @property
+    def done_at_dispatch(self) -> bool:
+        """Tell the scheduler a batch is done when it is dispatched (depth 1), not when it retires (PP)."""
+        return self.pipeline_depth == 1
+
+
+@dataclass
+class RequestState:
+    """Core-side bookkeeping of one request that the scheduler does not need."""
+
+    seq: Sequence
+    seed: int
+    banned_until_min_tokens: tuple[int, ...]  # stop and EOS ids suppressed while outputs < min_tokens
+    detokenizer: IncrementalDetokenizer | None
+    stop_checker: StopStringChecker  # owns the released text; holds back what may become a stop string
+    prompt_token_ids: tuple[int, ...] = ()  # built once: every output carries it
+    emitted_tokens: int = 0  # output tokens already reported to the caller
+    text_delta: str = ""  # released text not yet reported
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.seq.prompt_token_ids)
+
+
+@dataclass
+class _InFlight:
+    sched: SchedulerOutput
+    handle: StepHandle
+    start: float
+
+
+class EngineCore:
+    """Requests in, one scheduled batch per `step()`, outputs out. Validation happens before `add`."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        loop: LoopConfig = LoopConfig(),
+        eos_token_ids: SequenceOf[int] = (),
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.loop = loop
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.iteration_log: list[IterationRecord] = []
+        self._requests: dict[str, RequestState] = {}
+        self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step()
+        self._in_flight: deque[_InFlight] = deque()
+
+    # ----------------------------------------------------------------------------------- requests in
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add(self, state: RequestState) -> None:
+        """Queue a validated request (a new id: the caller checked with `in`)."""
+        assert state.seq.seq_id not in self._requests, state.seq.seq_id
+        self._requests[state.seq.seq_id] = state
+        self.scheduler.add_sequence(state.seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request now: its KV blocks are freed at once and its last output says finish_reason='abort'.
+        A token of it still in flight is dropped when its batch retires."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.abort_sequence(request_id)
+        seq = state.seq
+        seq.discard_pending_tokens()
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        seq.metrics.finished_time = self.executor.now()
+        self._pending_outputs.append(self._make_output(state))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests or self._pending_outputs or self._in_flight)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ----------------------------------------------------------------------------------- one iteration
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch one batch, then retire what the loop mode says (see the module docstring).
+        When nothing new could be scheduled, the oldest batch in flight is retired, so every call progresses."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        for seq in sched.rejected:
+            state = self._requests.pop(seq.seq_id)
+            seq.metrics.finished_time = self.executor.now()
+            outputs.append(self._make_output(state))
+        if sched.chunks:
+            self._dispatch(sched)
+        while self._in_flight and (len(self._in_flight) >= self.loop.max_in_flight or not sched.chunks):
+            outputs.extend(self._retire(self._in_flight.popleft()))
+            if not sched.chunks:
+                break
+        return outputs
+
+    def _dispatch(self, sched: SchedulerOutput) -> None:
+        start = self.executor.now()
+        rows = []
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
+            rows.append(self._sampling_row(seq))
+        handle = self.executor.submit(sched.chunks, rows)
+        for chunk in sched.chunks:
+            if chunk.needs_sample:
+                chunk.seq.append_pending_token()
+        if self.loop.done_at_dispatch:
+            self.scheduler.on_step_done(sched)
+        self._in_flight.append(_InFlight(sched, handle, start))
+
+    def _retire(self, batch: _InFlight) -> list[RequestOutput]:
+        sampled = batch.handle.result()
+        if not self.loop.done_at_dispatch:
+            self.scheduler.on_step_done(batch.sched)
+        now = self.executor.now()
+        outputs = []
+        for i, chunk in enumerate(batch.sched.chunks):
+            if not chunk.needs_sample:
+                continue
+            state = self._requests.get(chunk.seq.seq_id)
+            if state is None or state.seq is not chunk.seq or state.seq.is_finished:
+                continue  # finished or aborted since it was dispatched: the extra token is dropped
+            self._postprocess(state, sampled, i, now)
+            outputs.append(self._make_output(state))
+            if state.seq.is_finished:
+                del self._requests[chunk.seq.seq_id]
+        # Overlapped or pipelined batches overlap in time: the duration runs from dispatch to retirement.
+        self._record_iteration(batch.sched, batch.start, now)
+        return outputs
+
+    # ----------------------------------------------------------------------------------- sampled tokens
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        state = self._requests[seq.seq_id]
+        step = seq.num_generated_tokens  # pending tokens count: the row's key does not depend on the loop mode
+        banned = state.banned_until_min_tokens if step < seq.sampling_params.min_tokens else ()
+        return (seq.sampling_params, state.seed, step, banned)
+
+    def _postprocess(self, state: RequestState, sampled: SampledBatch, row: int, now: float) -> None:
+        """Append row `row`'s token to the request, record its logprobs and text, and finish the request when
+        a stop condition holds (stop string, stop token or EOS after min_tokens, max_tokens)."""
+        seq, params = state.seq, state.seq.sampling_params
+        token_id = int(sampled.token_ids[row])
+        seq.resolve_pending_token(token_id)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.token_times.append(now)
+        if params.logprobs is not None:
+            n = params.logprobs
+            state.pending_logprobs.append(TokenLogprob(
+                token_id,
+                float(sampled.logprobs[row]),
+                tuple(int(t) for t in sampled.top_token_ids[row, :n]),
+                tuple(float(x) for x in sampled.top_logprobs[row, :n]),
+            ))
+
+        reason = None
+        past_min_tokens = seq.num_output_tokens >= params.min_tokens
+        if state.detokenizer is not None:
+            delta = state.detokenizer.append(token_id)
+            checker = state.stop_checker
+            state.text_delta += checker.add(delta, detect=past_min_tokens)
+            if checker.stopped:
+                reason = "stop"
+        if reason is None and past_min_tokens:
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                reason = "stop"
+        # prompt + max_tokens <= max_model_len is enforced at admission (longer requests are rejected).
+        if reason is None and seq.num_output_tokens >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if state.detokenizer is not None and reason != "stop":
+                # Release a held-back partial character and any tail held for stop strings.
+                state.text_delta += state.stop_checker.add(state.detokenizer.flush(), detect=False)
+                state.text_delta += state.stop_checker.flush()
+            seq.discard_pending_tokens()
+            self.scheduler.finish_sequence(seq, reason)
+            seq.metrics.finished_time = now
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        seq = state.seq
+        new_ids = tuple(seq.output_token_ids[state.emitted_tokens :])
+        finished = seq.status == SequenceStatus.FINISHED
+        text_delta, state.text_delta = state.text_delta, ""
+        state.emitted_tokens = seq.num_output_tokens
+        logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=state.prompt_token_ids,
+            new_token_ids=new_ids,
+            token_ids=tuple(seq.output_token_ids),
+            text_delta=text_delta,
+            text=state.stop_checker.text,
+            new_logprobs=logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            metrics=seq.metrics,
+            error=seq.error,
+        )
+
+    def _record_iteration(self, sched: SchedulerOutput, start: float, end: float) -> None:
+        self.iteration_log.append(IterationRecord(
+            iteration=len(self.iteration_log),
+            start_time=start,
+            duration=end - start,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_seqs=len(sched.chunks),
+            chunk_sizes=tuple(c.num_new_tokens for c in sched.chunks if not c.is_decode),
+            num_preemptions=len(sched.preempted),
+            num_padded_tokens=self.executor.padded_tokens(sched.num_batched_tokens),
+        ))
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
