@@ -62,9 +62,10 @@ def token_buckets(max_step_tokens: int, smallest: int = SMALLEST_BUCKET) -> tupl
 def _to_host(x: Any) -> np.ndarray:
     if isinstance(x, _Copies):  # multi-process pipeline: the first copy this process can read
         x = next(c for c in x.arrays if c.addressable_shards)
+    # Explicit transfers (jax.device_get): the engine loop runs clean under jax.transfer_guard("disallow").
     if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
-    return np.asarray(x.addressable_data(0))  # replicated output of a multi-process mesh: any local copy
+        return np.asarray(jax.device_get(x))
+    return np.asarray(jax.device_get(x.addressable_data(0)))  # replicated multi-process output: any local copy
 
 
 @dataclass

@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="EngineConfig.tensor_parallel_size")
     g.add_argument("--pipeline-parallel-size", type=int, default=None,
                    help="EngineConfig.pipeline_parallel_size; the bubble fraction of each run is printed")
+    g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="EngineConfig.async_scheduling: overlap host work with the device (default on)")
     g.add_argument("--simulate", action="store_true",
                    help="use SimulatedEngine (real schedulers, cost model, virtual clock) instead of LLMEngine")
     g.add_argument("--cost-model", default=None, metavar="PATH",
@@ -171,7 +173,7 @@ def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
     kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"]}
     for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes",
                  "max_num_batched_tokens", "tile_size", "dtype", "attention_backend",
-                 "tensor_parallel_size", "pipeline_parallel_size"):
+                 "tensor_parallel_size", "pipeline_parallel_size", "async_scheduling"):
         v = getattr(args, name)
         if v is not None and not (name in ("max_num_seqs", "max_model_len") and v == 0):
             kw[name] = v

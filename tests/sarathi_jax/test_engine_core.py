@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -189,6 +190,23 @@ def test_no_compilation_after_warmup_with_every_sampler_variant(llama_dir, promp
     reqs.append((0, "lp-only", prompts[2], greedy(max_tokens=3, logprobs=1)))
     run(engine, reqs)
     assert engine.runner.num_compilations == compiled
+
+
+def test_engine_loop_makes_no_implicit_transfers(llama_dir, prompts):
+    """Lean dispatch: each step uploads one packed array explicitly and passes device arrays only; a numpy
+    argument to a jitted function (an implicit transfer per array) or an implicit fetch would raise here."""
+    engine = make_engine(llama_dir, async_scheduling=True)
+    reqs = [(i, f"r{i}", p, greedy(max_tokens=6, logprobs=1 if i % 2 else None)) for i, p in enumerate(prompts[:4])]
+    reqs.append((1, "s", prompts[5], SamplingParams(temperature=0.7, top_p=0.8, seed=2, max_tokens=5, ignore_eos=True)))
+    step = engine.step
+
+    def guarded_step():
+        with jax.transfer_guard("disallow"):
+            return step()
+
+    engine.step = guarded_step
+    got = run(engine, reqs)
+    assert all(c.finish_reason == "length" for c in got.values())
 
 
 def test_engine_and_simulator_drive_the_same_core(llama_dir, prompts, monkeypatch):

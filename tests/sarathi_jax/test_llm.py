@@ -88,7 +88,7 @@ def test_eos_stops_unless_ignored(llm, monkeypatch):
     [free] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     # Random weights rarely emit the real EOS, so declare the model's second greedy token to be EOS.
     eos_like = free.token_ids[1]
-    monkeypatch.setattr(llm.engine, "_eos_token_ids", (eos_like,))
+    monkeypatch.setattr(llm.engine.core, "eos_token_ids", (eos_like,))
     [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))
     assert out.token_ids == free.token_ids[: free.token_ids.index(eos_like) + 1]
     assert out.finish_reason == "stop"
