@@ -1,10 +1,11 @@
-"""Driver and capacity search on a deterministic fake engine (virtual clock) whose latency grows with load."""
+"""Driver and capacity search on the simulator (the real engine core and scheduler on a virtual clock) with a
+step cost that grows with load (bench_fakes.sim_engine)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from bench_fakes import FakeEngine
+from bench_fakes import sim_engine
 
 from sarathi_jax.bench.capacity import find_capacity, meets_slos, search
 from sarathi_jax.bench.driver import measure_decode_iteration_time, run_workload
@@ -43,7 +44,7 @@ def test_meets_slos():
 
 
 def test_driver_rebases_times_and_reuses_engine():
-    eng = FakeEngine(base=0.01, per_seq=0.001)
+    eng = sim_engine(base=0.01, per_seq=0.001)
     wl = Workload([0.0, 0.5, 0.5], [3, 4, 5], [2, 3, 1])
     prompts = wl.prompts(1000, 0)
     r1 = run_workload(eng, wl, prompts, id_prefix="a-")
@@ -64,14 +65,28 @@ def test_driver_rebases_times_and_reuses_engine():
 
 
 def test_driver_records_rejected_requests():
-    eng = FakeEngine(max_model_len=10)
-    wl = Workload([0.0, 0.0], [3, 9], [2, 5])
+    # Two ways to refuse a request: the scheduler rejects one that can never fit (an output with finish_reason
+    # "error"), and add_request raises ValueError (LLMEngine does for a prompt >= max_model_len).
+    eng = sim_engine(max_model_len=10)
+    add_request = eng.add_request
+
+    def refusing_add_request(request_id, prompt, params, arrival_time=None):
+        if len(prompt) >= eng.max_model_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate within max_model_len=10")
+        add_request(request_id, prompt, params, arrival_time)
+
+    eng.add_request = refusing_add_request
+    wl = Workload([0.0, 0.0, 0.0], [3, 9, 12], [2, 5, 1])
     r = run_workload(eng, wl, wl.prompts(1000, 0))
-    assert r.records[0].completed and r.records[1].finish_reason == "error" and "too long" in r.records[1].error
+    ok, too_long, refused = r.records
+    assert ok.completed and ok.num_output_tokens == 2
+    assert too_long.finish_reason == "error" and "exceeds max_model_len (10)" in too_long.error
+    assert not too_long.completed and too_long.num_output_tokens == 0
+    assert refused.finish_reason == "error" and "leave no room" in refused.error and not refused.completed
 
 
 def test_decode_only_iteration_time():
-    eng = FakeEngine(base=0.01, per_seq=0.0001)
+    eng = sim_engine(base=0.01, per_seq=0.0001)
     assert measure_decode_iteration_time(eng, batch_size=8) == pytest.approx(0.0108)
 
 
@@ -79,7 +94,7 @@ def test_capacity_finds_known_threshold():
     # Each request takes L=100 steps; a step lasts base + c * n for n running requests. At a constant arrival
     # rate q the steady state has n = q * L * step, so TBT = step = base / (1 - q * L * c). The P99 TBT SLO
     # S = 2 * base is met up to q* = (1 - base / S) / (L * c) = 50 req/s.
-    eng = FakeEngine(base=0.01, per_seq=0.0001)
+    eng = sim_engine(base=0.01, per_seq=0.0001)
     base = synthetic_workload(400, qps=10.0, prompt_len="8", output_len="100", arrival="constant", seed=0)
     res = find_capacity(eng, base, base.prompts(1000, 0), slo_tbt=0.02, max_probes=10, rel_tol=0.02)
     assert len(res.probes) <= 10
@@ -96,7 +111,7 @@ def test_capacity_limited_by_scheduling_delay():
     # With at most M=10 running, throughput is mu = M / (L * (base + c * M)) = 10 / (50 * 0.011) = 18.2 req/s;
     # above it the queue grows: the k-th request waits about k * (1/mu - 1/q). The median (k = 300 of 600)
     # waits over 2 s once 1/q < 1/mu - 2/300, i.e. q > 20.7 req/s. TBT stays at .011 (SLO loose).
-    eng = FakeEngine(base=0.01, per_seq=0.0001, max_num_seqs=10)
+    eng = sim_engine(base=0.01, per_seq=0.0001, max_num_seqs=10)
     base = synthetic_workload(600, qps=5.0, prompt_len="8", output_len="50", arrival="constant", seed=0)
     res = find_capacity(eng, base, base.prompts(1000, 0), slo_tbt=1.0, max_sched_delay=2.0, max_probes=10,
                         rel_tol=0.02)
@@ -106,7 +121,7 @@ def test_capacity_limited_by_scheduling_delay():
 
 
 def test_summarize_probe_runs():
-    eng = FakeEngine()
+    eng = sim_engine()
     wl = synthetic_workload(20, qps=50.0, prompt_len="4", output_len="10", seed=1)
     r = run_workload(eng, wl, wl.prompts(1000, 0))
     s = summarize(r.records, r.iterations)

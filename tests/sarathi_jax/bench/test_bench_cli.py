@@ -1,5 +1,5 @@
-"""`python -m sarathi_jax.bench` end to end: a fake engine (fast, always), the simulator, and the real engine
-on a tiny model."""
+"""`python -m sarathi_jax.bench` end to end: the simulator with a hand-computable step cost (bench_fakes, fast),
+the simulator as `--simulate` builds it, and the real engine on a tiny model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from bench_fakes import FakeEngine
+from bench_fakes import sim_engine
 
 from sarathi_jax.bench.__main__ import main
 
@@ -37,7 +37,7 @@ def test_comparison_on_fake_engine(tmp_path, capsys):
 
     def factory(kwargs):
         built.append(kwargs)
-        return FakeEngine(base=0.01, per_seq=0.001, per_prefill_token=1e-4 * (kwargs["token_budget"] / 256))
+        return sim_engine(base=0.01, per_seq=0.001, per_prefill_token=1e-4 * (kwargs["token_budget"] / 256))
 
     rc = main(["--scheduler", "sarathi,vllm", "--token-budget", "256,512", "--num-requests", "30", "--qps", "20",
                "--prompt-len", "uniform:8:64", "--output-len", "10", "--slo-ttft", "0.1", "--slo-tbt", "0.05",
@@ -58,7 +58,7 @@ def test_trace_capacity_and_slo_multiple_on_fake_engine(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["--trace", str(trace), "--sample", "40", "--length-scale", "0.1", "--capacity", "--slo-tbt-multiple",
                "2", "--capacity-probes", "6", "--out", str(out), "--quiet"],
-              engine_factory=lambda kw: FakeEngine(base=0.01, per_seq=0.0005))
+              engine_factory=lambda kw: sim_engine(base=0.01, per_seq=0.0005))
     assert rc == 0
     text = capsys.readouterr().out
     assert "capacity" in text and "TBT SLO: 28.0 ms (2x decode-only iteration 14.0 ms)" in text
@@ -74,11 +74,11 @@ def test_offline_clipping_and_rate_scale(tmp_path, capsys):
     trace = tmp_path / "trace.csv"
     trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,100,10\n1,2000,100\n2,30,3\n")
     rc = main(["--trace", str(trace), "--rate-scale", "2", "--max-model-len", "200", "--quiet"],
-              engine_factory=lambda kw: FakeEngine(max_model_len=kw["max_model_len"]))
+              engine_factory=lambda kw: sim_engine(max_model_len=kw["max_model_len"]))
     assert rc == 0
     assert "3/3" in capsys.readouterr().out
     rc = main(["--offline", "--num-requests", "5", "--prompt-len", "16", "--output-len", "4", "--quiet"],
-              engine_factory=lambda kw: FakeEngine())
+              engine_factory=lambda kw: sim_engine())
     assert rc == 0 and "offline" in capsys.readouterr().out
 
 
@@ -95,7 +95,7 @@ def test_offline_clipping_and_rate_scale(tmp_path, capsys):
     ],
 )
 def test_usage_errors(argv, message, capsys):
-    rc = main(argv + ["--quiet"], engine_factory=lambda kw: FakeEngine())
+    rc = main(argv + ["--quiet"], engine_factory=lambda kw: sim_engine())
     assert rc == 2
     err = capsys.readouterr().err
     assert "error:" in err and message in err, err
@@ -104,7 +104,7 @@ def test_usage_errors(argv, message, capsys):
 def test_bad_trace_file_message(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("num_prefill_tokens,num_decode_tokens\n10,x\n")
-    assert main(["--trace", str(bad), "--qps", "1", "--quiet"], engine_factory=lambda kw: FakeEngine()) == 2
+    assert main(["--trace", str(bad), "--qps", "1", "--quiet"], engine_factory=lambda kw: sim_engine()) == 2
     assert "row 2, column 'num_decode_tokens': expected a number, got 'x'" in capsys.readouterr().err
 
 
@@ -118,7 +118,7 @@ def test_endpoint_hook(tmp_path, capsys, monkeypatch):
 
     def run_bench_workload(target, workload, prompts, *, temperature, progress):
         calls.append((target, len(workload), temperature))
-        result = run_workload(FakeEngine(vocab_size=32000), workload, prompts, label=target)
+        result = run_workload(sim_engine(), workload, prompts, label=target)
         result.iterations = []  # a client sees no iterations
         return result
 

@@ -10,7 +10,7 @@ from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SCHEDULERS, SchedulerConfig, make_scheduler
 from sarathi_jax.sequence import Sequence, SequenceStatus
-from scheduler_harness import _complete
+from scheduler_harness import complete
 
 
 def _seq(i: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
@@ -105,7 +105,7 @@ def test_duplicate_id_raises():
 
 def _step(sched):
     out = sched.schedule()
-    _complete(sched, out)
+    complete(sched, out)
     return out
 
 
@@ -132,12 +132,12 @@ def test_abort_frees_blocks_in_every_state(policy):
         out = sched.schedule()
         if prefilling in [c.seq for c in out.chunks]:
             break
-        _complete(sched, out)
+        complete(sched, out)
     if policy == "faster_transformer":  # request-level: s1 waits for s2's batch to finish
         assert prefilling.status is SequenceStatus.WAITING
         assert sched.abort_sequence("s1") is prefilling
     elif policy in ("sarathi", "simple_chunking", "chunked_prefills_only"):
-        _complete(sched, out)
+        complete(sched, out)
         assert prefilling.status is SequenceStatus.RUNNING and 0 < prefilling.num_computed_tokens < 40
         before, held = bm.num_used_blocks, len(prefilling.block_table)
         assert held > 0 and sched.abort_sequence("s1") is prefilling
@@ -146,7 +146,7 @@ def test_abort_frees_blocks_in_every_state(policy):
         before, held = bm.num_used_blocks, len(prefilling.block_table)
         assert held >= 10 and sched.abort_sequence("s1") is prefilling  # aborted while its prefill is in flight
         assert bm.num_used_blocks == before - held  # its blocks are back at once
-        _complete(sched, out)  # the in-flight step ends: the aborted sequence is left alone
+        complete(sched, out)  # the in-flight step ends: the aborted sequence is left alone
         assert prefilling.num_computed_tokens == 0
     assert prefilling.status is SequenceStatus.FINISHED and not prefilling.block_table
     bm.check_invariants(sched.running + sched.waiting)
@@ -194,9 +194,12 @@ def test_preemption_evicts_latest_arrival_and_requeues_it_first():
     assert outputs_kept > 0
     # Resume: the victim re-prefills prompt + outputs (in chunks), then keeps decoding to max_tokens.
     resumed_chunks = []
-    while sched.has_unfinished():
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
         out = _step(sched)
         resumed_chunks += [c for c in out.chunks if c.seq is victim and c.start_position == 0]
+    assert not sched.has_unfinished(), "no completion after 200 steps"
     assert resumed_chunks and resumed_chunks[0].seq is victim
     assert victim.num_output_tokens == 12 and victim.finish_reason == "length"
     assert bm.num_used_blocks == 0
@@ -212,7 +215,7 @@ def test_in_flight_sequences_are_never_scheduled_or_preempted():
     assert {c.seq for c in a.chunks} == {s0, s1}
     b = sched.schedule()  # nothing else can run: both are in flight
     assert b.is_empty and not b.preempted
-    _complete(sched, a)
+    complete(sched, a)
     assert not sched.is_in_flight(s0)
 
 

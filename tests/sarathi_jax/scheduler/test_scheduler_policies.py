@@ -1,5 +1,6 @@
 """Every policy on random traces: limits, stall-freedom (sarathi), FCFS, completion, block conservation,
-rejection and the pipeline-parallel rule (checked on every batch by the harness)."""
+rejection and the pipeline-parallel rule (checked on every batch by the harness), driven by the engine core
+in each loop mode: synchronous, overlapped (async scheduling) and pipeline parallel."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from sarathi_jax.scheduler.config import WHOLE_PROMPT_POLICIES
 from scheduler_harness import Req, run_trace
 
 MAX_MODEL_LEN = 192
+
+# (pipeline depth, async_scheduling): the engine core's loop modes.
+SYNC, OVERLAPPED, PP2, PP3 = (1, False), (1, True), (2, False), (3, True)
+LOOP_MODES = {"sync": SYNC, "overlapped": OVERLAPPED, "pp2": PP2, "pp3": PP3}
+# The step-by-step expectations below hold in both depth-1 loops: the overlapped one schedules the same batches
+# (the scheduler hears of a batch at dispatch); it only learns the sampled tokens one step later.
+depth_1_loops = pytest.mark.parametrize("mode", [SYNC, OVERLAPPED], ids=["sync", "overlapped"])
 
 
 @st.composite
@@ -36,12 +44,13 @@ def scenarios(draw, policy: str):
         Req(a, draw(st.integers(1, 120)), draw(st.integers(1, 60)))
         for a in sorted(arrivals)
     ]
-    pp_depth = draw(st.sampled_from([1, 1, 2]))
-    return cfg, num_blocks, block_size, reqs, pp_depth
+    mode = draw(st.sampled_from([SYNC, OVERLAPPED, OVERLAPPED, PP2, PP3]))
+    return cfg, num_blocks, block_size, reqs, mode
 
 
-def _check_run(cfg, num_blocks, block_size, reqs, pp_depth):
-    res = run_trace(cfg, num_blocks, block_size, reqs, pp_depth=pp_depth)
+def _check_run(cfg, num_blocks, block_size, reqs, mode=SYNC):
+    pp_depth, async_scheduling = mode
+    res = run_trace(cfg, num_blocks, block_size, reqs, pp_depth=pp_depth, async_scheduling=async_scheduling)
     usable = num_blocks - max(int(cfg.watermark * num_blocks), 0)
     for seq, req in zip(res.seqs, reqs):
         total = req.prompt_len + req.max_tokens
@@ -66,12 +75,13 @@ def test_random_traces(policy, data):
     _check_run(*data.draw(scenarios(policy)))
 
 
+@pytest.mark.parametrize("mode", LOOP_MODES.values(), ids=LOOP_MODES.keys())
 @pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
-def test_memory_pressure_preempts_and_still_finishes(policy):
+def test_memory_pressure_preempts_and_still_finishes(policy, mode):
     # 8 requests of 60 + 60 tokens, room for ~2.5 of them: decodes outgrow memory.
     cfg = SchedulerConfig(policy=policy, token_budget=64, max_num_seqs=8, max_model_len=128, watermark=0.0)
     reqs = [Req(0, 60, 60) for _ in range(8)]
-    res = _check_run(cfg, 20, 16, reqs, 1)
+    res = _check_run(cfg, 20, 16, reqs, mode)
     if policy in ("orca", "faster_transformer"):
         assert res.num_preemptions == 0  # they reserve prompt + max_tokens at admission
     else:
@@ -80,18 +90,27 @@ def test_memory_pressure_preempts_and_still_finishes(policy):
     assert all(s.num_output_tokens == 60 for s in res.seqs)
 
 
+@pytest.mark.parametrize("mode", LOOP_MODES.values(), ids=LOOP_MODES.keys())
 @pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
-def test_pipeline_rule_two_outputs_in_flight(policy):
+def test_batches_in_flight_per_loop_mode(policy, mode):
     cfg = SchedulerConfig(policy=policy, token_budget=32, max_num_seqs=4, max_model_len=128)
     reqs = [Req(i, 20 + 7 * i, 10) for i in range(6)]
-    res = _check_run(cfg, 64, 4, reqs, 2)
-    # The harness asserts no sequence is in two in-flight outputs; check that overlap was actually exercised.
-    assert any(len(o.chunks) for o in res.outputs[1:])
+    res = _check_run(cfg, 64, 4, reqs, mode)
+    # The harness asserts the pipeline rule (depth > 1: no sequence in two batches in flight) on every batch;
+    # check that each mode really had batches in flight when it scheduled.
+    pp_depth, async_scheduling = mode
+    if pp_depth > 1:
+        assert res.max_in_flight == pp_depth - 1 and res.num_overlapped_chunks == 0
+    elif async_scheduling:  # sequences run again while their previous batch is in flight: the point
+        assert res.max_in_flight == 1 and res.num_overlapped_chunks > 0
+    else:
+        assert res.max_in_flight == 0
 
 
-def test_sarathi_chunks_long_prompt_and_piggybacks_decodes():
+@depth_1_loops
+def test_sarathi_chunks_long_prompt_and_piggybacks_decodes(mode):
     cfg = SchedulerConfig(policy="sarathi", token_budget=32, max_num_seqs=4, max_model_len=256)
-    res = _check_run(cfg, 100, 4, [Req(0, 10, 30), Req(2, 150, 5)], 1)
+    res = _check_run(cfg, 100, 4, [Req(0, 10, 30), Req(2, 150, 5)], mode)
     hybrid = [o for o in res.outputs if o.num_prefill_tokens and o.num_decode_tokens]
     assert hybrid, "the long prompt's chunks should share batches with the first request's decodes"
     assert max(o.num_batched_tokens for o in res.outputs) == 32
@@ -99,10 +118,11 @@ def test_sarathi_chunks_long_prompt_and_piggybacks_decodes():
     assert sum(long_chunks) == 150 and len(long_chunks) > 1
 
 
-def test_sarathi_tile_alignment():
+@depth_1_loops
+def test_sarathi_tile_alignment(mode):
     cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, max_model_len=256, tile_size=16)
     reqs = [Req(i, 37 + 11 * i, 9) for i in range(6)]
-    res = _check_run(cfg, 200, 4, reqs, 1)
+    res = _check_run(cfg, 200, 4, reqs, mode)
     for out in res.outputs:
         excess = out.num_batched_tokens % 16
         prefills = [c for c in out.chunks if not c.is_decode]
@@ -111,17 +131,19 @@ def test_sarathi_tile_alignment():
     assert any(o.num_batched_tokens == 64 for o in res.outputs)
 
 
-def test_vllm_batches_are_prefill_only_or_decode_only_and_prefill_first():
+@depth_1_loops
+def test_vllm_batches_are_prefill_only_or_decode_only_and_prefill_first(mode):
     cfg = SchedulerConfig(policy="vllm", token_budget=64, max_num_seqs=4, max_model_len=256)
-    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(3, 50, 5)], 1)
+    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(3, 50, 5)], mode)
     # Step 3: s1 arrives while s0 decodes; vLLM runs s1's whole prompt alone, stalling s0.
     out = res.outputs[3]
     assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("s1", 50)]
 
 
-def test_orca_hybrid_whole_prompts_with_decodes():
+@depth_1_loops
+def test_orca_hybrid_whole_prompts_with_decodes(mode):
     cfg = SchedulerConfig(policy="orca", token_budget=64, max_num_seqs=4, max_model_len=256)
-    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(3, 50, 5)], 1)
+    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(3, 50, 5)], mode)
     out = res.outputs[3]
     assert {(c.seq.seq_id, c.num_new_tokens, c.is_decode) for c in out.chunks} == {("s0", 1, True), ("s1", 50, False)}
     # Reservation at admission: s0 holds blocks for prompt + max_tokens from its first step.
@@ -129,30 +151,34 @@ def test_orca_hybrid_whole_prompts_with_decodes():
     assert res.num_preemptions == 0
 
 
-def test_faster_transformer_waits_for_the_whole_batch():
+@depth_1_loops
+def test_faster_transformer_waits_for_the_whole_batch(mode):
     cfg = SchedulerConfig(policy="faster_transformer", token_budget=64, max_num_seqs=4, max_model_len=256)
-    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(0, 10, 3), Req(2, 30, 2)], 1)
+    res = _check_run(cfg, 100, 4, [Req(0, 20, 10), Req(0, 10, 3), Req(2, 30, 2)], mode)
     # s2 arrives at step 2 but is admitted only after s0 (10 tokens) and s1 finished.
     assert res.first_scheduled["s2"] > res.first_scheduled["s0"] + 9
 
 
-def test_simple_chunking_alternates():
+@depth_1_loops
+def test_simple_chunking_alternates(mode):
     cfg = SchedulerConfig(policy="simple_chunking", token_budget=16, max_num_seqs=4, max_model_len=256)
-    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(1, 100, 3)], 1)
+    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(1, 100, 3)], mode)
     kinds = ["P" if o.num_prefill_tokens else "D" for o in res.outputs if not o.is_empty]
     assert "PDPD" in "".join(kinds)
 
 
-def test_chunked_prefills_only_prioritizes_prefill_chunks():
+@depth_1_loops
+def test_chunked_prefills_only_prioritizes_prefill_chunks(mode):
     cfg = SchedulerConfig(policy="chunked_prefills_only", token_budget=16, max_num_seqs=4, max_model_len=256)
-    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(2, 100, 3)], 1)
+    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(2, 100, 3)], mode)
     kinds = "".join("P" if o.num_prefill_tokens else "D" for o in res.outputs if not o.is_empty)
     assert "P" * 7 in kinds  # s1's 100-token prompt: 7 consecutive chunk batches, s0's decodes wait
 
 
-def test_hybrid_batching_only_runs_an_over_budget_prompt_alone():
+@depth_1_loops
+def test_hybrid_batching_only_runs_an_over_budget_prompt_alone(mode):
     cfg = SchedulerConfig(policy="hybrid_batching_only", token_budget=32, max_num_seqs=4, max_model_len=256)
-    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(2, 20, 3), Req(4, 100, 3)], 1)
+    res = _check_run(cfg, 100, 4, [Req(0, 8, 20), Req(2, 20, 3), Req(4, 100, 3)], mode)
     alone = [o for o in res.outputs if o.num_batched_tokens > 32]
     assert len(alone) == 1 and [(c.seq.seq_id, c.num_new_tokens) for c in alone[0].chunks] == [("s2", 100)]
     hybrid = res.outputs[2]  # s1's whole prompt rides along with s0's decode
