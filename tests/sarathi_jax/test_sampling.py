@@ -1,8 +1,15 @@
-"""Device sampler: greedy exactness, truncation masks, distributions, seeding, logprobs, banned ids."""
+"""Device sampler: greedy exactness, truncation masks, distributions, seeding, logprobs, banned ids, variants
+(host-chosen == most general, no device control flow) and the exact radix-select top-k / top-p."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import re
+from collections.abc import Iterator
+
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,26 +17,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sarathi_jax.sampling import (
+    FULL_VARIANT,
     MAX_BANNED,
+    SAMPLER_VARIANTS,
     SamplerOutput,
+    SamplerVariant,
+    _top_k_top_p_thresholds,
     make_sampling_arrays,
     sample,
+    sample_jit,
+    sampler_variant,
     seed_to_key_data,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
-# A few fixed shapes so that the whole file compiles `sample` only a handful of times.
+# A few fixed shapes so that the whole file compiles each sampler variant only a handful of times.
 S, V = 16, 64
-WIDE_V = 300  # > the sampler's 128 top-k candidates, not a multiple of its 128-token CDF blocks
+WIDE_V = 300  # k and nuclei > 128 tokens (the old top_k-candidates limit), not a multiple of 128-token blocks
 N_DIST = 2048  # rows (= samples) for the distribution tests
 
-_sample = jax.jit(sample)
 
-
-def run(logits: np.ndarray, rows: list, max_num_seqs: int | None = None) -> SamplerOutput:
+def run(
+    logits: np.ndarray, rows: list, max_num_seqs: int | None = None, variant: SamplerVariant | None = None
+) -> SamplerOutput:
+    """The jitted sampler on these rows, with the variant the host would pick unless one is given."""
     logits = np.asarray(logits, np.float32)
     arrays = make_sampling_arrays(rows, max_num_seqs or logits.shape[0])
-    return jax.tree.map(np.asarray, _sample(jnp.asarray(logits), arrays))
+    variant = sampler_variant(rows) if variant is None else variant
+    return jax.tree.map(np.asarray, sample_jit(jnp.asarray(logits), arrays, variant=variant))
 
 
 def row(seed: int = 0, step: int = 0, banned: tuple[int, ...] = (), **params) -> tuple:
@@ -117,8 +132,8 @@ def test_seeded_row_is_independent_of_batch_and_position(
     v: int, seed: int, step: int, position: int, temperature: float, top_k: int, top_p: float, min_p: float,
     others: int,
 ) -> None:
-    """Same logits, same seed and step -> same token, alone or in a busy batch whose rows take other paths
-    (greedy, banned ids, top-k / top-p fast path or bisection, logprobs)."""
+    """Same logits, same seed and step -> same token, alone or in a busy batch whose rows need other work
+    (greedy, banned ids, small and wide top-k / top-p, logprobs), hence often under another variant."""
     rng = np.random.default_rng(others)
     mine = random_logits(rng, (1, v), scale=float(rng.choice([0.3, 2.0])))[0]
     target = row(seed=seed, step=step, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -265,7 +280,7 @@ def test_top_p_applies_to_the_top_k_renormalised_distribution_then_min_p() -> No
 def test_truncation_masks_hold_row_by_row(v: int, seed: int) -> None:
     """Mixed batch, each row its own settings: a sampled token always lies inside the row's allowed set.
 
-    With v = WIDE_V some rows have k or a nucleus beyond the 128 top_k candidates (the bisection path)."""
+    With v = WIDE_V some rows have k or a nucleus wider than 128 tokens."""
     rng = np.random.default_rng(seed)
     logits = random_logits(rng, (S, v), scale=float(rng.choice([0.3, 3.0])))
     rows, allowed = [], []
@@ -290,8 +305,8 @@ def test_truncation_masks_hold_row_by_row(v: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("k, top_p", [(200, 1.0), (0, "wide"), (250, "wide")])
-def test_bisection_paths_match_the_distribution(k: int, top_p: float | str) -> None:
-    """k > 128 and nuclei wider than 128 tokens take the exact bisection instead of the top_k candidates."""
+def test_wide_top_k_and_nuclei_match_the_distribution(k: int, top_p: float | str) -> None:
+    """k > 128 and nuclei wider than 128 tokens (beyond what one lax.top_k of 128 candidates could give)."""
     rng = np.random.default_rng(k)
     logits_row = random_logits(rng, (1, WIDE_V), scale=0.3)[0]
     probs = softmax64(logits_row)
@@ -409,3 +424,147 @@ def test_tiny_vocab_pads_top_logprobs() -> None:
     np.testing.assert_array_equal(out.top_token_ids[0, :8], np.argsort(-logits[0], kind="stable"))
     assert np.isneginf(out.top_logprobs[0, 8:]).all()
     np.testing.assert_allclose(np.exp(out.top_logprobs[0, :8]).sum(), 1.0, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- variants
+
+
+def test_variants_and_host_choice() -> None:
+    assert len(SAMPLER_VARIANTS) == len(set(SAMPLER_VARIANTS)) == 6 and SAMPLER_VARIANTS[-1] == FULL_VARIANT
+    assert all(v.sampled or not v.filtered for v in SAMPLER_VARIANTS)
+    with pytest.raises(ValueError, match="filtered"):
+        SamplerVariant(sampled=False, filtered=True, logprobs=False)
+    assert sampler_variant([]) == SamplerVariant(False, False, False)
+    assert sampler_variant([row(temperature=0.0, top_k=5, top_p=0.5)]) == SamplerVariant(False, False, False)
+    assert sampler_variant([row(temperature=0.0, logprobs=0)]) == SamplerVariant(False, False, False)
+    assert sampler_variant([row(temperature=0.0, logprobs=2)]) == SamplerVariant(False, False, True)
+    assert sampler_variant([row(temperature=1e-6)]) == SamplerVariant(False, False, False)
+    assert sampler_variant([row(min_p=0.5)]) == SamplerVariant(True, False, False)
+    assert sampler_variant([row(temperature=0.0), row(top_k=3)]) == SamplerVariant(True, True, False)
+    assert sampler_variant([row(top_p=0.9), row(temperature=0.0, logprobs=1)]) == FULL_VARIANT
+
+
+def random_batch(rng: np.random.Generator, v: int) -> list:
+    """A mixed batch of up to S rows; each capability (sampling, filters, logprobs) is allowed or not at random,
+    so that every variant gets chosen."""
+    allow_sampled, allow_filtered, allow_logprobs = rng.random(3) < 0.6
+    rows = []
+    for i in range(int(rng.integers(0, S + 1))):
+        params: dict = {"temperature": 0.0}
+        if allow_sampled and rng.random() < 0.7:
+            params = {"temperature": float(rng.choice([0.3, 1.0, 2.0])), "min_p": float(rng.choice([0.0, 0.05]))}
+            if allow_filtered:
+                params["top_k"] = int(rng.choice([0, 1, 5, 150, 10_000]))
+                params["top_p"] = float(rng.choice([1.0, 0.9, 0.3]))
+        if allow_logprobs and rng.random() < 0.5:
+            params["logprobs"] = int(rng.choice([0, 3, MAX_LOGPROBS]))
+        banned = tuple(int(t) for t in rng.choice(v, int(rng.integers(0, 4)), replace=False))
+        rows.append(row(seed=int(rng.integers(2**63)), step=int(rng.integers(1000)), banned=banned, **params))
+    return rows
+
+
+@pytest.mark.parametrize("v", [V, WIDE_V])
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_host_chosen_variant_matches_the_full_variant_bitwise(v: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    logits = random_logits(rng, (S, v), scale=float(rng.choice([0.3, 3.0])))
+    rows = random_batch(rng, v)
+    chosen = sampler_variant(rows)
+    full = run(logits, rows, variant=FULL_VARIANT)
+    # Every variant able to serve these rows (the chosen one's capabilities or more) agrees with the full one.
+    needs = dataclasses.astuple(chosen)
+    covering = [w for w in SAMPLER_VARIANTS if all(a >= b for a, b in zip(dataclasses.astuple(w), needs))]
+    assert chosen in covering
+    for variant in covering:
+        out = run(logits, rows, variant=variant)
+        np.testing.assert_array_equal(out.token_ids, full.token_ids, err_msg=str(variant))
+        np.testing.assert_array_equal(out.logprobs, full.logprobs, err_msg=str(variant))
+        wants = np.array([(r[0].logprobs or 0) > 0 for r in rows] + [False] * (S - len(rows)))
+        if variant.logprobs:
+            np.testing.assert_array_equal(out.top_token_ids[wants], full.top_token_ids[wants])
+            np.testing.assert_array_equal(out.top_logprobs[wants], full.top_logprobs[wants])
+        else:
+            assert not wants.any()
+            assert (out.top_token_ids == 0).all() and np.isneginf(out.top_logprobs).all()
+
+
+def all_jaxprs(jaxpr: jex.Jaxpr) -> Iterator[jex.Jaxpr]:
+    yield jaxpr
+    for sub in jex.subjaxprs(jaxpr):
+        yield from all_jaxprs(sub)
+
+
+@pytest.mark.parametrize("variant", SAMPLER_VARIANTS, ids=str)
+def test_no_data_dependent_control_flow(variant: SamplerVariant) -> None:
+    """No cond / while anywhere (a GPU would sync with the host on its predicate), nor in the StableHLO a CUDA
+    build would compile (lowered here without a GPU)."""
+    logits = jnp.zeros((S, WIDE_V), jnp.float32)
+    arrays = make_sampling_arrays([], S)
+    closed = jax.make_jaxpr(functools.partial(sample, variant=variant))(logits, arrays)
+    primitives = {eqn.primitive.name for jaxpr in all_jaxprs(closed.jaxpr) for eqn in jaxpr.eqns}
+    assert not primitives & {"cond", "while", "scan"}, primitives
+    module = jax.export.export(sample_jit, platforms=["cuda"])(logits, arrays, variant=variant).mlir_module()
+    ops = set(re.findall(r"stablehlo\.(\w+)", module))
+    assert not ops & {"while", "case", "if"}, ops
+    assert ("top_k" in primitives) == variant.logprobs
+    assert ("scatter-add" in primitives) == variant.filtered  # the radix-select histograms
+    assert ("random_bits" in primitives) == variant.sampled
+
+
+# ----------------------------------------------------------------------------------------------- exact top-k / top-p
+
+
+EXACT_V = 20_000  # nuclei of thousands of tokens
+
+
+def numpy_top_k_top_p(
+    masked: np.ndarray, probs: np.ndarray, k: int, top_p: float
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """float64 sort-based reference: (top-k keep, renormalised top-k probs, top-p target)."""
+    keep_k = masked >= np.sort(masked)[::-1][k - 1] if 0 < k < len(masked) else np.ones(len(masked), bool)
+    probs_k = np.where(keep_k, probs.astype(np.float64), 0.0)
+    return keep_k, probs_k, top_p * probs_k.sum()
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.5, 3.0])
+def test_exact_top_k_and_top_p_match_a_float64_sort(scale: float) -> None:
+    rng = np.random.default_rng(int(scale * 100))
+    n = 12
+    masked = (rng.standard_normal((n, EXACT_V)) * scale).astype(np.float32)
+    masked[1] = rng.integers(-3, 3, EXACT_V)  # heavy ties: the k-th value is shared by thousands of tokens
+    masked[2, rng.choice(EXACT_V, 500, replace=False)] = -np.inf  # banned tokens
+    masked[3] = -np.abs(masked[3]) - 0.01
+    masked[3, :7], masked[3, 7:14] = 0.0, -0.0  # the top 14 are +-0 and k = 7: -0.0 == 0.0, all 14 kept
+    temperature = np.float32(0.7)
+    probs = np.exp((masked - masked.max(-1, keepdims=True)) / temperature).astype(np.float32)
+    ks = np.array([0, 1000, 5000, 7, 1, 129, EXACT_V - 1, EXACT_V, 0, 19_000, 3000, 0], np.int32)
+    top_ps = np.array([0.9, 1.0, 0.5, 1.0, 0.9, 0.99, 0.95, 0.3, 0.999, 0.9, 0.75, 1e-6], np.float32)
+    want_k, want_p = (ks > 0) & (ks < EXACT_V), top_ps < 1.0
+    kth, t = jax.jit(_top_k_top_p_thresholds)(
+        jnp.asarray(masked), jnp.asarray(probs), jnp.asarray(ks), jnp.asarray(top_ps), jnp.asarray(want_k),
+        jnp.asarray(want_p),
+    )
+    kth, t = np.asarray(kth), np.asarray(t)
+    sizes = []
+    for i in range(n):
+        keep_k, probs_k, target = numpy_top_k_top_p(masked[i], probs[i], int(ks[i]), float(top_ps[i]))
+        np.testing.assert_array_equal(masked[i] >= kth[i], keep_k, err_msg=f"top-k row {i}")
+        if not want_p[i]:
+            assert t[i] == 0.0
+            continue
+        order = np.argsort(-probs_k, kind="stable")
+        exact = probs_k[order][np.argmax(np.cumsum(probs_k[order]) >= target)]  # smallest top set reaching it
+        kept = probs_k >= t[i]
+        sizes.append(int(kept.sum()))
+        assert probs_k.max() >= t[i] > 0  # the most likely token always stays
+        if t[i] != exact:
+            # Only a boundary within float32 rounding of the target may move: the kept set still reaches the
+            # target and dropping its least likely tokens would not (both within 1e-5 relative), and at most
+            # one distinct value moves.
+            assert probs_k[kept].sum() >= target * (1 - 1e-5), (i, t[i], exact)
+            assert probs_k[probs_k > t[i]].sum() < target * (1 + 1e-5), (i, t[i], exact)
+            lo, hi = sorted((float(t[i]), float(exact)))
+            assert len(np.unique(probs_k[(probs_k >= lo) & (probs_k <= hi)])) <= 2, i
+    assert (masked[3] >= kth[3]).sum() == 14
+    assert max(sizes) > 2000  # nuclei of thousands of tokens were exercised
