@@ -1,0 +1,99 @@
+"""`python -m sarathi_jax.bench.loop_cost`: one tiny end-to-end run on tiny-llama (one 16-token bucket, so each
+engine compiles once). Checks what was measured and that the overlapped engine really kept a batch in flight;
+no timing assertions (speed lives in the benchmark, not in tests)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sarathi_jax.bench import loop_cost as lc
+
+
+def test_engine_size_leaves_room_for_every_phase():
+    cfg = lc.LoopBenchConfig(batches=(1, 8), context=100, prompt_len=300, token_budget=64, steps=4, rounds=2)
+    size = lc.engine_size(cfg)
+    assert size.max_model_len > cfg.prompt_len and size.max_model_len > cfg.context + 2 * cfg.rounds * (cfg.steps + 1)
+    assert size.decode_max_tokens == size.max_model_len - cfg.context
+    assert size.num_blocks * cfg.block_size >= 8 * size.max_model_len + 2 * cfg.prompt_len
+    assert cfg.num_seqs == 64 and lc.LoopBenchConfig(batches=(70,), token_budget=128).num_seqs == 72
+    with pytest.raises(ValueError, match="token_budget"):
+        lc.LoopBenchConfig(batches=(32,), token_budget=32)
+
+
+def _cache_copy(runner) -> list[np.ndarray]:
+    return [np.array(page, copy=True) for kv in runner.kv_caches for page in kv]
+
+
+def test_shadow_replay_leaves_the_engine_intact():
+    """Replaying overlapped decode steps (their input tokens pending on the device) writes only the scratch
+    blocks and restores the runner's previous sampled tokens."""
+    from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", token_budget=16, max_num_seqs=4, num_blocks=64,
+                                    max_model_len=128, async_scheduling=True), warmup=False)
+    recorder = lc.StepRecorder(engine.runner, keep=3)
+    replayer = lc.ShadowReplayer(engine, recorder, num_tokens=16)
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        engine.add_request(f"r{i}", rng.integers(3, 1000, size=12).tolist(),
+                           SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    steps = recorder.snapshot()
+    assert len(steps) == 3 and all(s.num_decodes == 2 and s.prefill_tokens == 0 for s in steps)
+    assert engine.core.num_in_flight == 1
+    prev_tokens = engine.runner._prev_tokens
+    before = _cache_copy(engine.runner)
+    assert replayer.replay(steps, 4) > 0
+    after = _cache_copy(engine.runner)
+    assert engine.runner._prev_tokens is prev_tokens
+    scratch = sorted({int(s) // 16 for s in replayer.slots})
+    live = np.setdiff1d(np.arange(64), scratch)
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a[live], b[live])
+    assert any(np.any(a[scratch] != b[scratch]) for b, a in zip(before, after))
+    assert all(a is b for a, b in zip(recorder.snapshot(), steps))  # the replays are not recorded as steps
+    engine.step()  # the engine goes on
+
+
+def test_cli_runs_both_loops_on_tiny_model(tmp_path, capsys):
+    out = tmp_path / "loop.json"
+    rc = lc.main([
+        "--model", "tiny-llama", "--batch", "2", "--context", "12", "--prompt-len", "40", "--token-budget", "16",
+        "--max-num-seqs", "4", "--steps", "3", "--rounds", "1", "--replays", "2",
+        "--matmul-rate", "1e10", "--bandwidth", "2e9", "--json", str(out), "--quiet",
+    ])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["platform"]["backend"] and doc["engine"]["buckets"] == [16]
+    assert doc["rates"]["matmul_flops_per_s"] == 1e10 and doc["rates"]["bandwidth_bytes_per_s"] == 2e9
+    rows = {(r["workload"], r["loop"]): r for r in doc["rows"]}
+    assert set(rows) == {(w, loop) for w in ("decode", "mixed") for loop in ("sync", "async")}
+    for (workload, loop), r in rows.items():
+        assert r["batch"] == 2 and r["num_timed_steps"] == 3 and len(r["wall_s"]) == 3
+        assert r["wall_mean_s"] > 0 and r["wall_p50_s"] > 0 and r["device_s"] > 0 and r["host_cpu_s"] > 0
+        assert len(r["device_per_round_s"]) == 1 and r["device_s"] == r["device_per_round_s"][0]
+        assert r["device_busy_fraction"] == pytest.approx(r["device_s"] / r["wall_mean_s"])
+        assert r["compute_floor_s"] == pytest.approx(r["flops_per_step"] / 1e10)
+        assert r["memory_floor_s"] == pytest.approx(r["bytes_per_step"] / 2e9)
+        assert r["compilations_during_timing"] == 0
+        assert r["decodes_per_step"] == 2  # the two decodes are in every timed step
+        # the overlapped engine holds one batch after every step; the synchronous one none
+        assert r["in_flight_after_step"] == ([1] if loop == "async" else [0]) and r["in_flight_ok"]
+        if workload == "mixed":  # every timed step fills the budget with a prefill chunk
+            assert r["tokens_per_step"] == 16 and r["prefill_tokens_per_step"] == [14, 14, 14]
+        else:
+            assert r["tokens_per_step"] == 2 and r["prefill_tokens_per_step"] == [0, 0, 0]
+    for workload in ("decode", "mixed"):
+        a, s = rows[(workload, "async")], rows[(workload, "sync")]
+        assert a["hidden_host_s"] == pytest.approx(s["wall_mean_s"] - a["wall_mean_s"])
+        assert a["ratio_mean"] == pytest.approx(a["wall_mean_s"] / s["wall_mean_s"])
+        assert "hidden_host_s" not in s
+    # the shadowed replays left both engines intact: greedy decodes agree token for token
+    agree = doc["decode_tokens_agree"]["2"]
+    assert agree["all_equal"] and agree["num_requests"] == 2 and agree["tokens_compared"] > 0
+    text = capsys.readouterr().out
+    assert "JAX platform: " in text and "async/sync" in text and "hidden ms" in text
