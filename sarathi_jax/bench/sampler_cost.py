@@ -5,13 +5,15 @@ alike), for each vocabulary size, beside a floor: the bytes of the logits read o
 memory bandwidth (a large jitted elementwise copy, read + write bytes, best of `--repeats`). Cases:
 
   greedy             temperature 0                               -> (greedy)
-  sampled            temperature 1                               -> (sampled)
-  top-p 0.9 flat     temperature 1, top_p 0.9, near-flat logits  -> (sampled+filtered): nucleus of most of V
-  top-k 50 peaked    temperature 1, top_k 50, top_p 0.9          -> (sampled+filtered)
+  sampled            temperature 1                               -> (sampled+none)
+  top-k 50           temperature 1, top_k 50                     -> (sampled+top_k): one lax.top_k of 128
+  top-p 0.9 flat     temperature 1, top_p 0.9, near-flat logits  -> (sampled+exact): nucleus of most of V
+  top-k 50 peaked    temperature 1, top_k 50, top_p 0.9          -> (sampled+exact)
 each also with logprobs=5 (+logprobs: the top-N `lax.top_k`). The new sampler's cost does not depend on the
 values; `--baseline FILE` also times another implementation's `sample(logits, arrays)` (e.g. an older
-`sarathi_jax/sampling.py` saved with `git show REV:sarathi_jax/sampling.py > FILE`) on the same inputs, whose
-cost may (top-k 50 peaked is the old top_k-candidates fast path, top-p 0.9 flat its bisection).
+`sarathi_jax/sampling.py` saved with `git show REV:sarathi_jax/sampling.py > FILE`) on the same inputs, with
+the variant its own `sampler_variant(rows)` picks if it has one (else its default); an older one's cost may
+depend on the values (top-k 50 peaked is the pre-radix top_k-candidates fast path, top-p 0.9 flat its bisection).
 
 Every case is compiled and run once untimed, then the timed repeats go round-robin over all cases so that load
 from other processes falls on all of them alike; the median and the best time are reported (on a shared
@@ -21,9 +23,9 @@ machine the best run is the least disturbed one), and best / floor.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -40,6 +42,7 @@ from sarathi_jax.sampling_params import SamplingParams
 CASES: dict[str, tuple[dict[str, Any], float]] = {
     "greedy": (dict(temperature=0.0), 2.0),
     "sampled": (dict(temperature=1.0), 2.0),
+    "top-k 50": (dict(temperature=1.0, top_k=50), 3.0),
     "top-p 0.9 flat": (dict(temperature=1.0, top_p=0.9), 0.1),
     "top-k 50 peaked": (dict(temperature=1.0, top_k=50, top_p=0.9), 3.0),
 }
@@ -72,6 +75,7 @@ def load_baseline(path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location("sampler_baseline", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (string annotations) look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -84,7 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", help="a Python file whose `sample(logits, arrays)` is timed alongside")
     args = parser.parse_args(argv)
 
-    baseline = jax.jit(load_baseline(args.baseline).sample) if args.baseline else None
+    baseline_module = load_baseline(args.baseline) if args.baseline else None
+    baseline_variant = getattr(baseline_module, "sampler_variant", None)
+    baseline = None
+    if baseline_module is not None:
+        static = ("variant",) if baseline_variant is not None else ()
+        baseline = jax.jit(baseline_module.sample, static_argnames=static)
     bandwidth = memory_bandwidth(args.repeats)
     print(f"device: {jax.devices()[0].device_kind}, memory bandwidth (jitted copy, best): {bandwidth / 1e9:.1f} GB/s")
     rng = np.random.default_rng(0)
@@ -99,13 +108,18 @@ def main(argv: list[str] | None = None) -> None:
                 rows = [(SamplingParams(**params, logprobs=logprobs), i, 0, ()) for i in range(args.rows)]
                 arrays = jax.device_put(make_sampling_arrays(rows, args.rows))
                 variant = sampler_variant(rows)
-                flags = [f.name for f in dataclasses.fields(variant) if getattr(variant, f.name)]
-                variants[label] = "+".join(flags) if variant.sampled else "+".join(["greedy", *flags])
+                flags = ["sampled" if variant.sampled else "greedy"]
+                flags += [variant.filter] if variant.sampled else []
+                flags += ["logprobs"] if variant.logprobs else []
+                variants[label] = "+".join(flags)
                 calls[label] = lambda logits=logits, arrays=arrays, variant=variant: sample_jit(
                     logits, arrays, variant=variant
                 )
                 if baseline is not None:
-                    calls[f"{label} (baseline)"] = lambda logits=logits, arrays=arrays: baseline(logits, arrays)
+                    kwargs = {} if baseline_variant is None else {"variant": baseline_variant(rows)}
+                    calls[f"{label} (baseline)"] = lambda logits=logits, arrays=arrays, kwargs=kwargs: baseline(
+                        logits, arrays, **kwargs
+                    )
         for call in calls.values():  # compile + warm up
             _timed(call)
         times: dict[str, list[float]] = {label: [] for label in calls}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from collections.abc import Iterator
@@ -13,15 +12,18 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sarathi_jax.sampling import (
     FULL_VARIANT,
     MAX_BANNED,
+    SAMPLER_FILTERS,
     SAMPLER_VARIANTS,
+    TOP_K_CANDIDATES,
     SamplerOutput,
     SamplerVariant,
+    _kth_of_candidates,
     _top_k_top_p_thresholds,
     make_sampling_arrays,
     sample,
@@ -430,31 +432,52 @@ def test_tiny_vocab_pads_top_logprobs() -> None:
 
 
 def test_variants_and_host_choice() -> None:
-    assert len(SAMPLER_VARIANTS) == len(set(SAMPLER_VARIANTS)) == 6 and SAMPLER_VARIANTS[-1] == FULL_VARIANT
-    assert all(v.sampled or not v.filtered for v in SAMPLER_VARIANTS)
-    with pytest.raises(ValueError, match="filtered"):
-        SamplerVariant(sampled=False, filtered=True, logprobs=False)
-    assert sampler_variant([]) == SamplerVariant(False, False, False)
-    assert sampler_variant([row(temperature=0.0, top_k=5, top_p=0.5)]) == SamplerVariant(False, False, False)
-    assert sampler_variant([row(temperature=0.0, logprobs=0)]) == SamplerVariant(False, False, False)
-    assert sampler_variant([row(temperature=0.0, logprobs=2)]) == SamplerVariant(False, False, True)
-    assert sampler_variant([row(temperature=1e-6)]) == SamplerVariant(False, False, False)
-    assert sampler_variant([row(min_p=0.5)]) == SamplerVariant(True, False, False)
-    assert sampler_variant([row(temperature=0.0), row(top_k=3)]) == SamplerVariant(True, True, False)
+    assert len(SAMPLER_VARIANTS) == len(set(SAMPLER_VARIANTS)) == 8 and SAMPLER_VARIANTS[-1] == FULL_VARIANT
+    assert all(v.sampled or v.filter == "none" for v in SAMPLER_VARIANTS)
+    assert {v.filter for v in SAMPLER_VARIANTS} == set(SAMPLER_FILTERS)
+    with pytest.raises(ValueError, match="filter"):
+        SamplerVariant(sampled=False, filter="top_k", logprobs=False)
+    with pytest.raises(ValueError, match="filter"):
+        SamplerVariant(sampled=True, filter="top_p", logprobs=False)
+    greedy, none, top_k, exact = (
+        SamplerVariant(False, "none", False), SamplerVariant(True, "none", False),
+        SamplerVariant(True, "top_k", False), SamplerVariant(True, "exact", False),
+    )
+    assert sampler_variant([]) == greedy
+    assert sampler_variant([row(temperature=0.0, top_k=5, top_p=0.5)]) == greedy
+    assert sampler_variant([row(temperature=0.0, logprobs=0)]) == greedy
+    assert sampler_variant([row(temperature=0.0, logprobs=2)]) == SamplerVariant(False, "none", True)
+    assert sampler_variant([row(temperature=1e-6)]) == greedy
+    assert sampler_variant([row(min_p=0.5)]) == none
+    assert sampler_variant([row(temperature=0.0), row(top_k=3)]) == top_k
+    assert sampler_variant([row(top_k=TOP_K_CANDIDATES, min_p=0.1), row(top_k=1), row()]) == top_k
+    assert sampler_variant([row(top_k=5), row(temperature=0.0, top_k=500, top_p=0.5)]) == top_k  # greedy: ignored
+    assert sampler_variant([row(top_k=TOP_K_CANDIDATES + 1)]) == exact
+    assert sampler_variant([row(top_k=50, top_p=0.9)]) == exact
+    assert sampler_variant([row(top_k=50), row(top_p=0.99)]) == exact
     assert sampler_variant([row(top_p=0.9), row(temperature=0.0, logprobs=1)]) == FULL_VARIANT
 
 
+def covers(w: SamplerVariant, variant: SamplerVariant) -> bool:
+    """Whether `w` has every capability of `variant` (and so serves every batch that `variant` serves)."""
+    rank = SAMPLER_FILTERS.index
+    return w.sampled >= variant.sampled and rank(w.filter) >= rank(variant.filter) and w.logprobs >= variant.logprobs
+
+
 def random_batch(rng: np.random.Generator, v: int) -> list:
-    """A mixed batch of up to S rows; each capability (sampling, filters, logprobs) is allowed or not at random,
-    so that every variant gets chosen."""
-    allow_sampled, allow_filtered, allow_logprobs = rng.random(3) < 0.6
+    """A mixed batch of up to S rows; each capability (sampling, filters: none, small top-k only or any,
+    logprobs) is allowed or not at random, so that every variant gets chosen."""
+    allow_sampled, allow_logprobs = rng.random(2) < 0.6
+    allow_filter = str(rng.choice(SAMPLER_FILTERS))
     rows = []
     for i in range(int(rng.integers(0, S + 1))):
         params: dict = {"temperature": 0.0}
         if allow_sampled and rng.random() < 0.7:
             params = {"temperature": float(rng.choice([0.3, 1.0, 2.0])), "min_p": float(rng.choice([0.0, 0.05]))}
-            if allow_filtered:
-                params["top_k"] = int(rng.choice([0, 1, 5, 150, 10_000]))
+            if allow_filter == "top_k":  # k <= TOP_K_CANDIDATES, no top-p (k >= v is off on device)
+                params["top_k"] = int(rng.choice([0, 1, 5, 50, 127, TOP_K_CANDIDATES]))
+            elif allow_filter == "exact":
+                params["top_k"] = int(rng.choice([0, 1, 5, 50, 150, 10_000]))
                 params["top_p"] = float(rng.choice([1.0, 0.9, 0.3]))
         if allow_logprobs and rng.random() < 0.5:
             params["logprobs"] = int(rng.choice([0, 3, MAX_LOGPROBS]))
@@ -466,15 +489,19 @@ def random_batch(rng: np.random.Generator, v: int) -> list:
 @pytest.mark.parametrize("v", [V, WIDE_V])
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
+@example(seed=3)  # (both v) filter "top_k" with k up to TOP_K_CANDIDATES, heavy ties
+@example(seed=23)  # (both v) filter "top_k" + logprobs
 def test_host_chosen_variant_matches_the_full_variant_bitwise(v: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    logits = random_logits(rng, (S, v), scale=float(rng.choice([0.3, 3.0])))
+    if rng.random() < 0.25:  # heavy ties: the k-th value shared by many tokens
+        logits = rng.integers(-3, 3, (S, v)).astype(np.float32)
+    else:
+        logits = random_logits(rng, (S, v), scale=float(rng.choice([0.3, 3.0])))
     rows = random_batch(rng, v)
     chosen = sampler_variant(rows)
     full = run(logits, rows, variant=FULL_VARIANT)
     # Every variant able to serve these rows (the chosen one's capabilities or more) agrees with the full one.
-    needs = dataclasses.astuple(chosen)
-    covering = [w for w in SAMPLER_VARIANTS if all(a >= b for a, b in zip(dataclasses.astuple(w), needs))]
+    covering = [w for w in SAMPLER_VARIANTS if covers(w, chosen)]
     assert chosen in covering
     for variant in covering:
         out = run(logits, rows, variant=variant)
@@ -507,8 +534,8 @@ def test_no_data_dependent_control_flow(variant: SamplerVariant) -> None:
     module = jax.export.export(sample_jit, platforms=["cuda"])(logits, arrays, variant=variant).mlir_module()
     ops = set(re.findall(r"stablehlo\.(\w+)", module))
     assert not ops & {"while", "case", "if"}, ops
-    assert ("top_k" in primitives) == variant.logprobs
-    assert ("scatter-add" in primitives) == variant.filtered  # the radix-select histograms
+    assert ("top_k" in primitives) == (variant.logprobs or variant.filter == "top_k")
+    assert ("scatter-add" in primitives) == (variant.filter == "exact")  # the radix-select histograms
     assert ("random_bits" in primitives) == variant.sampled
 
 
@@ -568,3 +595,32 @@ def test_exact_top_k_and_top_p_match_a_float64_sort(scale: float) -> None:
             assert len(np.unique(probs_k[(probs_k >= lo) & (probs_k <= hi)])) <= 2, i
     assert (masked[3] >= kth[3]).sum() == 14
     assert max(sizes) > 2000  # nuclei of thousands of tokens were exercised
+
+
+@pytest.mark.parametrize("scale", [0.05, 3.0])
+def test_top_k_candidates_keep_the_exact_top_k(scale: float) -> None:
+    """The "top_k" filter's k-th of TOP_K_CANDIDATES candidates keeps the same set as the radix top-k and a
+    float64 sort, for every k <= TOP_K_CANDIDATES, ties, +-0 and banned (-inf) tokens included."""
+    rng = np.random.default_rng(int(scale * 100))
+    n = 10
+    masked = (rng.standard_normal((n, EXACT_V)) * scale).astype(np.float32)
+    masked[1] = rng.integers(-3, 3, EXACT_V)  # heavy ties
+    masked[2, rng.choice(EXACT_V, 500, replace=False)] = -np.inf
+    masked[3] = -np.abs(masked[3]) - 0.01
+    masked[3, :7], masked[3, 7:14] = 0.0, -0.0  # k = 7 of 14 +-0: all 14 kept
+    masked[4, 100:] = -np.inf  # k = TOP_K_CANDIDATES > the 100 finite tokens: the -inf tokens tie, all kept
+    ks = np.array([50, 100, 1, 7, TOP_K_CANDIDATES, TOP_K_CANDIDATES - 1, 2, 0, 64, 3], np.int32)
+    want_k = ks > 0
+    probs = np.exp(masked - masked.max(-1, keepdims=True)).astype(np.float32)
+    kth = np.asarray(jax.jit(_kth_of_candidates)(jnp.asarray(masked), jnp.asarray(ks), jnp.asarray(want_k)))
+    radix_kth, _ = jax.jit(_top_k_top_p_thresholds)(
+        jnp.asarray(masked), jnp.asarray(probs), jnp.asarray(ks), jnp.ones(n, jnp.float32), jnp.asarray(want_k),
+        jnp.zeros(n, bool),
+    )
+    radix_kth = np.asarray(radix_kth)
+    for i in range(n):
+        keep_k, _, _ = numpy_top_k_top_p(masked[i], probs[i], int(ks[i]), 1.0)
+        np.testing.assert_array_equal(masked[i] >= kth[i], keep_k, err_msg=f"row {i}")
+        np.testing.assert_array_equal(masked[i] >= radix_kth[i], keep_k, err_msg=f"row {i}")
+    assert np.isneginf(kth[7]) and np.isneginf(kth[4])
+    assert (masked[3] >= kth[3]).sum() == 14
