@@ -1,4 +1,4 @@
-"""Turns a scheduled batch into one packed device array and runs the jitted model step and sampler.
+"""Turns a scheduled batch into packed device arrays and runs the jitted model step and sampler.
 
 Every step runs at one of a few fixed token counts (`buckets`): tile-aligned sizes up to the largest batch
 the scheduler can produce. The sampler is a separate jitted function with one variant per sampling need
@@ -8,7 +8,7 @@ bucket and every variant is compiled by `warmup()`, so serving never compiles ag
 counts traces and lets tests check that.
 
 Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
-settings) go up as one int32 array (`sarathi_jax.step_inputs`), parameters and the KV cache stay on the
+settings) go up as two int32 arrays in one call (`sarathi_jax.step_inputs`), parameters and the KV cache stay on the
 device, and `submit()` returns at once. A pending token (the overlapped loop: a decode scheduled before its
 input token reached the host) is read on the device from the previous step's sampled tokens.
 
@@ -42,7 +42,7 @@ from sarathi_jax.sampling import (
     sampler_variant,
 )
 from sarathi_jax.scheduler import ScheduledChunk
-from sarathi_jax.step_inputs import BatchLayout, pack_sampling, unpack_sampling
+from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, unpack_sampling
 
 SMALLEST_BUCKET = 16
 
@@ -97,8 +97,8 @@ class _Stage:
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
 
-def _sample_packed(logits: jax.Array, packed: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
-    return sample(logits, unpack_sampling(packed, logits.shape[0]), variant)
+def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
+    return sample(logits, unpack_sampling(sampling, logits.shape[0]), variant)
 
 
 # Module level: engines with the same shapes share the compiled sampler variants.
@@ -205,18 +205,19 @@ class ModelRunner:
         return stages
 
     def _make_stage_step(self, stage: _Stage) -> Callable:
-        """The jitted model step of one stage: (params, kv_caches, x, packed, prev_tokens) -> (out, kv_caches).
-        Stage 0 takes x = None and reads token ids from `packed` (pending ones from `prev_tokens`); the last
+        """The jitted model step of one stage: (params, kv_caches, x, batch, prev_tokens) -> (out, kv_caches),
+        `batch` the packed batch part. Stage 0 takes x = None and reads token ids from `batch` (pending ones
+        from `prev_tokens`); the last
         stage returns float32 logits [S, vocab], the others their activations."""
         model, index, is_first, is_last, mesh = stage.model, stage.index, stage.index == 0, stage.is_last, stage.mesh
         replicate_logits = mesh is not None and self.plan.tensor_parallel_size > 1
         vocab_parallel = replicate_logits and self.plan.shard_vocab
         s, b = self.max_num_seqs, self.max_blocks_per_seq
 
-        def step_impl(params, kv_caches, x, packed, prev_tokens):
+        def step_impl(params, kv_caches, x, batch, prev_tokens):
             self._stage_traces[index] += 1  # Python side effect: runs once per trace, never per call
-            layout = BatchLayout.of_packed(packed.shape[0], s, b)
-            token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(packed)
+            layout = BatchLayout.of_packed(batch.shape[0], s, b)
+            token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
             if is_first:  # a pending token is the previous step's sample in row src_rows[t]
                 x = jnp.where(src_rows >= 0, prev_tokens[jnp.clip(src_rows, 0, s - 1)], token_ids)
             out, kv_caches = model.apply(
@@ -275,11 +276,11 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile every bucket and every sampler variant with all-padding batches (num_seqs = 0 writes
-        nothing to the cache)."""
-        for bucket in self.buckets:
-            self._dispatch(self._layout(bucket).empty(), SAMPLER_VARIANTS[0], timed=False)
-        for variant in SAMPLER_VARIANTS[1:]:
-            self._dispatch(self._layout(self.buckets[0]).empty(), variant, timed=False)
+        nothing to the cache; temperature -1 rows are no-ops)."""
+        for i, bucket in enumerate(self.buckets):
+            packed = self._layout(bucket).empty()
+            for variant in SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]:
+                self._dispatch(packed, variant, timed=False)
         for stage in self.stages:
             jax.block_until_ready(stage.kv_caches)
 
@@ -310,24 +311,24 @@ class ModelRunner:
     def _layout(self, bucket: int) -> BatchLayout:
         return BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
 
-    def _dispatch(self, packed: np.ndarray, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
+    def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
         timeline = self.timeline if timed else None
-        record = timeline.begin(BatchLayout.of_packed(packed.size, self.max_num_seqs,
+        record = timeline.begin(BatchLayout.of_packed(packed.batch.size, self.max_num_seqs,
                                                       self.max_blocks_per_seq).num_tokens) if timeline else None
         single = len(self.stages) == 1
-        x = packed_on_device = None
+        x = on_device = None
         for stage in self.stages:
-            # One upload to the first stage; later stages get a device-to-device copy.
-            if packed_on_device is None:
-                packed_on_device = jax.device_put(packed) if stage.mesh is None else stage.place(packed)
+            # One upload (both arrays in one call) to the first stage; later stages get device-to-device copies.
+            if on_device is None:
+                on_device = PackedStep(*(jax.device_put(tuple(packed)) if stage.mesh is None else stage.place(tuple(packed))))
             else:
-                packed_on_device = stage.place(packed_on_device)
+                on_device = PackedStep(*stage.place(tuple(on_device)))
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
-            x, stage.kv_caches = stage.step(stage.params, stage.kv_caches, stage.place(x), packed_on_device, prev)
+            x, stage.kv_caches = stage.step(stage.params, stage.kv_caches, stage.place(x), on_device.batch, prev)
             if stage.is_last:
                 logits = x
                 before = _sample_packed_jit._cache_size()
-                x = _sample_packed_jit(logits, packed_on_device, variant=variant)
+                x = _sample_packed_jit(logits, on_device.sampling, variant=variant)
                 self._sampler_traces += _sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)
@@ -357,12 +358,12 @@ class ModelRunner:
                 c.append(leaf)
         return jax.tree.unflatten(treedef, [_Copies(c) for c in copies])
 
-    def _pack(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> np.ndarray:
+    def _pack(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> PackedStep:
         """The packed int32 inputs of one step (layout: `sarathi_jax.step_inputs`)."""
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
         layout = self._layout(self.bucket_for(num_tokens))
-        buf = layout.empty()
-        v = layout.host_views(buf)
+        batch = layout.empty_batch()
+        v = layout.host_views(batch)
         token_ids, positions, slot_mapping, src_rows = v["token_ids"], v["positions"], v["slot_mapping"], v["src_rows"]
         block_tables, block_size = v["block_tables"], self.block_size
         kv_lens, cu_q_lens = v["kv_lens"], v["cu_q_lens"]
@@ -394,5 +395,4 @@ class ModelRunner:
             offset = end
         cu_q_lens[len(chunks) + 1 :] = offset
         v["num_seqs"][0] = len(chunks)
-        pack_sampling(make_sampling_arrays(sampling_rows, self.max_num_seqs), buf[layout.batch_len :])
-        return buf
+        return PackedStep(batch, pack_sampling(make_sampling_arrays(sampling_rows, self.max_num_seqs)))

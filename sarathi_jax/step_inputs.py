@@ -1,41 +1,49 @@
-"""One step's small inputs, packed into a single int32 array: one host-to-device transfer per step.
+"""One step's small inputs, packed into two int32 arrays and uploaded by one `device_put` call.
 
 A step needs a dozen small arrays (token ids, positions, slot mapping, attention metadata, logits rows and
 the sampler's settings). Passed one by one, each is its own transfer and its own argument to dispatch; packed,
-the host fills one numpy buffer and uploads it once, and the jitted functions slice it apart with static
-offsets (floats travel as their bit patterns).
+the host fills two numpy buffers (`PackedStep`) and uploads them together, and the jitted functions slice
+them apart with static offsets (floats travel as their bit patterns). The batch part's size depends on the
+bucket; the sampling part's does not, so the sampler compiles once per variant, not once per bucket.
 
-Layout, for a bucket of T tokens, S = max_num_seqs rows, B = max_blocks_per_seq, M = MAX_BANNED:
-
-    batch part (`BatchLayout`, 4T + S(3 + B) + 2 entries)
-        token_ids      [T]     host token ids (0 where `src_rows` says the token is on the device)
-        positions      [T]
-        slot_mapping   [T]     -1 on padding rows
-        src_rows       [T]     >= 0: the token is row `src_rows[t]` of the previous step's sampled tokens
-        kv_lens        [S]
-        cu_q_lens      [S + 1]
-        num_seqs       [1]
-        logits_indices [S]
-        block_tables   [S * B]
-    sampling part (`sampling_len(S)` = S(8 + M) entries, always last)
-        temperature [S] f32, top_k [S], top_p [S] f32, min_p [S] f32, keys [S * 2] u32, steps [S],
-        banned_token_ids [S * M], num_logprobs [S]
+Batch part (`BatchLayout`, 4T + S(3 + B) + 2 entries), for a bucket of T tokens, S = max_num_seqs rows,
+B = max_blocks_per_seq:
+    token_ids      [T]     host token ids (0 where `src_rows` says the token is on the device)
+    positions      [T]
+    slot_mapping   [T]     -1 on padding rows
+    src_rows       [T]     >= 0: the token is row `src_rows[t]` of the previous step's sampled tokens
+    kv_lens        [S]
+    cu_q_lens      [S + 1]
+    num_seqs       [1]
+    logits_indices [S]
+    block_tables   [S * B]
+Sampling part (`sampling_len(S)` = S(8 + M) entries, M = MAX_BANNED):
+    temperature [S] f32, top_k [S], top_p [S] f32, min_p [S] f32, keys [S * 2] u32, steps [S],
+    banned_token_ids [S * M], num_logprobs [S]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sarathi_jax.models import AttentionMetadata
-from sarathi_jax.sampling import MAX_BANNED, SamplingArrays
+from sarathi_jax.sampling import MAX_BANNED, SamplingArrays, make_sampling_arrays
 
 
 def sampling_len(max_num_seqs: int) -> int:
     return max_num_seqs * (8 + MAX_BANNED)
+
+
+class PackedStep(NamedTuple):
+    """The two int32 arrays of one step (host numpy before the upload, device arrays after)."""
+
+    batch: np.ndarray
+    sampling: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -51,15 +59,11 @@ class BatchLayout:
         t, s, b = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq
         return 4 * t + s * (3 + b) + 2
 
-    @property
-    def total_len(self) -> int:
-        return self.batch_len + sampling_len(self.max_num_seqs)
-
     @classmethod
-    def of_packed(cls, packed_len: int, max_num_seqs: int, max_blocks_per_seq: int) -> BatchLayout:
-        """The layout of a packed array of `packed_len` entries (T recovered from the length)."""
+    def of_packed(cls, batch_len: int, max_num_seqs: int, max_blocks_per_seq: int) -> BatchLayout:
+        """The layout of a batch part of `batch_len` entries (T recovered from the length)."""
         s, b = max_num_seqs, max_blocks_per_seq
-        four_t = packed_len - sampling_len(s) - s * (3 + b) - 2
+        four_t = batch_len - s * (3 + b) - 2
         assert four_t > 0 and four_t % 4 == 0, (packed_len, s, b)
         return cls(four_t // 4, s, b)
 
@@ -77,13 +81,17 @@ class BatchLayout:
         views["block_tables"] = views["block_tables"].reshape(self.max_num_seqs, self.max_blocks_per_seq)
         return views
 
-    def empty(self) -> np.ndarray:
-        """An all-padding packed buffer: no sequences, no-op sampling rows (temperature -1)."""
-        buf = np.zeros(self.total_len, np.int32)
+    def empty_batch(self) -> np.ndarray:
+        """An all-padding batch part: no sequences."""
+        buf = np.zeros(self.batch_len, np.int32)
         views = self.host_views(buf)
         views["slot_mapping"][:] = -1
         views["src_rows"][:] = -1
         return buf
+
+    def empty(self) -> PackedStep:
+        """An all-padding step: no sequences, and sampling rows that are no-ops (temperature -1)."""
+        return PackedStep(self.empty_batch(), pack_sampling(make_sampling_arrays([], self.max_num_seqs)))
 
     def unpack_batch(self, packed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, AttentionMetadata, jax.Array]:
         """Device side: (token_ids, src_rows, positions, metadata, logits_indices)."""
@@ -101,20 +109,17 @@ class BatchLayout:
         return parts["token_ids"], parts["src_rows"], parts["positions"], metadata, parts["logits_indices"]
 
 
-def pack_sampling(arrays: SamplingArrays, out: np.ndarray) -> None:
-    """Write host `SamplingArrays` (from `make_sampling_arrays`) into the sampling part `out` (int32)."""
-    offset = 0
-    for field in arrays:
-        flat = np.ascontiguousarray(field).reshape(-1).view(np.int32)
-        out[offset : offset + flat.size] = flat
-        offset += flat.size
-    assert offset == out.size, (offset, out.size)
+def pack_sampling(arrays: SamplingArrays) -> np.ndarray:
+    """The sampling part (int32) of host `SamplingArrays` (from `make_sampling_arrays`)."""
+    part = np.concatenate([np.ascontiguousarray(field).reshape(-1).view(np.int32) for field in arrays])
+    assert part.size == sampling_len(arrays.temperature.shape[0]), part.size
+    return part
 
 
-def unpack_sampling(packed: jax.Array, max_num_seqs: int) -> SamplingArrays:
-    """Device side: the `SamplingArrays` in the last `sampling_len(S)` entries of a packed array."""
+def unpack_sampling(part: jax.Array, max_num_seqs: int) -> SamplingArrays:
+    """Device side: the `SamplingArrays` of a sampling part."""
     s, m = max_num_seqs, MAX_BANNED
-    part = packed[packed.shape[0] - sampling_len(s) :]
+    assert part.shape == (sampling_len(s),), (part.shape, s)
     as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
     return SamplingArrays(
         temperature=as_f32(part[0:s]),

@@ -153,7 +153,7 @@ def engine_size(cfg: LoopBenchConfig) -> EngineSize:
 class CapturedStep:
     """One dispatched step, enough to replay it (`packed`, `variant`) and to count its work (`chunks`)."""
 
-    packed: np.ndarray
+    packed: Any  # step_inputs.PackedStep (host arrays)
     variant: Any  # sampling.SamplerVariant
     chunks: tuple[Chunk, ...]
 
@@ -182,7 +182,7 @@ class StepRecorder:
         runner._dispatch = self._wrapped_dispatch
         runner.submit = self._wrapped_submit
 
-    def _wrapped_dispatch(self, packed: np.ndarray, variant: Any, *, timed: bool = True) -> Any:
+    def _wrapped_dispatch(self, packed: Any, variant: Any, *, timed: bool = True) -> Any:
         self._last = (packed, variant)
         return self.dispatch(packed, variant, timed=timed)
 
@@ -218,17 +218,17 @@ class ShadowReplayer:
         bs = bm.block_size
         self.slots = np.asarray([b * bs + j for b in self._scratch.block_table for j in range(bs)], np.int32)
 
-    def shadow(self, packed: np.ndarray) -> np.ndarray:
-        """A copy of `packed` whose real tokens write their K/V to distinct scratch slots."""
+    def shadow(self, packed: Any) -> Any:
+        """A copy of `packed` (a `PackedStep`) whose real tokens write their K/V to distinct scratch slots."""
         from sarathi_jax.step_inputs import BatchLayout
 
         r = self.runner
-        out = packed.copy()
-        slot_mapping = BatchLayout.of_packed(out.size, r.max_num_seqs, r.max_blocks_per_seq).host_views(out)[
+        batch = packed.batch.copy()
+        slot_mapping = BatchLayout.of_packed(batch.size, r.max_num_seqs, r.max_blocks_per_seq).host_views(batch)[
             "slot_mapping"]
         real = slot_mapping >= 0
         slot_mapping[real] = self.slots[: int(real.sum())]
-        return out
+        return packed._replace(batch=batch)
 
     def replay(self, steps: Sequence[CapturedStep], count: int) -> float:
         """Seconds for `count` back-to-back dispatches cycling over `steps`, one wait at the end. The work
