@@ -64,7 +64,7 @@ class BatchLayout:
         """The layout of a batch part of `batch_len` entries (T recovered from the length)."""
         s, b = max_num_seqs, max_blocks_per_seq
         four_t = batch_len - s * (3 + b) - 2
-        assert four_t > 0 and four_t % 4 == 0, (packed_len, s, b)
+        assert four_t > 0 and four_t % 4 == 0, (batch_len, s, b)
         return cls(four_t // 4, s, b)
 
     def _fields(self) -> list[tuple[str, int]]:
