@@ -158,6 +158,10 @@ class SimulatedEngine:
             prompt = [(7 * i + 1) % DUMMY_VOCAB for i in range(prompt)]
         if not prompt:
             raise ValueError("prompt: empty")
+        if len(prompt) >= self.max_model_len:  # as LLMEngine.add_request: refused at the edge
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
         seq = Sequence(request_id, list(prompt), params, self.clock if arrival_time is None else arrival_time)
         self.core.add(RequestState(seq, seed=0, banned_until_min_tokens=(), detokenizer=None,
                                    stop_checker=StopStringChecker(())))

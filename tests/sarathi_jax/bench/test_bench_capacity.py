@@ -66,16 +66,8 @@ def test_driver_rebases_times_and_reuses_engine():
 
 def test_driver_records_rejected_requests():
     # Two ways to refuse a request: the scheduler rejects one that can never fit (an output with finish_reason
-    # "error"), and add_request raises ValueError (LLMEngine does for a prompt >= max_model_len).
+    # "error"), and add_request raises ValueError for a prompt >= max_model_len (as LLMEngine does).
     eng = sim_engine(max_model_len=10)
-    add_request = eng.add_request
-
-    def refusing_add_request(request_id, prompt, params, arrival_time=None):
-        if len(prompt) >= eng.max_model_len:
-            raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate within max_model_len=10")
-        add_request(request_id, prompt, params, arrival_time)
-
-    eng.add_request = refusing_add_request
     wl = Workload([0.0, 0.0, 0.0], [3, 9, 12], [2, 5, 1])
     r = run_workload(eng, wl, wl.prompts(1000, 0))
     ok, too_long, refused = r.records
