@@ -174,7 +174,6 @@ class ModelRunner:
         self._capture_logits = False
         for stage in self.stages:
             stage.step = self._make_stage_step(stage)
-        self._sampler_cache_size = _sample_packed_jit._cache_size()  # compiled variants seen at start
         self._sampler_traces = 0  # sampler variants this runner compiled (others came from the shared cache)
         # The previous step: its sampled token ids (device) and which row sampled for which sequence, so a
         # pending input token is read on the device. Pipelines never schedule a sequence in flight, so only
@@ -207,8 +206,7 @@ class ModelRunner:
     def _make_stage_step(self, stage: _Stage) -> Callable:
         """The jitted model step of one stage: (params, kv_caches, x, batch, prev_tokens) -> (out, kv_caches),
         `batch` the packed batch part. Stage 0 takes x = None and reads token ids from `batch` (pending ones
-        from `prev_tokens`); the last
-        stage returns float32 logits [S, vocab], the others their activations."""
+        from `prev_tokens`); the last stage returns float32 logits [S, vocab], the others their activations."""
         model, index, is_first, is_last, mesh = stage.model, stage.index, stage.index == 0, stage.is_last, stage.mesh
         replicate_logits = mesh is not None and self.plan.tensor_parallel_size > 1
         vocab_parallel = replicate_logits and self.plan.shard_vocab
@@ -320,7 +318,8 @@ class ModelRunner:
         for stage in self.stages:
             # One upload (both arrays in one call) to the first stage; later stages get device-to-device copies.
             if on_device is None:
-                on_device = PackedStep(*(jax.device_put(tuple(packed)) if stage.mesh is None else stage.place(tuple(packed))))
+                sharding = None if stage.mesh is None else jax.sharding.NamedSharding(stage.mesh, jax.sharding.PartitionSpec())
+                on_device = PackedStep(*jax.device_put(tuple(packed), sharding))
             else:
                 on_device = PackedStep(*stage.place(tuple(on_device)))
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
