@@ -42,3 +42,20 @@ def test_reset_for_recompute_keeps_outputs():
     assert seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
     assert seq.output_token_ids == [4, 5] and seq.num_uncomputed_tokens == 5 and not seq.is_decode
     assert seq.metrics.num_preemptions == 1
+
+
+def test_pending_tokens_are_placeholders_until_resolved():
+    from sarathi_jax.sequence import PENDING_TOKEN
+
+    seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=5), 0.0)
+    seq.num_computed_tokens = 3
+    seq.append_pending_token()  # a dispatched step samples the next token
+    assert seq.token_ids == [1, 2, 3, PENDING_TOKEN] and seq.output_token_ids == []
+    assert (seq.num_tokens, seq.num_pending_tokens, seq.num_generated_tokens) == (4, 1, 1) and seq.is_decode
+    seq.num_computed_tokens = 4
+    seq.append_pending_token()  # the next step was dispatched before the first token came back
+    seq.resolve_pending_token(7)
+    assert seq.token_ids == [1, 2, 3, 7, PENDING_TOKEN] and seq.output_token_ids == [7]
+    assert seq.num_generated_tokens == 2
+    seq.discard_pending_tokens()  # finished: the in-flight extra token is dropped
+    assert seq.token_ids == [1, 2, 3, 7] and seq.num_pending_tokens == 0 and seq.num_computed_tokens == 4
