@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from collections.abc import Sequence as Sequence_
 
@@ -24,6 +25,14 @@ from sarathi_jax.sequence import Sequence
 from sarathi_jax.tokenizer import StopStringChecker
 
 DUMMY_VOCAB = 32000
+
+
+class IterationCost(Protocol):
+    """What the simulator needs of a cost model (`CostModel`, `bench.step_cost.BucketCostModel`)."""
+
+    def iteration_time(self, output: SchedulerOutput) -> float: ...
+
+    def padded(self, num_tokens: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,10 @@ class CostModel:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def padded(self, num_tokens: int) -> int:
+        """The token count a batch runs at: this model has no buckets, so no padding."""
+        return num_tokens
 
     def iteration_time(self, output: SchedulerOutput) -> float:
         attention_units = sum(c.num_new_tokens * (c.start_position + c.num_new_tokens) for c in output.chunks)
@@ -84,7 +97,7 @@ class CostModelExecutor:
     """The `engine_core.Executor` of the simulator: a batch takes `cost_model.iteration_time` virtual seconds,
     back to back on one virtual device, and samples a dummy token (a function of its position)."""
 
-    def __init__(self, cost_model: CostModel) -> None:
+    def __init__(self, cost_model: IterationCost) -> None:
         self.cost_model = cost_model
         self.clock = 0.0
         self._device_free_at = 0.0  # when the batches submitted so far are done
@@ -96,8 +109,7 @@ class CostModelExecutor:
         return _SimulatedStep(self, end, tokens)
 
     def padded_tokens(self, num_tokens: int) -> int:
-        padded = getattr(self.cost_model, "padded", None)  # BucketCostModel pads like the engine it stands for
-        return padded(num_tokens) if padded is not None else num_tokens
+        return self.cost_model.padded(num_tokens)  # BucketCostModel pads like the engine it stands for
 
     def now(self) -> float:
         return self.clock
@@ -113,7 +125,7 @@ class SimulatedEngine:
         scheduler_config: SchedulerConfig,
         num_blocks: int,
         block_size: int = 16,
-        cost_model: CostModel | None = None,
+        cost_model: IterationCost | None = None,
         *,
         async_scheduling: bool = False,
     ) -> None:
@@ -221,7 +233,7 @@ def simulate(
     *,
     num_blocks: int,
     block_size: int = 16,
-    cost_model: CostModel | None = None,
+    cost_model: IterationCost | None = None,
     max_steps: int | None = None,
 ) -> SimulationResult:
     """Feed `requests` by arrival time on the virtual clock (idle time jumps to the next arrival) and run

@@ -33,6 +33,9 @@ class LoadCostModel:
     def iteration_time(self, output: SchedulerOutput) -> float:
         return self.base + self.per_seq * output.num_seqs + self.per_prefill_token * output.num_prefill_tokens
 
+    def padded(self, num_tokens: int) -> int:
+        return num_tokens
+
 
 def sim_engine(*, base: float = 0.01, per_seq: float = 0.0001, per_prefill_token: float = 0.0,
                max_num_seqs: int = 10_000, max_model_len: int = 4096) -> SimulatedEngine:
