@@ -7,10 +7,12 @@ Output folder layout (what `sarathi_jax.models.load_model` recognizes):
     OUT/config.json, generation_config.json, tokenizer.json, ...   copied from the HF folder
     OUT/sarathi_checkpoint.json    completion marker, written last: format, dtype, every param's shape
 
-Memory: the plan (`sarathi_jax.models.param_plan`) says, per parameter, which HF tensor rows it takes and
-whether it is transposed. Each parameter is assembled directly in the target dtype from chunks of at most
-`chunk_bytes` read with plain file reads (`safetensors_stream`), so the HF tensor and its transposed copy never
-coexist. Parameters are handed to Orbax in batches of at most `max(largest parameter, min_batch_bytes)` bytes,
+Memory: the plan (`sarathi_jax.models.param_plan`) says, per parameter (per layer for the decoder layers,
+whose parameters are stacked on a leading layers axis), which HF tensor rows it takes and whether it is
+transposed. Each parameter is assembled directly in the target dtype, layer by layer into its stacked array,
+from chunks of at most `chunk_bytes` read with plain file reads (`safetensors_stream`), so the HF tensor and
+its transposed copy never coexist. A stacked parameter holds all layers of one matrix (for Mistral-7B in
+bfloat16 the largest, an MLP matrix, is 3.5 GiB), which bounds the peak. Parameters are handed to Orbax in batches of at most `max(largest parameter, min_batch_bytes)` bytes,
 one `partial.save` per batch, with Orbax's defensive host copy switched off (`deepcopy_host_arrays=False`)
 and, unless `compress=True`, without zstd compression (its per-thread buffers were most of the peak).
 Peak host memory above the import baseline is therefore about one batch (<= the largest parameter, or
@@ -103,11 +105,12 @@ def default_dtype(config: ModelConfig) -> str:
 
 
 def read_param(checkpoint: SafetensorsCheckpoint, source: ParamSource, dtype: np.dtype,
-               chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
+               chunk_bytes: int = CHUNK_BYTES, out: np.ndarray | None = None) -> np.ndarray:
     """Assemble one parameter in `dtype` from its HF tensor, `chunk_bytes` of rows at a time.
 
     Same result as `source.apply(full_tensor).astype(dtype)`, but only the output array and one chunk are
-    ever in memory: rows are copied (transposed when the plan says so) straight into the output.
+    ever in memory: rows are copied (transposed when the plan says so) straight into the output, which is
+    `out` when given (a C-contiguous `source.shape` array, e.g. one layer's slice of a stacked parameter).
     """
     info = checkpoint.info(source.name)
     if info.shape != source.hf_shape:
@@ -121,9 +124,15 @@ def read_param(checkpoint: SafetensorsCheckpoint, source: ParamSource, dtype: np
     if source.transpose:
         if len(info.shape) != 2:
             raise CheckpointError(f"tensor {source.name!r} should be a matrix, got shape {info.shape}")
-        out = np.empty((row_elems, num_rows), dtype)
+        work_shape = (row_elems, num_rows)
     else:
-        out = np.empty((num_rows, row_elems) if len(info.shape) > 1 else (num_rows,), dtype)
+        work_shape = (num_rows, row_elems) if len(info.shape) > 1 else (num_rows,)
+    if out is None:
+        out = np.empty(work_shape, dtype)
+    else:
+        if out.shape != source.shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {source.shape} {dtype} array, got {out.shape} {out.dtype}")
+        out = out.reshape(work_shape)  # a view: rows land in the caller's array
     rows_per_chunk = max(1, chunk_bytes // max(1, row_elems * info.dtype.itemsize))
     done = 0
     for start, stop in ranges:
@@ -147,6 +156,22 @@ def _check_plan(checkpoint: SafetensorsCheckpoint, plan: list[ParamSource]) -> N
             raise CheckpointError(
                 f"tensor {source.name!r} has shape {info.shape}, expected {source.hf_shape} for this config"
             )
+
+
+def _group_layers(plan: list[ParamSource]) -> list[list[ParamSource]]:
+    """The plan's sources grouped by output parameter, in first-appearance order; a stacked parameter's
+    group holds its layers in order."""
+    groups: dict[tuple[str, ...], list[ParamSource]] = {}
+    for source in plan:
+        groups.setdefault(source.param_path, []).append(source)
+    for group in groups.values():
+        if group[0].layer is not None and [s.layer for s in group] != list(range(len(group))):
+            raise AssertionError(f"layers of {param_path_str(group[0].param_path)} are not 0..n-1 in order")
+    return list(groups.values())
+
+
+def _stacked_shape(group: list[ParamSource]) -> tuple[int, ...]:
+    return group[0].shape if group[0].layer is None else (len(group), *group[0].shape)
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
@@ -249,13 +274,15 @@ def convert(
     _prepare_out(hf_dir, out_dir, force)
 
     checkpoint = SafetensorsCheckpoint(hf_dir)
-    plan = param_plan(config)
-    _check_plan(checkpoint, plan)
-    sizes = [int(np.prod(source.shape)) * np_dtype.itemsize for source in plan]
+    sources = param_plan(config)
+    _check_plan(checkpoint, sources)
+    plan = _group_layers(sources)  # one entry per output parameter: its sources, one per layer when stacked
+    shapes = [_stacked_shape(group) for group in plan]
+    sizes = [int(np.prod(shape)) * np_dtype.itemsize for shape in shapes]
     total_bytes, largest = sum(sizes), max(sizes)
     batch_limit = max(largest, min_batch_bytes)
     log(f"converting {config.architecture} from {str(hf_dir)!r}: {len(plan)} params, "
-        f"{sum(int(np.prod(s.shape)) for s in plan) / 1e6:.1f}M values, {_fmt_bytes(total_bytes)} as {dtype} "
+        f"{sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M values, {_fmt_bytes(total_bytes)} as {dtype} "
         f"(largest param {_fmt_bytes(largest)}), {len(checkpoint.files)} safetensors file(s)")
 
     import orbax.checkpoint.experimental.v1 as ocp  # heavy: after the cheap checks
@@ -290,16 +317,22 @@ def convert(
                     batch, batch_bytes = [], 0
                     _release_free_memory()
 
-            for i, (source, size) in enumerate(zip(plan, sizes)):
+            for i, (group, shape, size) in enumerate(zip(plan, shapes, sizes)):
                 if batch_bytes + size > batch_limit:
                     flush()
-                array = read_param(checkpoint, source, np_dtype, chunk_bytes)
-                batch.append((source.param_path, array))
+                if group[0].layer is None:
+                    array = read_param(checkpoint, group[0], np_dtype, chunk_bytes)
+                else:  # stacked decoder-layer parameter: each layer read straight into its slice
+                    array = np.empty(shape, np_dtype)
+                    for source in group:
+                        read_param(checkpoint, source, np_dtype, chunk_bytes, out=array[source.layer])
+                batch.append((group[0].param_path, array))
                 del array
                 batch_bytes += size
                 written += size
-                log(f"[{i + 1:>{len(str(len(plan)))}}/{len(plan)}] {param_path_str(source.param_path)} "
-                    f"{source.shape} <- {source.name}  {_fmt_bytes(written)}/{_fmt_bytes(total_bytes)} "
+                names = group[0].name if len(group) == 1 else f"{group[0].name} .. {group[-1].name}"
+                log(f"[{i + 1:>{len(str(len(plan)))}}/{len(plan)}] {param_path_str(group[0].param_path)} "
+                    f"{shape} <- {names}  {_fmt_bytes(written)}/{_fmt_bytes(total_bytes)} "
                     f"{time.monotonic() - start_time:.1f}s")
             flush()
             log(f"finalizing the Orbax checkpoint ({num_saves} partial saves)")
@@ -319,9 +352,9 @@ def convert(
             "architecture": config.architecture,
             "dtype": dtype,
             "pytree_dir": str(pytree_dir),
-            "num_params": int(sum(int(np.prod(s.shape)) for s in plan)),
+            "num_params": int(sum(int(np.prod(s)) for s in shapes)),
             "num_bytes": int(total_bytes),
-            "params": {param_path_str(s.param_path): {"shape": list(s.shape), "dtype": dtype} for s in plan},
+            "params": {param_path_str(g[0].param_path): {"shape": list(s), "dtype": dtype} for g, s in zip(plan, shapes)},
             "source": str(hf_dir.resolve()),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }

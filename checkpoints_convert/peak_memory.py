@@ -2,9 +2,10 @@
 
 Imports JAX, Orbax and the converter first, takes `ru_maxrss` as the import baseline, converts, and prints one
 JSON line: baseline, peak and peak - baseline (MiB), the largest parameter and the total written (MiB), the
-number of Orbax partial saves and the conversion time. `--synthetic` first writes a ~204 MiB random float32
-Llama checkpoint (2 layers, hidden 1536, MLP 4096: largest tensor 24 MiB, two shards) into `--hf DIR`, with
-safetensors directly (no transformers needed).
+number of Orbax partial saves and the conversion time. `--synthetic` first writes a ~232 MiB random float32
+Llama checkpoint (8 layers, hidden 1024, MLP 1024, 8 KV heads: 4 MiB per matrix, so the largest parameter
+after stacking the layers is 32 MiB; eight shards) into `--hf DIR`, with safetensors directly (no
+transformers needed).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import time
 from pathlib import Path
 
 SYNTHETIC_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "hidden_size": 1536, "intermediate_size": 4096,
-    "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 1024,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
     "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": "float32",
 }
 

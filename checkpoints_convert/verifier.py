@@ -49,7 +49,7 @@ def engine_logits(model_dir: str | os.PathLike[str], token_ids: list[int], dtype
     import jax
     import jax.numpy as jnp
 
-    from sarathi_jax.models import AttentionMetadata, get_model, init_kv_caches, load_model
+    from sarathi_jax.models import AttentionMetadata, get_model, init_kv_cache, load_model
 
     config, params = load_model(model_dir, jnp.dtype(dtype))
     model = get_model(config, jnp.dtype(dtype))
@@ -62,10 +62,10 @@ def engine_logits(model_dir: str | os.PathLike[str], token_ids: list[int], dtype
         cu_q_lens=jnp.array([0, n], jnp.int32),
         num_seqs=jnp.array([1], jnp.int32),
     )
-    kv_caches = init_kv_caches(config, num_blocks, block_size, jnp.dtype(dtype))
+    kv_cache = init_kv_cache(config, num_blocks, block_size, jnp.dtype(dtype))
     with jax.default_matmul_precision("highest"):  # no TF32 on GPUs: the 1e-4 budget needs true float32
         logits, _ = jax.jit(model.apply)(
-            {"params": params}, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_caches,
+            {"params": params}, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_cache,
             metadata, jnp.arange(n, dtype=jnp.int32),
         )
     return np.asarray(logits, np.float64)

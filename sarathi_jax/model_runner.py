@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sarathi_jax.models import ModelConfig, get_model, init_kv_caches
+from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
+from sarathi_jax.models.llama import unstack_layer_params
 from sarathi_jax.sampling import (
     SAMPLER_VARIANTS,
     SamplerOutput,
@@ -79,14 +80,15 @@ class _Copies:
 
 @dataclass
 class _Stage:
-    """One pipeline stage: a layer range, its sub-mesh (None: the default device), params, caches, step."""
+    """One pipeline stage: a layer range, its sub-mesh (None: the default device), params, its stacked KV
+    cache `(k_pages, v_pages)` (`[layers of the stage, blocks, block_size, kv_heads, head_dim]`), step."""
 
     index: int
     layer_range: tuple[int, int]
     mesh: Any  # jax.sharding.Mesh | None
     model: Any
     params: Any
-    kv_caches: list
+    kv_cache: tuple
     is_last: bool
     step: Callable | None = None
 
@@ -151,6 +153,7 @@ class ModelRunner:
         max_model_len: int,
         max_step_tokens: int,
         plan: Any = None,
+        scan_layers: bool = True,
     ) -> None:
         self.model_config = model_config
         self.block_size = block_size
@@ -162,14 +165,20 @@ class ModelRunner:
         self.timeline = None
         if self.plan is None:
             self.model = get_model(model_config, dtype, attention_fn=attention_fn)
-            kv_caches = init_kv_caches(model_config, num_blocks, block_size, dtype)
-            self.stages = [_Stage(0, (0, model_config.num_hidden_layers), None, self.model, params, kv_caches, True)]
+            kv_cache = init_kv_cache(model_config, num_blocks, block_size, dtype)
+            self.stages = [_Stage(0, (0, model_config.num_hidden_layers), None, self.model, params, kv_cache, True)]
         else:
             self.stages = self._build_stages(params, dtype, attention_fn)
             if len(self.stages) > 1:
                 from sarathi_jax.parallel.pipeline import PipelineTimeline
 
                 self.timeline = PipelineTimeline(len(self.stages))
+        if not scan_layers:  # unrolled layers: each stage's stacked weights become per-layer arrays, once
+            for stage in self.stages:
+                stage.model = stage.model.clone(scan_layers=False)
+                stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
+            if self.plan is None:
+                self.model = self.stages[0].model
         self._stage_traces = [0] * len(self.stages)
         self._capture_logits = False
         for stage in self.stages:
@@ -185,7 +194,7 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------- building
 
     def _build_stages(self, params: Any, dtype: jnp.dtype, attention_fn: Callable) -> list[_Stage]:
-        from sarathi_jax.parallel.sharding import init_stage_kv_caches, place_params, shard_attention
+        from sarathi_jax.parallel.sharding import init_stage_kv_cache, place_params, shard_attention
 
         plan = self.plan
         if self.model_config not in (plan.source_config, plan.model_config):
@@ -199,12 +208,12 @@ class ModelRunner:
             model = get_model(config, dtype, attention_fn=attn).clone(
                 layer_range=None if plan.num_stages == 1 else layer_range
             )
-            kv = init_stage_kv_caches(plan, s, self.num_blocks, self.block_size, dtype)
+            kv = init_stage_kv_cache(plan, s, self.num_blocks, self.block_size, dtype)
             stages.append(_Stage(s, layer_range, mesh, model, stage_params[s], kv, s == plan.num_stages - 1))
         return stages
 
     def _make_stage_step(self, stage: _Stage) -> Callable:
-        """The jitted model step of one stage: (params, kv_caches, x, batch, prev_tokens) -> (out, kv_caches),
+        """The jitted model step of one stage: (params, kv_cache, x, batch, prev_tokens) -> (out, kv_cache),
         `batch` the packed batch part. Stage 0 takes x = None and reads token ids from `batch` (pending ones
         from `prev_tokens`); the last stage returns float32 logits [S, vocab], the others their activations."""
         model, index, is_first, is_last, mesh = stage.model, stage.index, stage.index == 0, stage.is_last, stage.mesh
@@ -212,14 +221,14 @@ class ModelRunner:
         vocab_parallel = replicate_logits and self.plan.shard_vocab
         s, b = self.max_num_seqs, self.max_blocks_per_seq
 
-        def step_impl(params, kv_caches, x, batch, prev_tokens):
+        def step_impl(params, kv_cache, x, batch, prev_tokens):
             self._stage_traces[index] += 1  # Python side effect: runs once per trace, never per call
             layout = BatchLayout.of_packed(batch.shape[0], s, b)
             token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
             if is_first:  # a pending token is the previous step's sample in row src_rows[t]
                 x = jnp.where(src_rows >= 0, prev_tokens[jnp.clip(src_rows, 0, s - 1)], token_ids)
-            out, kv_caches = model.apply(
-                {"params": params}, x, positions, kv_caches, metadata, logits_indices if is_last else None
+            out, kv_cache = model.apply(
+                {"params": params}, x, positions, kv_cache, metadata, logits_indices if is_last else None
             )
             if is_last:
                 P = jax.sharding.PartitionSpec
@@ -228,15 +237,14 @@ class ModelRunner:
                 if replicate_logits:  # ...then one all-gather of [S, vocab] and an unsharded sampler
                     out = jax.lax.with_sharding_constraint(out, jax.sharding.NamedSharding(mesh, P()))
                 out = out.astype(jnp.float32)
-            return out, kv_caches
+            return out, kv_cache
 
         # The KV cache is donated: XLA updates it in place instead of copying it every step.
         if mesh is None:
             return jax.jit(step_impl, donate_argnums=(1,))
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         kv_sharding = self.plan.kv_cache_sharding(index)
-        kv_shardings = [(kv_sharding, kv_sharding) for _ in stage.kv_caches]
-        return jax.jit(step_impl, donate_argnums=(1,), out_shardings=(replicated, kv_shardings))
+        return jax.jit(step_impl, donate_argnums=(1,), out_shardings=(replicated, (kv_sharding, kv_sharding)))
 
     # ------------------------------------------------------------------------------------- public API
 
@@ -263,8 +271,8 @@ class ModelRunner:
 
     @property
     def kv_caches(self) -> list:
-        """All layers' `(k_pages, v_pages)`, in layer order."""
-        return [kv for stage in self.stages for kv in stage.kv_caches]
+        """Each stage's stacked `(k_pages, v_pages)`, in stage (so layer) order."""
+        return [stage.kv_cache for stage in self.stages]
 
     def bucket_for(self, num_tokens: int) -> int:
         for bucket in self.buckets:
@@ -280,7 +288,7 @@ class ModelRunner:
             for variant in SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]:
                 self._dispatch(packed, variant, timed=False)
         for stage in self.stages:
-            jax.block_until_ready(stage.kv_caches)
+            jax.block_until_ready(stage.kv_cache)
 
     def execute(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> SamplerOutput:
         """Run one step; row i of the result is chunk i's sample (meaningful where chunk.needs_sample)."""
@@ -323,7 +331,7 @@ class ModelRunner:
             else:
                 on_device = PackedStep(*stage.place(tuple(on_device)))
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
-            x, stage.kv_caches = stage.step(stage.params, stage.kv_caches, stage.place(x), on_device.batch, prev)
+            x, stage.kv_cache = stage.step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
             if stage.is_last:
                 logits = x
                 before = _sample_packed_jit._cache_size()

@@ -3,10 +3,11 @@
     config, params = load_model("tiny-llama", "float32")     # a preset (random weights), an HF folder, or a
                                                                # folder converted by `python -m checkpoints_convert`
     model = get_model(config, "float32", attention_fn=None)   # Flax module; default attention is the jnp one
-    logits, kv_caches = model.apply({"params": params}, token_ids, positions, kv_caches, metadata, logits_indices)
+    logits, kv_cache = model.apply({"params": params}, token_ids, positions, kv_cache, metadata, logits_indices)
 
-`get_model`, `param_shapes`, `param_logical_axes` and `init_random_params` dispatch on `config.architecture`:
-`llama.py` serves the Llama family (Llama, Mistral, Qwen2, Qwen3), `falcon.py` serves `FalconForCausalLM`.
+`get_model`, `param_shapes` and `param_logical_axes` dispatch on `config.architecture`: `llama.py` serves the
+Llama family (Llama, Mistral, Qwen2, Qwen3), `falcon.py` serves `FalconForCausalLM`. `init_random_params`
+(`random_init.py`) is generic over `param_shapes` and draws on the device, into the given shardings.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import os
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from sarathi_jax.models import falcon, llama
-from sarathi_jax.models.attention import KV_CACHE_AXES, AttentionMetadata, init_kv_caches, kv_cache_shape, write_kv
+from sarathi_jax.models import falcon, llama, random_init
+from sarathi_jax.models.attention import KV_CACHE_AXES, AttentionMetadata, init_kv_cache, kv_cache_shape, write_kv
 from sarathi_jax.models.config import FALCON_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from sarathi_jax.models.falcon import FalconForCausalLM
 from sarathi_jax.models.llama import AttentionFn, LlamaForCausalLM
@@ -67,9 +67,11 @@ def param_logical_axes(config: ModelConfig) -> Any:
     return _family(config).param_logical_axes(config)
 
 
-def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0) -> Any:
-    """Seeded random params (normal std 0.02 matrices, unit norm scales, zero biases), drawn on the host."""
-    return _family(config).init_random_params(config, dtype, seed)
+def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None) -> Any:
+    """Seeded random params (normal std 0.02 matrices, unit norm scales, zero biases), drawn on the device(s)
+    straight into `shardings` (optional tree, same structure as the params; default: the default device).
+    The values depend on the seed and the param paths only; see `sarathi_jax.models.random_init`."""
+    return random_init.init_random_params(config, dtype, seed, shardings)
 
 
 def load_model(
@@ -85,11 +87,7 @@ def load_model(
     name = os.fspath(name_or_path)
     if name in PRESETS:
         config = PRESETS[name]
-        if shardings is None:
-            return config, init_random_params(config, dtype, seed)
-        with jax.default_device(jax.devices("cpu")[0]):  # drawn on the host, then placed shard by shard
-            params = init_random_params(config, dtype, seed)
-        return config, jax.device_put(params, shardings)
+        return config, init_random_params(config, dtype, seed, shardings)  # each device draws its own shards
     if os.path.isdir(name):
         if is_orbax_checkpoint(name):
             read_checkpoint_marker(name)  # an interrupted conversion fails here, before anything is parsed
@@ -115,7 +113,7 @@ __all__ = [
     "get_model",
     "get_preset",
     "hf_to_params_items",
-    "init_kv_caches",
+    "init_kv_cache",
     "init_random_params",
     "is_orbax_checkpoint",
     "kv_cache_shape",

@@ -16,17 +16,18 @@ every parameter. Follows transformers' `modeling_falcon.py`:
     and tensor parallelism can shard heads without reshapes.
   * ALiBi Falcon (`alibi=True`) is rejected when the config is parsed.
 
-Parameter tree (kernels are `[in..., out...]`; `bias` entries only with the `bias` flag):
+Parameter tree (kernels are `[in..., out...]`; `bias` entries only with the `bias` flag). As in `llama.py`
+the layers are one `nn.scan`: every `layers/...` leaf has a leading `[layers]` axis, omitted below.
 
     word_embeddings                                  [vocab, embed]
-    layers_{i}/ln_attn/{scale,bias}, ln_mlp/{scale,bias}   [embed]   (new decoder architecture, 2 norms)
-    layers_{i}/input_layernorm/{scale,bias}          [embed]        (otherwise)
-    layers_{i}/post_attention_layernorm/{scale,bias} [embed]        (parallel_attn=False)
-    layers_{i}/self_attention/q_proj/kernel          [embed, heads, head_dim]     (+ bias [heads, head_dim])
-    layers_{i}/self_attention/{k,v}_proj/kernel      [embed, kv_heads, head_dim]  (+ bias)
-    layers_{i}/self_attention/dense/kernel           [heads, head_dim, embed]     (+ bias [embed])
-    layers_{i}/mlp/dense_h_to_4h/kernel              [embed, mlp]   (+ bias [mlp])
-    layers_{i}/mlp/dense_4h_to_h/kernel              [mlp, embed]   (+ bias [embed])
+    layers/ln_attn/{scale,bias}, ln_mlp/{scale,bias} [embed]        (new decoder architecture, 2 norms)
+    layers/input_layernorm/{scale,bias}              [embed]        (otherwise)
+    layers/post_attention_layernorm/{scale,bias}     [embed]        (parallel_attn=False)
+    layers/self_attention/q_proj/kernel              [embed, heads, head_dim]     (+ bias [heads, head_dim])
+    layers/self_attention/{k,v}_proj/kernel          [embed, kv_heads, head_dim]  (+ bias)
+    layers/self_attention/dense/kernel               [heads, head_dim, embed]     (+ bias [embed])
+    layers/mlp/dense_h_to_4h/kernel                  [embed, mlp]   (+ bias [mlp])
+    layers/mlp/dense_4h_to_h/kernel                  [mlp, embed]   (+ bias [embed])
     ln_f/{scale,bias}                                [embed]
     lm_head                                          [embed, vocab] (absent when tied, the Falcon default)
 """
@@ -38,17 +39,16 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import ragged_paged_attention_xla
 from sarathi_jax.models.attention import AttentionMetadata, KVCache, write_kv
 from sarathi_jax.models.config import FALCON_ARCHITECTURES, ModelConfig
 from sarathi_jax.models.llama import (
-    INIT_STD,
     AttentionFn,
     Projection,
     apply_rope,
     dummy_inputs,
+    paged_attention,
     paged_decoder_forward,
 )
 
@@ -88,7 +88,8 @@ class FalconAttention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, layer: jax.Array,
+        metadata: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         c = self.config
         embed, heads, kv_heads, head_dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -100,12 +101,9 @@ class FalconAttention(nn.Module):
                        use_bias=c.attention_bias, dtype=self.dtype, name="v_proj")(x)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping)
+        k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping, layer)
         # Query head h reads K/V head h // (heads // kv_heads): HF's grouped layout (and MQA's single head).
-        out = self.attention_fn(
-            q, k_pages, v_pages, metadata.kv_lens, metadata.block_tables, metadata.cu_q_lens, metadata.num_seqs,
-            sm_scale=head_dim**-0.5,
-        )
+        out = paged_attention(self.attention_fn, q, k_pages, v_pages, layer, metadata)
         out = Projection((heads, head_dim, embed), ("heads", "head_dim", "embed"), num_contracting=2,
                          use_bias=c.attention_out_bias, dtype=self.dtype, name="dense")(out)
         return out, (k_pages, v_pages)
@@ -126,15 +124,19 @@ class FalconMLP(nn.Module):
 
 
 class FalconDecoderLayer(nn.Module):
+    """One layer in scan form, as `llama.DecoderLayer`."""
+
     config: ModelConfig
     attention_fn: AttentionFn
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata
-    ) -> tuple[jax.Array, KVCache]:
+        self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[tuple[jax.Array, KVCache], None]:
         c = self.config
+        x, kv_cache = carry
 
         def norm(name: str) -> LayerNorm:
             return LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name=name)
@@ -146,12 +148,12 @@ class FalconDecoderLayer(nn.Module):
                 attn_in, mlp_in = norm("ln_attn")(x), norm("ln_mlp")(x)
             else:
                 attn_in = mlp_in = norm("input_layernorm")(x)
-            attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, metadata)
+            attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, layer, metadata)
             # HF: mlp_output += attention_output; output = residual + mlp_output.
-            return x + (mlp(mlp_in) + attn_out), kv_cache
-        attn_out, kv_cache = attention(norm("input_layernorm")(x), cos, sin, kv_cache, metadata)
+            return (x + (mlp(mlp_in) + attn_out), kv_cache), None
+        attn_out, kv_cache = attention(norm("input_layernorm")(x), cos, sin, kv_cache, layer, metadata)
         x = x + attn_out
-        return x + mlp(norm("post_attention_layernorm")(x)), kv_cache
+        return (x + mlp(norm("post_attention_layernorm")(x)), kv_cache), None
 
 
 class FalconForCausalLM(nn.Module):
@@ -160,25 +162,24 @@ class FalconForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention_xla
-    # Pipeline-stage hook, as `LlamaForCausalLM.layer_range` (None: the whole model). `(start, end)` runs layers
-    # start..end-1 with one KV cache per layer run; a stage with start > 0 takes hidden states `[T, embed]` in
-    # place of `token_ids`, a stage with end < num_hidden_layers returns `(hidden states, kv_caches)`.
+    # Pipeline-stage hook and layer scan, as `LlamaForCausalLM.layer_range` / `scan_layers`.
     layer_range: tuple[int, int] | None = None
+    scan_layers: bool = True
 
     @nn.compact
     def __call__(
         self,
         token_ids: jax.Array,
         positions: jax.Array,
-        kv_caches: list[KVCache],
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         logits_indices: jax.Array,
-    ) -> tuple[jax.Array, list[KVCache]]:
+    ) -> tuple[jax.Array, KVCache]:
         c = self.config
         return paged_decoder_forward(
-            self, token_ids, positions, kv_caches, metadata, logits_indices,
+            self, token_ids, positions, kv_cache, metadata, logits_indices,
             embedding_name="word_embeddings",
-            make_layer=lambda i: FalconDecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}"),
+            layer_class=FalconDecoderLayer,
             make_final_norm=lambda: LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name="ln_f"),
         )
 
@@ -202,21 +203,3 @@ def param_logical_axes(config: ModelConfig) -> Any:
 def param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
     """Tree of `jax.ShapeDtypeStruct` of the (unboxed) params."""
     return nn.meta.unbox(_boxed_param_shapes(config, jnp.dtype(dtype)))
-
-
-def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0) -> Any:
-    """Seeded random params drawn on the host (normal std 0.02 matrices, unit norm scales, zero biases)."""
-    dtype = jnp.dtype(dtype)
-    rng = np.random.default_rng(seed)
-
-    def init_leaf(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
-        kind = path[-1].key
-        if kind == "scale":
-            value = np.ones(leaf.shape, np.float32)
-        elif kind == "bias":
-            value = np.zeros(leaf.shape, np.float32)
-        else:
-            value = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(INIT_STD)
-        return jax.device_put(value.astype(dtype))
-
-    return jax.tree_util.tree_map_with_path(init_leaf, param_shapes(config, dtype))

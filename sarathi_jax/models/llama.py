@@ -4,19 +4,26 @@ The families differ only by `ModelConfig` flags: q/k/v bias (Qwen2), o bias, per
 tied LM head, llama3 RoPE scaling. Everything follows the Hugging Face PyTorch implementations (RoPE in the
 rotate-half convention, RMSNorm weight times normalized input), so HF checkpoints load with reshapes only.
 
-Parameter tree (HF names, a `layers_{i}` entry per layer; kernels are `[in..., out...]`):
+Parameter tree (HF names; kernels are `[in..., out...]`). The decoder layers run as one `nn.scan` (as
+MaxText's `scan_layers`), so every layer parameter is stacked over a leading `layers` axis and the compiled
+step holds one layer body whatever the depth:
 
     embed_tokens                     [vocab, embed]
-    layers_{i}/input_layernorm/scale [embed]
-    layers_{i}/self_attn/q_proj/kernel [embed, heads, head_dim]     (+ bias [heads, head_dim])
-    layers_{i}/self_attn/k_proj/kernel [embed, kv_heads, head_dim]  (+ bias)
-    layers_{i}/self_attn/v_proj/kernel [embed, kv_heads, head_dim]  (+ bias)
-    layers_{i}/self_attn/o_proj/kernel [heads, head_dim, embed]     (+ bias [embed])
-    layers_{i}/self_attn/{q,k}_norm/scale [head_dim]                (Qwen3)
-    layers_{i}/post_attention_layernorm/scale [embed]
-    layers_{i}/mlp/{gate,up}_proj/kernel [embed, mlp];  mlp/down_proj/kernel [mlp, embed]
-    norm/scale                        [embed]
-    lm_head                           [embed, vocab]                (absent when tied)
+    layers/input_layernorm/scale     [layers, embed]
+    layers/self_attn/q_proj/kernel   [layers, embed, heads, head_dim]     (+ bias [layers, heads, head_dim])
+    layers/self_attn/k_proj/kernel   [layers, embed, kv_heads, head_dim]  (+ bias)
+    layers/self_attn/v_proj/kernel   [layers, embed, kv_heads, head_dim]  (+ bias)
+    layers/self_attn/o_proj/kernel   [layers, heads, head_dim, embed]     (+ bias [layers, embed])
+    layers/self_attn/{q,k}_norm/scale [layers, head_dim]                  (Qwen3)
+    layers/post_attention_layernorm/scale [layers, embed]
+    layers/mlp/{gate,up}_proj/kernel [layers, embed, mlp];  layers/mlp/down_proj/kernel [layers, mlp, embed]
+    norm/scale                       [embed]
+    lm_head                          [embed, vocab]                       (absent when tied)
+
+With `scan_layers=False` the same layers are unrolled as `layers_{i}` entries without the leading axis (the
+engine does this on GPU, where it runs faster: see `sarathi_jax.config.resolve_scan_layers`);
+`stack_layer_params` / `unstack_layer_params` convert between the two trees. Checkpoints and presets are
+always stacked.
 
 Every parameter carries logical axis names (`nn.with_logical_partitioning`); `param_logical_axes(config)`
 returns the tree of logical `PartitionSpec`s, to be mapped onto a mesh with `nn.logical_to_mesh_sharding`.
@@ -33,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_paged_attention_xla
-from sarathi_jax.models.attention import AttentionMetadata, KVCache, init_kv_caches, write_kv
+from sarathi_jax.models.attention import AttentionMetadata, KVCache, init_kv_cache, layer_view, write_kv
 from sarathi_jax.models.config import ModelConfig
 
 # Same signature as `ragged_paged_attention_xla` (see docs/design.md).
@@ -45,6 +52,12 @@ INIT_STD = 0.02
 
 def _weight_init(axes: tuple[str, ...]) -> Callable[..., Any]:
     return nn.with_logical_partitioning(nn.initializers.normal(stddev=INIT_STD), axes)
+
+
+def matmul_precision(dtype: Any) -> jax.lax.Precision:
+    """float32 means float32: full-precision matmuls (a GPU's default for float32 is TF32, ~10 mantissa
+    bits). bfloat16 keeps the default, which is the point of choosing it."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -108,7 +121,8 @@ class Projection(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", _weight_init(self.kernel_axes), self.kernel_shape, self.dtype)
-        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=self.num_contracting)
+        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=self.num_contracting,
+                          precision=matmul_precision(self.dtype))
         if self.use_bias:
             out_shape = self.kernel_shape[self.num_contracting :]
             out_axes = self.kernel_axes[self.num_contracting :]
@@ -124,7 +138,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, layer: jax.Array,
+        metadata: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         c = self.config
         embed, heads, kv_heads, head_dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -140,11 +155,8 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
-        k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping)
-        out = self.attention_fn(
-            q, k_pages, v_pages, metadata.kv_lens, metadata.block_tables, metadata.cu_q_lens, metadata.num_seqs,
-            sm_scale=head_dim**-0.5,
-        )
+        k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping, layer)
+        out = paged_attention(self.attention_fn, q, k_pages, v_pages, layer, metadata)
         out = Projection((heads, head_dim, embed), ("heads", "head_dim", "embed"), num_contracting=2,
                          use_bias=c.attention_out_bias, dtype=self.dtype, name="o_proj")(out)
         return out, (k_pages, v_pages)
@@ -163,109 +175,169 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer, in scan form: `((x [T, embed], kv_cache), layer, cos, sin, metadata) -> ((x, kv_cache), None)`,
+    `layer` the index of this layer in the stacked KV cache."""
+
     config: ModelConfig
     attention_fn: AttentionFn
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata
-    ) -> tuple[jax.Array, KVCache]:
+        self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[tuple[jax.Array, KVCache], None]:
         c = self.config
+        x, kv_cache = carry
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="input_layernorm")(x)
         attn_out, kv_cache = Attention(c, self.attention_fn, dtype=self.dtype, name="self_attn")(
-            h, cos, sin, kv_cache, metadata
+            h, cos, sin, kv_cache, layer, metadata
         )
         x = x + attn_out
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="post_attention_layernorm")(x)
         x = x + MLP(c, dtype=self.dtype, name="mlp")(h)
-        return x, kv_cache
+        return (x, kv_cache), None
+
+
+def paged_attention(attention_fn: AttentionFn, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    layer: jax.Array, metadata: AttentionMetadata) -> jax.Array:
+    """`attention_fn` over layer `layer` of the stacked cache (see `attention.layer_view`)."""
+    k_view, block_tables = layer_view(k_pages, metadata.block_tables, layer)
+    v_view, _ = layer_view(v_pages, metadata.block_tables, layer)
+    return attention_fn(
+        q, k_view, v_view, metadata.kv_lens, block_tables, metadata.cu_q_lens, metadata.num_seqs,
+        sm_scale=q.shape[-1] ** -0.5,
+    )
 
 
 def paged_decoder_forward(
     module: nn.Module,
     token_ids: jax.Array,
     positions: jax.Array,
-    kv_caches: list[KVCache],
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     logits_indices: jax.Array,
     *,
     embedding_name: str,
-    make_layer: Callable[[int], nn.Module],
+    layer_class: type[nn.Module],
     make_final_norm: Callable[[], nn.Module],
-) -> tuple[jax.Array, list[KVCache]]:
+) -> tuple[jax.Array, KVCache]:
     """The body every decoder here shares, called from its compact `__call__`: token embedding, the layers
-    over the paged KV cache, then the final norm and LM head on the `logits_indices` rows only.
+    over the stacked paged KV cache, then the final norm and LM head on the `logits_indices` rows only.
 
-    Honours `module.layer_range` (pipeline stages): a stage with start > 0 takes hidden states `[T, embed]` in
-    place of `token_ids`; a stage that does not end the model returns `(hidden states, kv_caches)`.
+    `layer_class(config, attention_fn, dtype)` is one layer in scan form (see `DecoderLayer`). With
+    `module.scan_layers` the layers are one `nn.scan` over parameters stacked on a leading "layers" axis:
+    the compiled step holds one layer body, so compile time does not grow with depth. Otherwise they are
+    unrolled (`layers_{i}`), for tests and debugging.
+
+    Honours `module.layer_range` (pipeline stages): the stage's `layers` parameters and KV cache hold only
+    its layers; a stage with start > 0 takes hidden states `[T, embed]` in place of `token_ids`; a stage that
+    does not end the model returns `(hidden states, kv_cache)`.
     """
     c: ModelConfig = module.config
     start, end = module.layer_range or (0, c.num_hidden_layers)
     if not 0 <= start < end <= c.num_hidden_layers:
         raise ValueError(f"layer_range {module.layer_range} is not a non-empty range of {c.num_hidden_layers} layers")
-    if len(kv_caches) != end - start:
-        raise ValueError(f"got {len(kv_caches)} KV caches for {end - start} layers")
+    num_layers = end - start
+    if kv_cache[0].ndim != 5 or kv_cache[0].shape[0] != num_layers:
+        raise ValueError(f"KV cache of shape {kv_cache[0].shape} is not [{num_layers}, blocks, block_size, kv_heads, "
+                         "head_dim] for this model's layers")
     is_last = end == c.num_hidden_layers
     if start == 0 or (is_last and c.tie_word_embeddings):
         embedding = module.param(
             embedding_name, _weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), module.dtype
         )
-    x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids
+    x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids  # [T, embed]
 
     # RoPE angles once per step, shared by all layers.
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, head_dim // 2]
 
-    new_kv_caches: list[KVCache] = []
-    for i in range(start, end):
-        x, kv_cache = make_layer(i)(x, cos, sin, kv_caches[i - start], metadata)
-        new_kv_caches.append(kv_cache)
+    layer_args = (c, module.attention_fn, module.dtype)
+    if module.scan_layers:
+        layers = nn.scan(
+            layer_class,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},  # logical axis name of the stacked axis
+        )(*layer_args, name="layers")
+        (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(num_layers, dtype=jnp.int32), cos, sin, metadata)
+    else:
+        for i in range(num_layers):  # global layer names; layer i of this stage's KV cache
+            (x, kv_cache), _ = layer_class(*layer_args, name=f"layers_{start + i}")(
+                (x, kv_cache), jnp.int32(i), cos, sin, metadata
+            )
     if not is_last:
-        return x, new_kv_caches
+        return x, kv_cache
 
     # Only the rows that sample go through the final norm and the LM head.
-    h = make_final_norm()(x[logits_indices])
+    h = make_final_norm()(x[logits_indices])  # [S, embed]
+    precision = matmul_precision(module.dtype)
     if c.tie_word_embeddings:
-        logits = jnp.einsum("se,ve->sv", h, embedding, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("se,ve->sv", h, embedding, precision=precision, preferred_element_type=jnp.float32)
     else:
         lm_head = module.param(
             "lm_head", _weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), module.dtype
         )
-        logits = jnp.einsum("se,ev->sv", h, lm_head, preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32), new_kv_caches
+        logits = jnp.einsum("se,ev->sv", h, lm_head, precision=precision, preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32), kv_cache  # [S, vocab]
+
+
+def stack_layer_params(params: Any, num_layers: int, first_layer: int = 0) -> Any:
+    """Unrolled params (`layers_{i}` entries, i from `first_layer`) -> scanned params (one `layers` entry,
+    stacked on axis 0)."""
+    per_layer = [params[f"layers_{first_layer + i}"] for i in range(num_layers)]
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+    return out
+
+
+def unstack_layer_params(params: Any, first_layer: int = 0) -> Any:
+    """Scanned params -> unrolled params (`layers_{first_layer + i}` entries; a pipeline stage's layers keep
+    their global names), the inverse of `stack_layer_params`. Each layer's slice is a new array: the layer
+    weights are held twice until the stacked ones are dropped."""
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{first_layer + i}"] = jax.tree.map(lambda x: x[i], stacked)
+    return out
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM over a paged KV cache; see the module docstring and docs/design.md (model contract).
 
     `dtype` is both the parameter and the activation dtype; norms, RoPE, attention softmax and the logits
-    are computed in float32 whatever it is.
+    are computed in float32 whatever it is, and float32 matmuls run at full precision (`matmul_precision`).
     """
 
     config: ModelConfig
     dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention_xla
-    # Pipeline-stage hook (None: the whole model). `(start, end)` runs layers start..end-1 only, with one KV
-    # cache per layer run. A stage with start > 0 takes hidden states `[T, embed]` in place of `token_ids`;
-    # a stage with end < num_hidden_layers returns `(hidden states, kv_caches)` instead of logits.
-    # Parameter names stay global (`layers_{i}`): a stage applies to its slice of the parameter tree.
+    # Pipeline-stage hook (None: the whole model). `(start, end)` runs layers start..end-1 only: the stacked
+    # `layers` params and the KV cache then hold those layers only. A stage with start > 0 takes hidden
+    # states `[T, embed]` in place of `token_ids`; a stage with end < num_hidden_layers returns
+    # `(hidden states, kv_cache)` instead of logits.
     layer_range: tuple[int, int] | None = None
+    # One `nn.scan` over stacked layer params (the serving default); False unrolls them (`layers_{i}`).
+    scan_layers: bool = True
 
     @nn.compact
     def __call__(
         self,
         token_ids: jax.Array,
         positions: jax.Array,
-        kv_caches: list[KVCache],
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         logits_indices: jax.Array,
-    ) -> tuple[jax.Array, list[KVCache]]:
+    ) -> tuple[jax.Array, KVCache]:
         c = self.config
         return paged_decoder_forward(
-            self, token_ids, positions, kv_caches, metadata, logits_indices,
+            self, token_ids, positions, kv_cache, metadata, logits_indices,
             embedding_name="embed_tokens",
-            make_layer=lambda i: DecoderLayer(c, self.attention_fn, dtype=self.dtype, name=f"layers_{i}"),
+            layer_class=DecoderLayer,
             make_final_norm=lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="norm"),
         )
 
@@ -278,7 +350,7 @@ def get_model(config: ModelConfig, dtype: Any = jnp.float32, attention_fn: Atten
 
 
 def dummy_inputs(config: ModelConfig, dtype: Any = jnp.float32) -> tuple[Any, ...]:
-    """Smallest valid `(token_ids, positions, kv_caches, metadata, logits_indices)`, for `init`/`eval_shape`."""
+    """Smallest valid `(token_ids, positions, kv_cache, metadata, logits_indices)`, for `init`/`eval_shape`."""
     metadata = AttentionMetadata(
         slot_mapping=jnp.zeros((1,), jnp.int32),
         kv_lens=jnp.ones((1,), jnp.int32),
@@ -286,9 +358,9 @@ def dummy_inputs(config: ModelConfig, dtype: Any = jnp.float32) -> tuple[Any, ..
         cu_q_lens=jnp.array([0, 1], jnp.int32),
         num_seqs=jnp.ones((1,), jnp.int32),
     )
-    kv_caches = init_kv_caches(config, num_blocks=1, block_size=1, dtype=dtype)
+    kv_cache = init_kv_cache(config, num_blocks=1, block_size=1, dtype=dtype)
     token_ids = jnp.zeros((1,), jnp.int32)
-    return token_ids, jnp.zeros((1,), jnp.int32), kv_caches, metadata, jnp.zeros((1,), jnp.int32)
+    return token_ids, jnp.zeros((1,), jnp.int32), kv_cache, metadata, jnp.zeros((1,), jnp.int32)
 
 
 def _boxed_param_shapes(config: ModelConfig, dtype: Any) -> Any:
@@ -298,7 +370,7 @@ def _boxed_param_shapes(config: ModelConfig, dtype: Any) -> Any:
 
 def param_logical_axes(config: ModelConfig) -> Any:
     """Tree (same structure as the params) of `PartitionSpec`s of logical axis names, e.g.
-    `PartitionSpec("embed", "heads", "head_dim")` for q_proj/kernel. Map to a mesh with
+    `PartitionSpec("layers", "embed", "heads", "head_dim")` for layers/self_attn/q_proj/kernel. Map to a mesh with
     `nn.logical_to_mesh_sharding(param_logical_axes(config), mesh, rules)`."""
     return nn.get_partition_spec(_boxed_param_shapes(config, jnp.float32))
 
@@ -306,25 +378,3 @@ def param_logical_axes(config: ModelConfig) -> Any:
 def param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
     """Tree of `jax.ShapeDtypeStruct` of the (unboxed) params."""
     return nn.meta.unbox(_boxed_param_shapes(config, jnp.dtype(dtype)))
-
-
-def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0) -> Any:
-    """Seeded random params (normal std 0.02 matrices, unit norm scales, zero biases), unboxed plain arrays.
-
-    Drawn on the host with numpy, leaf by leaf in tree order: the same weights on every backend, and no
-    XLA compile (jitting `model.init` costs ~15 s of CPU compile time for threefry alone).
-    """
-    dtype = jnp.dtype(dtype)
-    rng = np.random.default_rng(seed)
-
-    def init_leaf(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
-        kind = path[-1].key
-        if kind == "scale":
-            value = np.ones(leaf.shape, np.float32)
-        elif kind == "bias":
-            value = np.zeros(leaf.shape, np.float32)
-        else:
-            value = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(INIT_STD)
-        return jax.device_put(value.astype(dtype))
-
-    return jax.tree_util.tree_map_with_path(init_leaf, param_shapes(config, dtype))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -38,7 +39,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 ORBAX_PARAMS_DIR = "params"
 CHECKPOINT_MARKER = "sarathi_checkpoint.json"  # written last: its presence means the folder is complete
 CHECKPOINT_FORMAT = "sarathi-jax-orbax"
-CHECKPOINT_FORMAT_VERSION = 1
+# v2: decoder layers stacked on a leading axis (`layers/...`, the scanned model); v1 had `layers_{i}/...`.
+CHECKPOINT_FORMAT_VERSION = 2
 
 
 class CheckpointError(ValueError):
@@ -59,6 +61,9 @@ class ParamSource:
 
     The plan is plain data so that a converter can execute it chunk by chunk (`checkpoints_convert`) instead of
     materializing the HF tensor and its transposed copy at once; `apply` is the in-memory reference.
+
+    Decoder-layer parameters are stacked over a leading layers axis (the scanned model): their source has
+    `layer = i`, and `shape` is the shape of the one-layer slice `param[i]`.
     """
 
     param_path: ParamPath
@@ -67,6 +72,7 @@ class ParamSource:
     shape: tuple[int, ...]
     transpose: bool = False
     rows: tuple[tuple[int, int], ...] | None = None
+    layer: int | None = None
 
     def apply(self, tensor: np.ndarray) -> np.ndarray:
         x = tensor
@@ -93,7 +99,8 @@ def _llama_plan(config: ModelConfig) -> Iterator[ParamSource]:
 
     yield P(("embed_tokens",), "model.embed_tokens.weight", (vocab, embed), (vocab, embed))
     for i in range(c.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers_{i}"
+        hf, ours = f"model.layers.{i}.", "layers"
+        P = functools.partial(ParamSource, layer=i)
         attn = hf + "self_attn."
         yield P((ours, "input_layernorm", "scale"), hf + "input_layernorm.weight", (embed,), (embed,))
         for proj, num_heads in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
@@ -113,6 +120,7 @@ def _llama_plan(config: ModelConfig) -> Iterator[ParamSource]:
         yield P((ours, "mlp", "gate_proj", "kernel"), hf + "mlp.gate_proj.weight", (mlp, embed), (embed, mlp), True)
         yield P((ours, "mlp", "up_proj", "kernel"), hf + "mlp.up_proj.weight", (mlp, embed), (embed, mlp), True)
         yield P((ours, "mlp", "down_proj", "kernel"), hf + "mlp.down_proj.weight", (embed, mlp), (mlp, embed), True)
+    P = ParamSource
     yield P(("norm", "scale"), "model.norm.weight", (embed,), (embed,))
     if not c.tie_word_embeddings:
         yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)
@@ -158,7 +166,8 @@ def _falcon_plan(config: ModelConfig) -> Iterator[ParamSource]:
 
     yield P(("word_embeddings",), "transformer.word_embeddings.weight", (vocab, embed), (vocab, embed))
     for i in range(c.num_hidden_layers):
-        hf, ours = f"transformer.h.{i}.", f"layers_{i}"
+        hf, ours = f"transformer.h.{i}.", "layers"
+        P = functools.partial(ParamSource, layer=i)
         if c.parallel_attn:
             norms = ("ln_attn", "ln_mlp") if c.num_ln_in_parallel_attn == 2 else ("input_layernorm",)
         else:
@@ -186,6 +195,7 @@ def _falcon_plan(config: ModelConfig) -> Iterator[ParamSource]:
                 transpose=True)
         if c.mlp_bias:
             yield P((ours, "mlp", "dense_4h_to_h", "bias"), hf + "mlp.dense_4h_to_h.bias", (embed,), (embed,))
+    P = ParamSource
     yield P(("ln_f", "scale"), "transformer.ln_f.weight", (embed,), (embed,))
     yield P(("ln_f", "bias"), "transformer.ln_f.bias", (embed,), (embed,))
     if not c.tie_word_embeddings:
@@ -199,8 +209,11 @@ def param_plan(config: ModelConfig) -> list[ParamSource]:
     return list(_llama_plan(config))
 
 
-def hf_to_params_items(config: ModelConfig, get_tensor: GetTensor) -> Iterator[tuple[ParamPath, np.ndarray]]:
-    """Yield `(param_path, array)` for every parameter, in the layout of `llama.py` / `falcon.py`, from HF tensors.
+def hf_to_params_items(
+    config: ModelConfig, get_tensor: GetTensor
+) -> Iterator[tuple[ParamSource, np.ndarray]]:
+    """Yield `(source, array)` for every parameter (one layer's slice of a stacked one), in the layout of
+    `llama.py` / `falcon.py`, from HF tensors.
 
     Linear weights are `[out, in]` in HF and `[in..., out...]` here, with the heads axis split out (and
     Falcon's fused query_key_value split into q/k/v). Each HF tensor's shape is checked before it is reshaped.
@@ -212,7 +225,7 @@ def hf_to_params_items(config: ModelConfig, get_tensor: GetTensor) -> Iterator[t
         if last is None or last[0] != source.name:
             last = None  # drop the previous tensor before fetching the next
             last = (source.name, _fetch(get_tensor, source.name, source.hf_shape))
-        yield source.param_path, source.apply(last[1])
+        yield source, source.apply(last[1])
 
 
 def _fetch(get_tensor: GetTensor, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
@@ -274,20 +287,56 @@ def load_hf_params(
     """
     dtype = jnp.dtype(dtype)
     expected = param_shapes(config, dtype)
+    shape_of = {tuple(k.key for k in p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     sharding_of = _sharding_lookup(shardings)
     params: dict[str, Any] = {}
     with open_safetensors(path) as get_tensor:
-        for param_path, array in hf_to_params_items(config, get_tensor):
+        for source, array in hf_to_params_items(config, get_tensor):
+            param_path = source.param_path
             node = params
             for key in param_path[:-1]:
                 node = node.setdefault(key, {})
             # Cast on the host (ml_dtypes handles bfloat16) so only `dtype` bytes reach the device.
-            node[param_path[-1]] = jax.device_put(np.asarray(array, dtype=dtype), sharding_of(param_path))
+            value = np.asarray(array, dtype=dtype)
+            if source.layer is None:
+                node[param_path[-1]] = jax.device_put(value, sharding_of(param_path))
+                continue
+            # A stacked layer parameter: one device buffer, filled layer by layer in place, so the host
+            # holds one layer's tensor at a time and no stacked copy is ever made.
+            if param_path[-1] not in node:
+                node[param_path[-1]] = _zeros(shape_of[param_path], dtype, sharding_of(param_path))
+            node[param_path[-1]] = _set_layer(node[param_path[-1]], jax.device_put(value, _layer_sharding(
+                node[param_path[-1]])), source.layer)
     # Guards the mapping itself: the loaded tree must be exactly the model's.
     got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
     want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     _check_tree(got, want, "loaded params")
     return params
+
+
+@functools.cache
+def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
+    """A zero array created on the device(s) of `sharding` (default device when None)."""
+    return _zeros_fn(shape, jnp.dtype(dtype), sharding)()
+
+
+def _layer_sharding(stacked: jax.Array) -> Any:
+    """The sharding of one layer's slice of `stacked`: its spec without the leading layers axis."""
+    sharding = stacked.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return sharding
+
+
+# In place (the stacked buffer is donated): `stacked[layer] = value`. One compile per leaf shape.
+_set_layer = jax.jit(
+    lambda stacked, value, layer: jax.lax.dynamic_update_index_in_dim(stacked, value, layer, 0),
+    donate_argnums=(0,),
+)
 
 
 def _check_tree(got: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]], what: str) -> None:
@@ -311,7 +360,7 @@ def _sharding_lookup(shardings: Any) -> Callable[[ParamPath], Any]:
 
 
 def param_path_str(path: ParamPath) -> str:
-    """`("layers_0", "mlp", "up_proj", "kernel")` -> `"layers_0/mlp/up_proj/kernel"` (marker-file keys)."""
+    """`("layers", "mlp", "up_proj", "kernel")` -> `"layers/mlp/up_proj/kernel"` (marker-file keys)."""
     return "/".join(path)
 
 
@@ -336,6 +385,12 @@ def read_checkpoint_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     with open(marker_path) as f:
         marker = json.load(f)
+    if marker.get("format") == CHECKPOINT_FORMAT and marker.get("format_version") == 1:
+        raise CheckpointError(
+            f"{os.fspath(path)!r} was converted by an older sarathi-jax (checkpoint format v1: one parameter "
+            f"tree per layer); this version stacks the layers (format v{CHECKPOINT_FORMAT_VERSION}). Convert it "
+            "again from the Hugging Face folder: `python -m checkpoints_convert --hf HF_DIR --out DIR --force`"
+        )
     if marker.get("format") != CHECKPOINT_FORMAT or marker.get("format_version") != CHECKPOINT_FORMAT_VERSION:
         raise CheckpointError(
             f"{marker_path!r} is not a {CHECKPOINT_FORMAT} v{CHECKPOINT_FORMAT_VERSION} marker "

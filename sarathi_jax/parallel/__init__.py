@@ -21,7 +21,7 @@ from sarathi_jax.parallel.plan import (
     split_layers,
     validate_parallel_config,
 )
-from sarathi_jax.parallel.sharding import init_stage_kv_caches, per_device_bytes, place_params, shard_attention
+from sarathi_jax.parallel.sharding import init_stage_kv_cache, per_device_bytes, place_params, shard_attention
 
 __all__ = [
     "LOGICAL_AXIS_RULES",
@@ -30,7 +30,7 @@ __all__ = [
     "MicrobatchRecord",
     "ParallelPlan",
     "PipelineTimeline",
-    "init_stage_kv_caches",
+    "init_stage_kv_cache",
     "initialize_distributed_from_env",
     "load_model_config",
     "load_parallel_model",

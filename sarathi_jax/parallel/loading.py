@@ -5,7 +5,9 @@ calls `sarathi_jax.models.load_model(..., shardings=...)` with one target `Named
 (each on its pipeline stage's sub-mesh). That loader places leaf by leaf: an HF safetensors folder is
 streamed tensor by tensor and `device_put` with the leaf's sharding (host memory about one tensor, no device
 ever holds a full copy of a sharded tensor), an Orbax folder (`checkpoints_convert`) is restored shard by
-shard, and a preset's seeded weights are drawn on the host CPU and then placed.
+shard, and a preset's seeded weights are drawn on the devices, each device drawing its own shards
+(`sarathi_jax.models.random_init`). Stacked layer weights of a multi-stage pipeline are staged in host
+memory first (see `ParallelPlan.param_shardings`).
 """
 
 from __future__ import annotations

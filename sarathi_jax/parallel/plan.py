@@ -6,8 +6,9 @@ ValueError when it cannot work) and returns a `ParallelPlan`:
 * the mesh has shape `(pp, tp)` and axis names `("pp", "tp")`; row `s` of it is stage `s`'s sub-mesh, a 1-D
   mesh with the single axis `"tp"`: every stage is itself tensor parallel over its own `tp` devices;
 * layers are split into `pp` contiguous stages, as evenly as possible (earlier stages take the extra layer);
-  stage 0 also owns the embedding, the last stage the final norm, the LM head (a copy of the embedding when
-  it is tied) and the sampler;
+  a stage holds its slice of the stacked layer parameters (`layers/...`, leading layers axis) and of the
+  stacked KV cache; stage 0 also owns the embedding, the last stage the final norm, the LM head (a copy of
+  the embedding when it is tied) and the sampler;
 * logical axis names (see `sarathi_jax.models.llama`) map to mesh axes with `LOGICAL_AXIS_RULES`, Megatron
   style: q heads, KV heads and MLP columns are split over `"tp"` (so q/k/v and gate/up are column-parallel,
   o_proj and down_proj row-parallel with one all-reduce each); the vocabulary axis of the embedding and the
@@ -70,18 +71,18 @@ def embedding_param_name(config: ModelConfig) -> str:
     return next(name for name, spec in axes.items() if spec == EMBEDDING_AXES)
 
 
-def stage_of_param(path: tuple[str, ...], layer_ranges: Sequence[tuple[int, int]], embedding_name: str) -> int:
-    """Which stage owns a parameter: the embedding -> 0, `layers_{i}/...` -> the stage of layer i, the rest
-    (final norm, LM head) -> the last stage."""
+# Top-level name of the stacked decoder-layer parameters (leading layers axis; see sarathi_jax.models.llama).
+LAYERS_PARAM = "layers"
+
+
+def stage_of_param(path: tuple[str, ...], layer_ranges: Sequence[tuple[int, int]], embedding_name: str) -> int | None:
+    """Which stage owns a parameter: the embedding -> 0, the rest (final norm, LM head) -> the last stage,
+    and the stacked layer parameters (`layers/...`) -> None: each stage owns its slice of them."""
     name = path[0]
     if name == embedding_name:
         return 0
-    if name.startswith("layers_"):
-        layer = int(name.removeprefix("layers_"))
-        for s, (start, end) in enumerate(layer_ranges):
-            if start <= layer < end:
-                return s
-        raise ValueError(f"layer {layer} is in no stage {layer_ranges}")
+    if name == LAYERS_PARAM:
+        return None if len(layer_ranges) > 1 else 0
     return len(layer_ranges) - 1
 
 
@@ -97,7 +98,8 @@ class ParallelPlan:
     shard_vocab: bool  # vocab-parallel embedding / LM head (vocab_size % tp == 0)
     embedding_name: str  # top-level parameter name of the input embedding
 
-    def stage_of(self, path: tuple[str, ...]) -> int:
+    def stage_of(self, path: tuple[str, ...]) -> int | None:
+        """The stage owning a parameter; None for the stacked layer parameters of a multi-stage pipeline."""
         return stage_of_param(path, self.layer_ranges, self.embedding_name)
 
     @property
@@ -140,12 +142,20 @@ class ParallelPlan:
         )
 
     def param_shardings(self, *, for_loading: bool = False) -> Any:
-        """Tree of `NamedSharding`s for the full parameter tree: each leaf on its owning stage's sub-mesh.
-        (A tied embedding is owned by stage 0; the runner copies it to the last stage.)"""
+        """Tree of shardings for the full parameter tree: each leaf on its owning stage's sub-mesh. (A tied
+        embedding is owned by stage 0; the runner copies it to the last stage.) The stacked layer parameters
+        of a multi-stage pipeline span stages: they are staged on the host CPU device and `place_params`
+        sends each stage only its slice (so no accelerator ever holds more than its stage's layers; the
+        host holds the layer weights once while loading)."""
+
+        def sharding(path: Any, spec: PartitionSpec) -> jax.sharding.Sharding:
+            stage = self.stage_of(tuple(k.key for k in path))
+            if stage is None:
+                return jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # this process's host
+            return NamedSharding(self.stage_mesh(stage), spec)
+
         return jax.tree_util.tree_map_with_path(
-            lambda path, spec: NamedSharding(self.stage_mesh(self.stage_of(tuple(k.key for k in path))), spec),
-            self.param_specs(for_loading=for_loading),
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
+            sharding, self.param_specs(for_loading=for_loading), is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
 
 

@@ -7,13 +7,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sarathi_jax.models import kv_cache_shape, param_logical_axes
 from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
 
 _Q_SPEC = PartitionSpec(None, TP_AXIS, None)  # [T, heads, head_dim]
-_KV_SPEC = PartitionSpec(None, None, TP_AXIS, None)  # [num_blocks, block_size, kv_heads, head_dim]
+_KV_SPEC = PartitionSpec(None, None, TP_AXIS, None)  # one layer's view: [blocks, block_size, kv_heads, head_dim]
 _REPLICATED = PartitionSpec()
 
 
@@ -39,30 +40,36 @@ def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh) -> Calla
 def place_params(params: Any, plan: ParallelPlan) -> list[dict]:
     """Split the full parameter tree into one tree per stage, each leaf `device_put` to its target
     `NamedSharding` on its stage's sub-mesh, leaf by leaf (a host array sends each device only its shard;
-    an array already placed so is left alone). With replicated KV heads the k/v projections (stored with
+    an array already placed so is left alone). A stacked layer parameter (`layers/...`) is cut along its
+    layers axis: each stage gets the slice of its layer range. With replicated KV heads the k/v projections (stored with
     the checkpoint's KV heads) are repeated head by head by a small jitted function whose output is
     sharded, so each device materialises only its own KV head. A tied embedding is copied from stage 0 to
     the last stage."""
     stages: list[dict] = [{} for _ in range(plan.num_stages)]
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     spec_of, logical_of = _by_path(plan.param_specs()), _by_path(param_logical_axes(plan.source_config))
-    for key_path, leaf in flat:
+    for key_path, full_leaf in flat:
         path = tuple(k.key for k in key_path)
         if path not in spec_of:
             raise ValueError(f"unexpected parameter {'/'.join(path)}")
-        stage = plan.stage_of(path)
-        mesh = plan.stage_mesh(stage)
-        target = NamedSharding(mesh, spec_of[path])
-        if plan.kv_replication > 1 and "kv_heads" in tuple(logical_of[path]):  # k/v projection kernel or bias
-            axis = tuple(logical_of[path]).index("kv_heads")
-            leaf = jax.device_put(leaf, NamedSharding(mesh, _REPLICATED))
-            leaf = _repeat_heads(leaf, plan.kv_replication, axis, target)
-        else:
-            leaf = jax.device_put(leaf, target)
-        node = stages[stage]
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
+        owner = plan.stage_of(path)
+        for stage in range(plan.num_stages) if owner is None else (owner,):
+            leaf = full_leaf
+            if owner is None:  # host-staged stacked layers (see ParallelPlan.param_shardings): this stage's slice
+                start, end = plan.layer_ranges[stage]
+                leaf = np.asarray(full_leaf)[start:end]
+            mesh = plan.stage_mesh(stage)
+            target = NamedSharding(mesh, spec_of[path])
+            if plan.kv_replication > 1 and "kv_heads" in tuple(logical_of[path]):  # k/v projection kernel or bias
+                axis = tuple(logical_of[path]).index("kv_heads")
+                leaf = jax.device_put(leaf, NamedSharding(mesh, _REPLICATED))
+                leaf = _repeat_heads(leaf, plan.kv_replication, axis, target)
+            else:
+                leaf = jax.device_put(leaf, target)
+            node = stages[stage]
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = leaf
     if plan.model_config.tie_word_embeddings and plan.num_stages > 1:
         last, name = plan.num_stages - 1, plan.embedding_name
         stages[last][name] = jax.device_put(stages[0][name], NamedSharding(plan.stage_mesh(last), spec_of[(name,)]))
@@ -78,14 +85,14 @@ def _repeat_heads(x: jax.Array, repeats: int, axis: int, target: NamedSharding) 
     return jax.jit(functools.partial(jnp.repeat, repeats=repeats, axis=axis), out_shardings=target)(x)
 
 
-def init_stage_kv_caches(plan: ParallelPlan, stage: int, num_blocks: int, block_size: int, dtype: Any) -> list:
-    """Zero KV caches of one stage's layers, created sharded over KV heads (each device allocates only its
-    shard)."""
+def init_stage_kv_cache(plan: ParallelPlan, stage: int, num_blocks: int, block_size: int, dtype: Any) -> tuple:
+    """The zero stacked KV cache `(k_pages, v_pages)` of one stage's layers, created sharded over KV heads
+    (each device allocates only its shard)."""
     start, end = plan.layer_ranges[stage]
-    shape = kv_cache_shape(plan.model_config, num_blocks, block_size)
+    shape = kv_cache_shape(plan.model_config, num_blocks, block_size, num_layers=end - start)
     sharding = plan.kv_cache_sharding(stage)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(start, end)]
+    return zeros(), zeros()
 
 
 def per_device_bytes(tree: Any) -> dict[Any, int]:

@@ -167,9 +167,10 @@ def test_restore_into_a_tensor_parallel_mesh(converted):
     shardings = nn.logical_to_mesh_sharding(param_logical_axes(config), mesh, rules)
     _, params = load_model(out, jnp.float32, shardings=shardings)
     _, direct = load_model(out, jnp.float32)
-    q = params["layers_0"]["self_attention"]["q_proj"]["kernel"]
-    assert isinstance(q.sharding, NamedSharding) and q.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
-    assert {shard.data.shape for shard in q.addressable_shards} == {(64, 2, 16)}
+    q = params["layers"]["self_attention"]["q_proj"]["kernel"]  # [layers, embed, heads, head_dim]
+    assert isinstance(q.sharding, NamedSharding)
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
+    assert {shard.data.shape for shard in q.addressable_shards} == {(config.num_hidden_layers, 64, 2, 16)}
     for a, b, s in zip(jax.tree.leaves(params), jax.tree.leaves(direct), jax.tree.leaves(shardings)):
         assert a.sharding == s
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -199,8 +200,8 @@ def test_cli_convert_verify_and_progress(hf_dir, tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["--hf", str(hf_dir("falcon-new")), "--out", str(out), "--dtype", "float32", "--verify"]) == 0
     printed = capsys.readouterr().out
-    assert "layers_1/self_attention/q_proj/kernel (64, 4, 16) <- transformer.h.1.self_attention.query_key_value" \
-        in printed
+    assert ("layers/self_attention/q_proj/kernel (2, 64, 4, 16) <- transformer.h.0.self_attention.query_key_value"
+            ".weight .. transformer.h.1.self_attention.query_key_value.weight") in printed
     assert "max relative logit difference vs transformers" in printed and ": OK" in printed
     diff = float(printed.split("max relative logit difference vs transformers ")[1].split()[0])
     assert diff <= 1e-4
@@ -256,6 +257,18 @@ def test_marker_is_checked_at_load(converted, tmp_path):
     shutil.copytree(converted("falcon-7b"), copy)
     (copy / CHECKPOINT_MARKER).unlink()
     with pytest.raises(CheckpointError, match="incomplete converted checkpoint"):
+        load_model(copy)
+
+
+def test_old_per_layer_format_is_refused_with_how_to_reconvert(converted, tmp_path):
+    """Format v1 (one `layers_{i}` tree per layer, before the layers were scanned) cannot be loaded: the error
+    says so and gives the command that re-converts it."""
+    copy = tmp_path / "v1"
+    shutil.copytree(converted("falcon-7b"), copy)
+    marker = json.loads((copy / CHECKPOINT_MARKER).read_text())
+    marker["format_version"] = 1
+    (copy / CHECKPOINT_MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=r"format v1.*python -m checkpoints_convert --hf HF_DIR --out DIR --force"):
         load_model(copy)
 
 

@@ -27,7 +27,7 @@ from sarathi_jax.models import (
     ModelConfig,
     get_model,
     hf_to_params_items,
-    init_kv_caches,
+    init_kv_cache,
     init_random_params,
     load_hf_params,
     load_model,
@@ -215,11 +215,11 @@ def test_registry_axes_and_random_init():
     axes = param_logical_axes(config)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     assert jax.tree.structure(axes, is_leaf=is_spec) == jax.tree.structure(params)
-    layer = axes["layers_0"]
-    assert tuple(layer["self_attention"]["q_proj"]["kernel"]) == ("embed", "heads", "head_dim")
-    assert tuple(layer["self_attention"]["k_proj"]["kernel"]) == ("embed", "kv_heads", "head_dim")
-    assert tuple(layer["self_attention"]["dense"]["kernel"]) == ("heads", "head_dim", "embed")
-    assert tuple(layer["mlp"]["dense_h_to_4h"]["kernel"]) == ("embed", "mlp")
+    layer = axes["layers"]  # stacked over a leading "layers" axis (one nn.scan)
+    assert tuple(layer["self_attention"]["q_proj"]["kernel"]) == ("layers", "embed", "heads", "head_dim")
+    assert tuple(layer["self_attention"]["k_proj"]["kernel"]) == ("layers", "embed", "kv_heads", "head_dim")
+    assert tuple(layer["self_attention"]["dense"]["kernel"]) == ("layers", "heads", "head_dim", "embed")
+    assert tuple(layer["mlp"]["dense_h_to_4h"]["kernel"]) == ("layers", "embed", "mlp")
     assert set(layer) == {"ln_attn", "ln_mlp", "self_attention", "mlp"} and "lm_head" not in params
     shapes = param_shapes(config)
     assert jax.tree.map(lambda x: x.shape, shapes) == jax.tree.map(lambda x: x.shape, params)
@@ -251,15 +251,15 @@ def test_full_prompt_matches_hf(loaded, name):
     folder, config, params = loaded(name)
     model = get_model(config, jnp.float32)
     ids = prompt(config, 21, seed=1)
-    kv_caches = init_kv_caches(config, 8, 4, jnp.float32)
+    kv_cache = init_kv_cache(config, 8, 4, jnp.float32)
     token_ids, positions, metadata, logits_indices = make_step([Chunk(ids, 0, list(range(6)))], 32, 2, 6, 4)
-    logits, new_caches = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_caches, metadata,
-                                              logits_indices)
+    logits, (k_pages, v_pages) = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_cache, metadata,
+                                                      logits_indices)
     assert logits.shape == (21, config.vocab_size)
     assert rel_err(logits, hf_logits(folder, ids)) < RTOL
-    for k_pages, v_pages in new_caches:  # padding rows wrote nothing
-        assert k_pages.shape[2] == config.num_key_value_heads
-        assert not np.any(np.asarray(k_pages[6:])) and not np.any(np.asarray(v_pages[6:]))
+    # [layers, blocks, block_size, kv_heads, head_dim]; padding rows wrote nothing in any layer.
+    assert k_pages.shape[0] == config.num_hidden_layers and k_pages.shape[3] == config.num_key_value_heads
+    assert not np.any(np.asarray(k_pages[:, 6:])) and not np.any(np.asarray(v_pages[:, 6:]))
 
 
 @pytest.mark.parametrize("name", ["falcon-new", "falcon-7b"])
@@ -271,7 +271,7 @@ def test_chunked_prefill_ragged_batch_and_decode_match_hf(loaded, name):
     ids_a, ids_b = prompt(config, 20, seed=4), prompt(config, 9, seed=5)
     ref_a, ref_b = hf_logits(folder, ids_a), hf_logits(folder, ids_b)
     table_a, table_b = [7, 2, 9, 0, 4], [1, 11, 5]
-    kv_caches = init_kv_caches(config, 12, 4, jnp.float32)
+    kv_cache = init_kv_cache(config, 12, 4, jnp.float32)
     steps = [
         ([Chunk(ids_a[:12], 0, table_a), Chunk(ids_b[:5], 0, table_b)], [(ref_a, 0, 12), (ref_b, 0, 5)]),
         ([Chunk(ids_a[12:19], 12, table_a), Chunk(ids_b[5:], 5, table_b)], [(ref_a, 12, 19), (ref_b, 5, 9)]),
@@ -279,7 +279,7 @@ def test_chunked_prefill_ragged_batch_and_decode_match_hf(loaded, name):
     ]
     for chunks, refs in steps:
         token_ids, positions, metadata, logits_indices = make_step(chunks, 32, 3, 6, 4)
-        logits, kv_caches = apply({"params": params}, token_ids, positions, kv_caches, metadata, logits_indices)
+        logits, kv_cache = apply({"params": params}, token_ids, positions, kv_cache, metadata, logits_indices)
         row = 0
         for ref, start, stop in refs:
             assert rel_err(logits[row : row + stop - start], ref[start:stop]) < RTOL, (name, start)
@@ -287,17 +287,23 @@ def test_chunked_prefill_ragged_batch_and_decode_match_hf(loaded, name):
 
 
 def test_pipeline_stages_compose(loaded):
-    """`layer_range` stages (the pipeline-parallel hook) give the same logits as the whole model."""
+    """`layer_range` stages (the pipeline-parallel hook) give the same logits as the whole model; a stage
+    holds its slice of the stacked layer params and its own layers' KV cache."""
     _, config, params = loaded("falcon-new")
     ids = prompt(config, 10, seed=6)
     token_ids, positions, metadata, logits_indices = make_step([Chunk(ids, 0, [0, 1, 2])], 16, 1, 3, 4)
     whole, _ = jax.jit(get_model(config).apply)({"params": params}, token_ids, positions,
-                                                init_kv_caches(config, 3, 4, jnp.float32), metadata, logits_indices)
-    caches = init_kv_caches(config, 3, 4, jnp.float32)
+                                                init_kv_cache(config, 3, 4, jnp.float32), metadata, logits_indices)
+
+    def stage_params(start: int, end: int) -> dict:
+        return {**params, "layers": jax.tree.map(lambda x: x[start:end], params["layers"])}
+
     first = jax.jit(get_model(config).clone(layer_range=(0, 1)).apply)
     second = jax.jit(get_model(config).clone(layer_range=(1, 2)).apply)
-    hidden, _ = first({"params": params}, token_ids, positions, caches[:1], metadata, logits_indices)
-    logits, _ = second({"params": params}, hidden, positions, caches[1:], metadata, logits_indices)
+    hidden, _ = first({"params": stage_params(0, 1)}, token_ids, positions,
+                      init_kv_cache(config, 3, 4, jnp.float32, num_layers=1), metadata, logits_indices)
+    logits, _ = second({"params": stage_params(1, 2)}, hidden, positions,
+                       init_kv_cache(config, 3, 4, jnp.float32, num_layers=1), metadata, logits_indices)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 
@@ -309,6 +315,6 @@ def test_bfloat16_and_load_model(falcon_checkpoint):
     ids = prompt(config, 16, seed=7)
     token_ids, positions, metadata, logits_indices = make_step([Chunk(ids, 0, [0, 1, 2, 3])], 16, 1, 4, 4)
     logits, _ = jax.jit(get_model(config, jnp.bfloat16).apply)(
-        {"params": params}, token_ids, positions, init_kv_caches(config, 4, 4, jnp.bfloat16), metadata, logits_indices
+        {"params": params}, token_ids, positions, init_kv_cache(config, 4, 4, jnp.bfloat16), metadata, logits_indices
     )
     assert rel_err(logits, hf_logits(folder, ids)) < 5e-2

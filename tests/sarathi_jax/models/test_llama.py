@@ -29,14 +29,17 @@ from sarathi_jax.models import (
     RopeScaling,
     get_model,
     hf_to_params_items,
-    init_kv_caches,
+    init_kv_cache,
     init_random_params,
     load_hf_params,
     load_model,
     open_safetensors,
     param_logical_axes,
+    param_shapes,
     write_kv,
 )
+from sarathi_jax.models.presets import CPU_PRESETS
+from sarathi_jax.models.llama import unstack_layer_params
 
 ARCHITECTURES = ("llama", "llama3", "llama-mqa", "mistral", "qwen2", "qwen3")
 RTOL = 1e-4
@@ -131,18 +134,19 @@ def test_full_prompt_matches_hf(loaded, name):
     model = get_model(config, jnp.float32)
     block_size, num_blocks = 4, 8
     ids = prompt(config, 21, seed=1)
-    kv_caches = init_kv_caches(config, num_blocks, block_size, jnp.float32)
+    kv_cache = init_kv_cache(config, num_blocks, block_size, jnp.float32)
     step = make_step([Chunk(ids, 0, list(range(6)))], num_tokens=32, max_num_seqs=2, max_blocks=6,
                      block_size=block_size)
     token_ids, positions, metadata, logits_indices = step
-    logits, new_caches = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_caches, metadata,
-                                              logits_indices)
+    logits, (k_pages, v_pages) = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_cache,
+                                                      metadata, logits_indices)
     assert logits.dtype == jnp.float32 and logits.shape == (21, config.vocab_size)
     assert rel_err(logits, hf_logits(folder, ids)) < RTOL
-    # Padding rows (slot -1) wrote nothing: blocks 6 and 7 were never in the table and stay zero.
-    assert len(new_caches) == config.num_hidden_layers
-    for k_pages, v_pages in new_caches:
-        assert not np.any(np.asarray(k_pages[6:])) and not np.any(np.asarray(v_pages[6:]))
+    # Padding rows (slot -1) wrote nothing: blocks 6 and 7 were never in the table and stay zero, in every layer;
+    # every layer wrote its own blocks 0..5.
+    assert k_pages.shape[0] == config.num_hidden_layers
+    assert not np.any(np.asarray(k_pages[:, 6:])) and not np.any(np.asarray(v_pages[:, 6:]))
+    assert all(np.any(np.asarray(k_pages[layer, :6])) for layer in range(config.num_hidden_layers))
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -151,11 +155,11 @@ def test_ragged_batch_matches_hf(loaded, name):
     model = get_model(config, jnp.float32)
     block_size = 4
     seq_a, seq_b = prompt(config, 7, seed=2), prompt(config, 13, seed=3)
-    kv_caches = init_kv_caches(config, 16, block_size, jnp.float32)
+    kv_cache = init_kv_cache(config, 16, block_size, jnp.float32)
     chunks = [Chunk(seq_a, 0, [9, 3]), Chunk(seq_b, 0, [0, 14, 5, 11])]
     token_ids, positions, metadata, logits_indices = make_step(chunks, 32, max_num_seqs=3, max_blocks=4,
                                                                block_size=block_size)
-    logits, _ = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_caches, metadata, logits_indices)
+    logits, _ = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_cache, metadata, logits_indices)
     logits = np.asarray(logits)
     assert rel_err(logits[:7], hf_logits(folder, seq_a)) < RTOL
     assert rel_err(logits[7:20], hf_logits(folder, seq_b)) < RTOL
@@ -171,13 +175,13 @@ def test_chunked_prefill_and_decode_match_hf(loaded, name):
     ids = prompt(config, 20, seed=4)
     ref = hf_logits(folder, ids)
     block_table = np.random.default_rng(5).permutation(num_blocks)[:5].tolist()
-    kv_caches = init_kv_caches(config, num_blocks, block_size, jnp.float32)
+    kv_cache = init_kv_cache(config, num_blocks, block_size, jnp.float32)
     start = 0
     for chunk_len in (12, 7, 1):
         chunk = Chunk(ids[start : start + chunk_len], start, block_table)
         token_ids, positions, metadata, logits_indices = make_step([chunk], 16, max_num_seqs=2, max_blocks=6,
                                                                    block_size=block_size)
-        logits, kv_caches = apply({"params": params}, token_ids, positions, kv_caches, metadata, logits_indices)
+        logits, kv_cache = apply({"params": params}, token_ids, positions, kv_cache, metadata, logits_indices)
         assert rel_err(logits, ref[start : start + chunk_len]) < RTOL, f"chunk at {start}"
         start += chunk_len
 
@@ -188,12 +192,12 @@ def test_bfloat16_smoke(hf_checkpoint):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
     model = get_model(config, jnp.bfloat16)
     ids = prompt(config, 21, seed=1)
-    kv_caches = init_kv_caches(config, 8, 4, jnp.bfloat16)
+    kv_cache = init_kv_cache(config, 8, 4, jnp.bfloat16)
     token_ids, positions, metadata, logits_indices = make_step([Chunk(ids, 0, list(range(6)))], 32, 2, 6, 4)
-    logits, new_caches = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_caches, metadata,
-                                              logits_indices)
+    logits, new_cache = jax.jit(model.apply)({"params": params}, token_ids, positions, kv_cache, metadata,
+                                             logits_indices)
     assert logits.dtype == jnp.float32
-    assert new_caches[0][0].dtype == jnp.bfloat16
+    assert new_cache[0].dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(logits)))
     assert rel_err(logits, hf_logits(folder, ids)) < 5e-2
 
@@ -314,18 +318,29 @@ def test_missing_checkpoint_folder(tmp_path):
 # ---------------------------------------------------------------------------------------------- pieces
 
 
-def test_write_kv_drops_padding_rows():
-    k_pages = jnp.zeros((3, 2, 1, 4))
-    v_pages = jnp.ones((3, 2, 1, 4))
+@pytest.mark.parametrize("layer", [0, 1])
+def test_write_kv_drops_padding_rows(layer):
+    k_pages = jnp.zeros((2, 3, 2, 1, 4))  # [layers, blocks, block_size, kv_heads, head_dim]
+    v_pages = jnp.ones((2, 3, 2, 1, 4))
     k = jnp.arange(3 * 4, dtype=jnp.float32).reshape(3, 1, 4) + 1
-    k_new, v_new = write_kv(k_pages, v_pages, k, -k, jnp.array([5, -1, 0], jnp.int32))
-    np.testing.assert_array_equal(k_new[2, 1, 0], k[0, 0])
-    np.testing.assert_array_equal(k_new[0, 0, 0], k[2, 0])
-    np.testing.assert_array_equal(v_new[2, 1, 0], -k[0, 0])
-    assert int(jnp.count_nonzero(k_new)) == 8 and int(jnp.sum(v_new == 1)) == 4 * 4
+    k_new, v_new = write_kv(k_pages, v_pages, k, -k, jnp.array([5, -1, 0], jnp.int32), jnp.int32(layer))
+    np.testing.assert_array_equal(k_new[layer, 2, 1, 0], k[0, 0])
+    np.testing.assert_array_equal(k_new[layer, 0, 0, 0], k[2, 0])
+    np.testing.assert_array_equal(v_new[layer, 2, 1, 0], -k[0, 0])
+    # Only this layer's two slots changed: the other layer and the padding row's target are untouched.
+    assert int(jnp.count_nonzero(k_new)) == 8 and int(jnp.count_nonzero(k_new[1 - layer])) == 0
+    assert int(jnp.sum(v_new == 1)) == 2 * 3 * 2 * 4 - 8
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name, low, high", [("smollm2-135m", 134e6, 135e6), ("llama-1b", 1.23e9, 1.24e9),
+                                             ("mistral-7b", 7.24e9, 7.25e9)])
+def test_gpu_preset_shapes(name, low, high):
+    """The GPU-sized presets have their models' parameter counts (from shapes; nothing is drawn on a CPU)."""
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes(PRESETS[name])))
+    assert low <= num_params <= high
+
+
+@pytest.mark.parametrize("name", CPU_PRESETS)
 def test_presets(name):
     config, params = load_model(name, jnp.float32)
     num_params = sum(x.size for x in jax.tree.leaves(params))
@@ -334,9 +349,11 @@ def test_presets(name):
     axes = param_logical_axes(config)
     assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == \
         jax.tree.structure(params)
-    assert tuple(axes["layers_0"]["self_attn"]["q_proj"]["kernel"]) == ("embed", "heads", "head_dim")
-    assert tuple(axes["layers_0"]["self_attn"]["k_proj"]["kernel"]) == ("embed", "kv_heads", "head_dim")
-    assert len(KV_CACHE_AXES) == 4 and KV_CACHE_AXES[2] == "kv_heads"
+    # Layers are stacked on a leading "layers" axis (one nn.scan).
+    assert tuple(axes["layers"]["self_attn"]["q_proj"]["kernel"]) == ("layers", "embed", "heads", "head_dim")
+    assert tuple(axes["layers"]["self_attn"]["k_proj"]["kernel"]) == ("layers", "embed", "kv_heads", "head_dim")
+    assert params["layers"]["mlp"]["up_proj"]["kernel"].shape[0] == config.num_hidden_layers
+    assert len(KV_CACHE_AXES) == 5 and KV_CACHE_AXES[0] == "layers" and KV_CACHE_AXES[3] == "kv_heads"
     # Same seed, same weights.
     again = init_random_params(config, jnp.float32, seed=0)
     assert np.array_equal(params["embed_tokens"], again["embed_tokens"])
@@ -348,7 +365,7 @@ def test_preset_logits_are_sane():
     ids = prompt(config, 16, seed=6)
     token_ids, positions, metadata, logits_indices = make_step([Chunk(ids, 0, [0, 1])], 16, 1, 2, 8)
     logits, _ = jax.jit(model.apply)({"params": params}, token_ids, positions,
-                                     init_kv_caches(config, 2, 8, jnp.float32), metadata, logits_indices)
+                                     init_kv_cache(config, 2, 8, jnp.float32), metadata, logits_indices)
     std = float(jnp.std(logits))
     assert np.all(np.isfinite(np.asarray(logits))) and 0.05 < std < 5.0
 
@@ -363,8 +380,20 @@ def test_attention_fn_is_pluggable(loaded):
 
     model = get_model(config, jnp.float32, attention_fn=recording_attention)
     token_ids, positions, metadata, logits_indices = make_step([Chunk([3, 4, 5], 0, [0])], 16, 1, 1, 4)
-    model.apply({"params": params}, token_ids, positions, init_kv_caches(config, 1, 4, jnp.float32), metadata,
-                logits_indices)
+    cache = init_kv_cache(config, 1, 4, jnp.float32)
+    model.apply({"params": params}, token_ids, positions, cache, metadata, logits_indices)
+    # Scanned: the layer body (and so the attention call) is traced a fixed number of times, whatever the depth.
+    assert set(calls) == {(16, config.num_attention_heads, config.head_dim)}
+    traces = len(calls)
+    deeper = dataclasses.replace(config, num_hidden_layers=3 * config.num_hidden_layers)
+    calls.clear()
+    get_model(deeper, jnp.float32, attention_fn=recording_attention).apply(
+        {"params": init_random_params(deeper, jnp.float32)}, token_ids, positions,
+        init_kv_cache(deeper, 1, 4, jnp.float32), metadata, logits_indices)
+    assert len(calls) == traces
+    calls.clear()
+    model.clone(scan_layers=False).apply({"params": unstack_layer_params(params)}, token_ids, positions, cache,
+                                         metadata, logits_indices)
     assert calls == [(16, config.num_attention_heads, config.head_dim)] * config.num_hidden_layers
 
 

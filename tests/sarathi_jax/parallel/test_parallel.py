@@ -138,14 +138,18 @@ def test_parallel_engine_matches_single_device(model_dir, prompts, reference, en
         start, end = stage.layer_range
         assert (start, end) == split_layers(num_layers, pp)[s]
         stage_devices = set(plan.mesh.devices[s])
-        ref_stage_params = {k: v for k, v in ref_runner.params.items() if k in stage.params}
+        ref_stage_params = {  # the stage's slice of the stacked layers, and its other params
+            k: jax.tree.map(lambda x: x[start:end], v) if k == "layers" else v
+            for k, v in ref_runner.params.items() if k in stage.params
+        }
+        assert jax.tree.leaves(stage.params["layers"])[0].shape[0] == end - start
         stage_param_bytes = sum(per_device_bytes(ref_stage_params).values())
         param_usage = per_device_bytes(stage.params)
         assert set(param_usage) == stage_devices
         assert sum(param_usage.values()) >= stage_param_bytes  # nothing missing
         for device, nbytes in param_usage.items():
             assert nbytes <= 1.05 * stage_param_bytes / tp, (device, nbytes, stage_param_bytes)  # norms replicate
-        kv_usage = per_device_bytes(stage.kv_caches)
+        kv_usage = per_device_bytes(stage.kv_cache)
         assert set(kv_usage) == stage_devices
         for nbytes in kv_usage.values():
             assert nbytes * tp * num_layers == ref_kv_bytes * (end - start)
@@ -261,14 +265,18 @@ def test_plan_rules_and_stages():
     plan = make_plan(_config(vocab_size=250), tensor_parallel_size=4, pipeline_parallel_size=2)
     assert not plan.shard_vocab  # 250 % 4: embedding and LM head stay replicated
     specs = plan.param_specs()
-    assert specs["layers_0"]["self_attn"]["q_proj"]["kernel"] == jax.sharding.PartitionSpec(None, "tp", None)
-    assert specs["layers_0"]["self_attn"]["o_proj"]["kernel"] == jax.sharding.PartitionSpec("tp", None, None)
-    assert specs["layers_0"]["mlp"]["down_proj"]["kernel"] == jax.sharding.PartitionSpec("tp", None)
-    assert specs["embed_tokens"] == jax.sharding.PartitionSpec(None, None)
-    assert plan.kv_cache_sharding(1).spec == jax.sharding.PartitionSpec(None, None, "tp", None)
+    P = jax.sharding.PartitionSpec
+    # Stacked layer params: the leading layers axis is never sharded.
+    assert specs["layers"]["self_attn"]["q_proj"]["kernel"] == P(None, None, "tp", None)
+    assert specs["layers"]["self_attn"]["o_proj"]["kernel"] == P(None, "tp", None, None)
+    assert specs["layers"]["mlp"]["down_proj"]["kernel"] == P(None, "tp", None)
+    assert specs["embed_tokens"] == P(None, None)
+    assert plan.kv_cache_sharding(1).spec == P(None, None, None, "tp", None)
     shardings = plan.param_shardings()
-    assert set(shardings["layers_3"]["mlp"]["up_proj"]["kernel"].device_set) == set(plan.mesh.devices[1])
+    # With 2 stages the stacked layers span both: staged on the host, then cut per stage by place_params.
+    assert shardings["layers"]["mlp"]["up_proj"]["kernel"].device_set == {jax.local_devices(backend="cpu")[0]}
     assert set(shardings["embed_tokens"].device_set) == set(plan.mesh.devices[0])
+    assert set(shardings["norm"]["scale"].device_set) == set(plan.mesh.devices[1])
     assert split_layers(5, 2) == ((0, 3), (3, 5))
 
 
