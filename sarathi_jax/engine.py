@@ -10,15 +10,18 @@ servers hand it work through a queue.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import get_attention_fn
 from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.config import EngineConfig
+from sarathi_jax.compile_cache import PhaseTimer, enable_compilation_cache, record_compiles
+from sarathi_jax.config import EngineConfig, resolve_attention_backend, resolve_scan_layers
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
@@ -33,41 +36,63 @@ from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tok
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
-        self.config = config
+        """Build the engine: load the weights, size the KV cache and the scheduler, compile and warm up.
+
+        `self.config` is `config` as resolved on this machine: the attention backend that "auto" chose and
+        the compilation cache directory in use (None: none). `startup_stats()` reports the parts' times.
+        """
+        t_start = time.time()
+        platform = jax.default_backend()
+        cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
+        requested_backend = config.attention_backend
+        attention_backend = resolve_attention_backend(requested_backend, platform)
+        scan_layers = resolve_scan_layers(config.scan_layers, platform)
+        self.config = config = dataclasses.replace(
+            config, attention_backend=attention_backend, compilation_cache_dir=cache_dir, scan_layers=scan_layers
+        )
         dtype = jnp.dtype(config.dtype)
         self.parallel_plan = None  # sarathi_jax.parallel.ParallelPlan when tensor/pipeline parallel
-        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
+        with record_compiles() as compiles:
+            timer = PhaseTimer(compiles)
+            with timer.phase("load"):
+                if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+                    from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
 
-            self.parallel_plan, self.model_config, params = load_parallel_model(
-                config.model, dtype, config.seed, config.tensor_parallel_size, config.pipeline_parallel_size
-            )
-        else:
-            self.model_config, params = load_model(config.model, dtype, seed=config.seed)
-        self.tokenizer: Tokenizer | None = load_tokenizer(config.model) if Path(config.model).is_dir() else None
-        mc = self.model_config
+                    self.parallel_plan, self.model_config, params = load_parallel_model(
+                        config.model, dtype, config.seed, config.tensor_parallel_size,
+                        config.pipeline_parallel_size,
+                    )
+                else:
+                    self.model_config, params = load_model(config.model, dtype, seed=config.seed)
+                self.tokenizer: Tokenizer | None = (
+                    load_tokenizer(config.model) if Path(config.model).is_dir() else None
+                )
+            mc = self.model_config
 
-        sizing = size_engine(config, mc)
-        num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
-        self.scheduler_config = sizing.scheduler_config
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks)
-        )
-        self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(
-            mc,
-            params,
-            dtype=dtype,
-            attention_fn=get_attention_fn(config.attention_backend),
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            max_step_tokens=sizing.max_step_tokens,
-            plan=self.parallel_plan,
-        )
-        if warmup:
-            self.runner.warmup()
+            with timer.phase("init"):
+                sizing = size_engine(config, mc)
+                num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
+                self.scheduler_config = sizing.scheduler_config
+                self.block_manager = BlockManager(
+                    num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks)
+                )
+                self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
+                self.runner = ModelRunner(
+                    mc,
+                    params,
+                    dtype=dtype,
+                    attention_fn=get_attention_fn(attention_backend),
+                    num_blocks=num_blocks,
+                    block_size=config.block_size,
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                    max_step_tokens=sizing.max_step_tokens,
+                    plan=self.parallel_plan,
+                    scan_layers=scan_layers,
+                )
+            with timer.phase("warmup"):
+                if warmup:
+                    self.runner.warmup()  # runs each bucket once: its compile time is counted as "compile"
         self._seed_rng = np.random.default_rng(config.seed)
         self.core = EngineCore(
             self.scheduler,
@@ -75,6 +100,25 @@ class LLMEngine:
             loop=LoopConfig(config.async_scheduling, config.pipeline_parallel_size),
             eos_token_ids=mc.eos_token_ids,
         )
+        num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
+        self._startup_stats = {
+            "load_s": timer.seconds["load"],
+            "init_s": timer.seconds["init"],
+            "compile_s": timer.compile_seconds,
+            "warmup_s": timer.seconds["warmup"],
+            "total_s": time.time() - t_start,
+            "warmed_up": warmup,
+            "platform": platform,
+            "device": jax.devices()[0].device_kind,
+            "num_devices": num_devices,
+            "attention_backend": attention_backend,
+            "attention_backend_setting": requested_backend,
+            "scan_layers": scan_layers,
+            "compilation_cache_dir": cache_dir,
+            "executables": compiles.executables,
+            "cache_hits": compiles.cache_hits if cache_dir else 0,
+            "cache_misses": compiles.executables - compiles.cache_hits if cache_dir else None,
+        }
 
     # ----------------------------------------------------------------------------------- requests in
 
@@ -179,3 +223,31 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    def startup_stats(self) -> dict:
+        """How start-up went. Seconds: `load_s` (weights and tokenizer), `init_s` (sizing, scheduler, model
+        runner and KV cache), `compile_s` (tracing, lowering and XLA compiling, or loading executables from the
+        persistent cache, wherever it happened), `warmup_s` (the rest of running each bucket once; 0 when built
+        with warmup=False, in which case buckets compile on first use), `total_s`. The first three exclude
+        the compile time inside them, so the four add up to about the total. Also `platform`, `device`,
+        `num_devices`, `attention_backend` (resolved) and `attention_backend_setting` (as given),
+        `scan_layers` (resolved),
+        `compilation_cache_dir` (None: no persistent cache), `executables` (built during start-up),
+        `cache_hits` (of those, loaded from the cache) and `cache_misses` (compiled; None without a cache)."""
+        return dict(self._startup_stats)
+
+
+def format_startup(stats: dict) -> str:
+    """One line for logs: `startup_stats()` in words."""
+    s = stats
+    backend = s["attention_backend"] + (" (auto)" if s["attention_backend_setting"] == "auto" else "")
+    if s["compilation_cache_dir"]:
+        cache = (f"{s['executables']} executables, {s['cache_hits']} from the compilation cache "
+                 f"{s['compilation_cache_dir']}")
+    else:
+        cache = f"{s['executables']} executables, no compilation cache"
+    warm = f"warm-up {s['warmup_s']:.1f} s" if s["warmed_up"] else "no warm-up"
+    return (f"engine ready in {s['total_s']:.1f} s (load {s['load_s']:.1f} s, init {s['init_s']:.1f} s, "
+            f"compile {s['compile_s']:.1f} s, {warm}; {cache}) on {s['platform']} "
+            f"[{s['device']} x{s['num_devices']}], {backend} attention, "
+            f"{'scanned' if s.get('scan_layers', True) else 'unrolled'} layers")

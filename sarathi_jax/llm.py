@@ -16,19 +16,19 @@ Prompt = str | list[int]
 class LLM:
     """`LLM("tiny-llama")` or `LLM("/path/to/hf_checkpoint", token_budget=256, scheduler="vllm")`.
 
-    Keyword arguments are `EngineConfig` fields.
+    Keyword arguments are `EngineConfig` fields, with its defaults (None: derived from the others).
     """
 
     def __init__(
         self,
         model: str,
         *,
-        token_budget: int = 512,
-        max_num_seqs: int = 128,
+        token_budget: int | None = None,
+        max_num_seqs: int | None = None,
         block_size: int = 16,
         dtype: str = "float32",
         scheduler: str = "sarathi",
-        attention_backend: str = "xla",
+        attention_backend: str = "auto",
         warmup: bool = True,
         **engine_config: object,
     ) -> None:

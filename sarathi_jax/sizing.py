@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from sarathi_jax.config import EngineConfig
 from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.scheduler import SchedulerConfig
+from sarathi_jax.scheduler.config import WHOLE_PROMPT_POLICIES
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Policies that split prompts into chunks under the token budget; the others put whole prompts in a batch.
@@ -37,7 +38,12 @@ def size_engine(config: EngineConfig, model_config: ModelConfig) -> EngineSizing
     model_limit = model_config.max_model_len  # attention here is full: stay inside a sliding window
     if config.max_model_len is not None and config.max_model_len > model_limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_limit} tokens")
-    max_model_len = min(config.max_model_len or model_limit, num_blocks * config.block_size)
+    default_len = model_limit
+    if config.scheduler in WHOLE_PROMPT_POLICIES and config.max_num_batched_tokens is not None:
+        # These policies never split a prompt: a batch must hold the longest one. An explicit batch limit
+        # bounds the default length rather than being refused by it.
+        default_len = min(default_len, config.max_num_batched_tokens)
+    max_model_len = min(config.max_model_len or default_len, num_blocks * config.block_size)
     scheduler_config = SchedulerConfig(
         policy=config.scheduler,
         token_budget=config.token_budget,

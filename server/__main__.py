@@ -11,7 +11,6 @@ import asyncio
 import logging
 import signal
 import sys
-import time
 
 from server.service import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, GenerationServer
 
@@ -29,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, help="xla or pallas")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
+                   help="auto: pallas on GPU, xla elsewhere")
+    p.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
+                   help="JAX's persistent compilation cache directory, or 'off' "
+                        "(default: $SARATHI_JAX_COMPILATION_CACHE, else ~/.cache/sarathi-jax/jax)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=None, help="devices per pipeline stage")
@@ -52,7 +55,7 @@ def engine_config_from_args(args: argparse.Namespace):
     overrides = {}
     for name in ("token_budget", "scheduler", "max_num_seqs", "block_size", "num_blocks", "max_model_len",
                  "attention_backend", "dtype", "seed", "tensor_parallel_size", "pipeline_parallel_size",
-                 "async_scheduling"):
+                 "async_scheduling", "compilation_cache_dir"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -60,16 +63,16 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from sarathi_jax.engine import LLMEngine
+    from sarathi_jax.engine import LLMEngine, format_startup
 
     log = logging.getLogger("server")
     config = engine_config_from_args(args)
-    t0 = time.monotonic()
     log.info("building engine: %s", config)
     # Engine construction compiles and warms up: keep the loop responsive meanwhile (nothing is served yet).
     engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
-    log.info("engine ready in %.1fs", time.monotonic() - t0)
-    server = GenerationServer(engine, engine_config=config, host=args.host, port=args.port,
+    print(format_startup(engine.startup_stats()), flush=True)
+    # engine.config names what "auto" resolved to (attention backend, cache directory).
+    server = GenerationServer(engine, engine_config=engine.config, host=args.host, port=args.port,
                               metrics_port=args.metrics_port, max_waiting_requests=args.max_waiting_requests,
                               max_waiting_prompt_tokens=args.max_waiting_prompt_tokens)
     await server.start()

@@ -25,11 +25,28 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
 
+# JAX's persistent compilation cache (sarathi_jax/compile_cache.py): a fresh directory per test session, so
+# tests neither read nor fill the user's ~/.cache, unless the environment (CI) names one to keep between runs.
+# Set before any engine is built; subprocesses (the server, the cache test) inherit it.
+_COMPILATION_CACHE_ENV = "SARATHI_JAX_COMPILATION_CACHE"
+_SESSION_CACHE_DIR: str | None = None
+if _COMPILATION_CACHE_ENV not in os.environ:
+    import tempfile
+
+    _SESSION_CACHE_DIR = tempfile.mkdtemp(prefix="sarathi-jax-test-cache-")
+    os.environ[_COMPILATION_CACHE_ENV] = _SESSION_CACHE_DIR
+
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE_DIR is not None:
+        shutil.rmtree(_SESSION_CACHE_DIR, ignore_errors=True)
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=256,

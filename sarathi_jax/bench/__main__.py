@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated token budgets; policies that never split prompts "
                         "(vllm, orca, faster_transformer) run once, with the largest")
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                   help="EngineConfig.max_num_seqs (0: the engine's default, 128)")
+                   help="EngineConfig.max_num_seqs (0: the engine's default, min(128, the token budget))")
     g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
                    help="EngineConfig.max_model_len (0: the engine's default, the model's limit); "
                         "longer requests are scaled down to fit")
@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--tile-size", type=int, default=None)
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
-    g.add_argument("--attention-backend", default=None, choices=("xla", "pallas"))
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
+                   help="auto: pallas on GPU, xla elsewhere")
+    g.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
+                   help="EngineConfig.compilation_cache_dir: JAX's persistent compilation cache, or 'off' "
+                        "(default: $SARATHI_JAX_COMPILATION_CACHE, else ~/.cache/sarathi-jax/jax)")
     g.add_argument("--engine-seed", type=int, default=None, help="EngineConfig.seed (preset weights)")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="EngineConfig.tensor_parallel_size")
     g.add_argument("--pipeline-parallel-size", type=int, default=None,
@@ -173,7 +177,7 @@ def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
     kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"]}
     for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes",
                  "max_num_batched_tokens", "tile_size", "dtype", "attention_backend",
-                 "tensor_parallel_size", "pipeline_parallel_size", "async_scheduling"):
+                 "tensor_parallel_size", "pipeline_parallel_size", "async_scheduling", "compilation_cache_dir"):
         v = getattr(args, name)
         if v is not None and not (name in ("max_num_seqs", "max_model_len") and v == 0):
             kw[name] = v
@@ -258,6 +262,8 @@ def engine_description(engine: Any, kwargs: dict, simulate: bool) -> dict:
     cfg = getattr(engine, "config", None)
     if dataclasses.is_dataclass(cfg):
         d["engine_config"] = dataclasses.asdict(cfg)
+    if callable(getattr(engine, "startup_stats", None)):
+        d["startup"] = engine.startup_stats()
     try:
         st = engine.stats()
         d["num_total_blocks"] = st.get("num_total_blocks")
@@ -297,6 +303,14 @@ def run_endpoint(args: argparse.Namespace, workload: Workload, prompts: list[lis
 
 
 # ----------------------------------------------------------------------------------------------- main
+
+
+def _ready_line(engine: Any, seconds: float) -> str:
+    if callable(getattr(engine, "startup_stats", None)):  # LLMEngine: the start-up in parts
+        from sarathi_jax.engine import format_startup
+
+        return format_startup(engine.startup_stats())
+    return f"engine ready in {seconds:.1f} s"
 
 
 def _log(quiet: bool, msg: str) -> None:
@@ -359,7 +373,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
                     f"({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ...")
         t0 = time.monotonic()
         engine = factory(kwargs)
-        _log(quiet, f"[{cfg['label']}] engine ready in {time.monotonic() - t0:.1f} s")
+        _log(quiet, f"[{cfg['label']}] {_ready_line(engine, time.monotonic() - t0)}")
         max_len = int(getattr(engine, "max_model_len", 0) or 0) or None
         if fitted is None or (max_len is not None and fitted_len is not None and max_len < fitted_len):
             if fitted is not None:

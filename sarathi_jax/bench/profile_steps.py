@@ -1,0 +1,66 @@
+"""Profile steady decode: `python -m sarathi_jax.bench.profile_steps --model llama-1b --batch 32 --out DIR`.
+
+Builds an engine, brings `--batch` requests (prompts of `--context` tokens) into steady decode, then records a
+JAX profiler trace of `--steps` consecutive `engine.step()` calls (each inside a `step` trace annotation) and
+prints where the time goes (`sarathi_jax.bench.trace_summary`): wall per step, device busy fraction, kernels
+per step, the busiest kernels and host events. The Perfetto trace is left under `--out` for ui.perfetto.dev.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--no-async", action="store_true", help="profile the synchronous loop")
+    parser.add_argument("--out", default="profile-steps")
+    args = parser.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+    from sarathi_jax.bench.trace_summary import _load, format_summary, summarize
+    from sarathi_jax.engine import format_startup
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+                                    token_budget=args.token_budget, max_num_seqs=args.batch + 2,
+                                    max_model_len=args.context + 4 * args.steps + 64,
+                                    async_scheduling=not args.no_async))
+    print(format_startup(engine.startup_stats()))
+    rng = np.random.default_rng(0)
+    vocab = engine.model_config.vocab_size
+    for i in range(args.batch):
+        prompt = rng.integers(3, vocab, args.context).tolist()
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3 * args.steps + 16, temperature=0.0,
+                                                           ignore_eos=True))
+    while len(engine.scheduler.running) < args.batch or engine.scheduler.waiting or any(
+            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(args.steps):  # settle: every sequence decoding, all buckets in use warm
+        engine.step()
+    os.makedirs(args.out, exist_ok=True)
+    with jax.profiler.trace(args.out, create_perfetto_trace=True):
+        for _ in range(args.steps):
+            with jax.profiler.TraceAnnotation("step"):
+                engine.step()
+        jax.effects_barrier()
+    traces = sorted(glob.glob(os.path.join(args.out, "**", "*perfetto_trace.json.gz"), recursive=True))
+    print(f"trace: {traces[-1]}")
+    print(format_summary(summarize(_load(__import__("pathlib").Path(traces[-1])), "step")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The persistent compilation cache (sarathi_jax/compile_cache.py): where it goes, how it is turned off, and that
+a second engine in a fresh process loads its executables instead of compiling them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from sarathi_jax.compile_cache import (
+    ENV_VAR,
+    CompileRecorder,
+    default_cache_dir,
+    enable_compilation_cache,
+    resolve_cache_dir,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def restore_jax_cache():
+    """Tests here move JAX's process-wide cache; put it back for the tests after them."""
+    saved = jax.config.jax_compilation_cache_dir
+    yield
+    enable_compilation_cache(saved)
+
+
+def test_resolve_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "sarathi-jax" / "jax"
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
+    assert resolve_cache_dir("auto") == str(tmp_path / "env")
+    assert resolve_cache_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")  # explicit beats the env var
+    for off in ("0", "off", "OFF", "false", "none", ""):
+        monkeypatch.setenv(ENV_VAR, off)
+        assert resolve_cache_dir("auto") is None, off
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
+    assert resolve_cache_dir(None) is None and resolve_cache_dir("off") is None  # explicit off beats it too
+
+
+def test_auto_without_env_var_uses_jax_setting_else_user_cache(monkeypatch, tmp_path, restore_jax_cache):
+    monkeypatch.delenv(ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    enable_compilation_cache(None)
+    assert resolve_cache_dir("auto") == str(tmp_path / "xdg" / "sarathi-jax" / "jax")
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "users-own"))  # e.g. JAX_COMPILATION_CACHE_DIR
+    assert resolve_cache_dir("auto") == str(tmp_path / "users-own")
+
+
+def test_enable_switch_and_disable(tmp_path, restore_jax_cache):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert enable_compilation_cache(str(a)) == str(a) and a.is_dir()
+    assert jax.config.jax_compilation_cache_dir == str(a)
+    assert enable_compilation_cache(str(a)) == str(a)  # idempotent
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # CPU compiles are quick, cache them too
+    jax.jit(lambda x: x * 3 + 1)(jax.numpy.ones(7)).block_until_ready()
+    assert any(a.iterdir())
+    # A new directory takes effect even though JAX opened the first one already.
+    assert enable_compilation_cache(str(b)) == str(b)
+    jax.jit(lambda x: x * 5 - 2)(jax.numpy.ones(9)).block_until_ready()
+    assert any(b.iterdir())
+    assert enable_compilation_cache("off") is None and jax.config.jax_compilation_cache_dir is None
+
+
+def test_compile_seconds_counts_nested_and_overlapping_spans_once():
+    r = CompileRecorder()
+    r._spans += [(0.0, 4.0), (1.0, 2.0), (3.0, 6.0), (10.0, 11.0)]  # trace containing a nested trace, ...
+    assert r.compile_seconds() == pytest.approx(7.0)
+    assert r.compile_seconds(5.0, 10.5) == pytest.approx(1.5)
+
+
+_SCRIPT = """
+import json, sys
+from sarathi_jax import EngineConfig, LLMEngine
+engine = LLMEngine(EngineConfig("tiny-llama", token_budget=32, max_num_seqs=4, block_size=16, num_blocks=8,
+                                max_model_len=64, compilation_cache_dir=sys.argv[1]))
+print("STATS " + json.dumps(engine.startup_stats()))
+"""
+
+
+def _start_in_fresh_process(cache_dir: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")  # on a GPU this test process already holds most memory
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("STATS "))
+    return json.loads(line[len("STATS "):])
+
+
+def _cache_entries(cache_dir: Path) -> list[str]:
+    # JAX's executables; on a GPU, XLA's own autotuning cache may sit beside them in a subdirectory.
+    return sorted(p.name for p in cache_dir.iterdir() if p.name.endswith("-cache"))
+
+
+def test_second_engine_in_a_fresh_process_hits_the_cache(tmp_path):
+    cache = tmp_path / "jax-cache"
+    cold = _start_in_fresh_process(cache)
+    assert cold["compilation_cache_dir"] == str(cache)
+    assert cold["executables"] > 0 and cold["cache_hits"] == 0 and cold["cache_misses"] == cold["executables"]
+    entries = _cache_entries(cache)
+    assert len(entries) == cold["executables"]  # one entry per executable compiled
+
+    warm = _start_in_fresh_process(cache)
+    assert warm["executables"] == cold["executables"]
+    assert warm["cache_hits"] == warm["executables"] and warm["cache_misses"] == 0
+    assert _cache_entries(cache) == entries  # nothing new was compiled or written
