@@ -19,9 +19,7 @@ def get_attention_fn(backend: str, *, interpret: bool | None = None) -> Callable
     """Returns a ragged paged attention function with the `ragged_paged_attention_xla` signature.
 
     Args:
-      backend: `"xla"` (plain jnp, runs everywhere), `"pallas"` (the Pallas kernel; Triton on GPU), or
-        `"auto"`: `"pallas"` when `jax.default_backend()` is a GPU, else `"xla"` (the rule of
-        `sarathi_jax.config.resolve_attention_backend`).
+      backend: `"xla"` (plain jnp, runs everywhere) or `"pallas"` (the Pallas kernel; Triton on GPU).
       interpret: only for `"pallas"`: run the kernel through the Pallas interpreter. `None` means
         "interpret when `jax.default_backend() == "cpu"`". On TPU the Pallas kernel has no compiled path
         (see `ragged_paged_attention`), so `"pallas"` on a non-GPU backend requires `interpret=True`.
@@ -30,8 +28,6 @@ def get_attention_fn(backend: str, *, interpret: bool | None = None) -> Callable
       ValueError: unknown backend name.
       NotImplementedError: `"pallas"` with interpret=False on a non-GPU default backend.
     """
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
     if backend == "xla":
         return ragged_paged_attention_xla
     if backend == "pallas":
@@ -44,4 +40,4 @@ def get_attention_fn(backend: str, *, interpret: bool | None = None) -> Callable
                 "use backend 'xla' there, or interpret=True for testing"
             )
         return functools.partial(ragged_paged_attention, interpret=bool(interpret))
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(ATTENTION_BACKENDS)} or 'auto'")
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(ATTENTION_BACKENDS)}")
