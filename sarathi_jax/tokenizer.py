@@ -207,6 +207,9 @@ class StopStringChecker:
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
         self._buffer = ""  # all text seen (cut at the stop string once found)
         self._released = 0
+        # A complete stop string found while another one, starting earlier, may still complete: where the
+        # found one starts. The earliest start wins, as when searching the whole text at once.
+        self._pending_cut: int | None = None
         self.stopped = False
 
     @property
@@ -223,14 +226,36 @@ class StopStringChecker:
         if not detect:
             return self._release(len(self._buffer))
         cut = find_stop_string(self._buffer, self.stop, search_from)
+        if self._pending_cut is not None and (cut is None or self._pending_cut < cut):
+            cut = self._pending_cut
         if cut is not None:
-            self._buffer = self._buffer[:cut]
-            self.stopped = True
-            return self._release(len(self._buffer))
+            open_start = self._open_match_before(cut)
+            if open_start is None:
+                return self._stop_at(cut)
+            self._pending_cut = cut  # decided when that earlier candidate completes or fails
+            return self._release(open_start)
         return self._release(len(self._buffer) - self._held_tail())
 
     def flush(self) -> str:
+        if self._pending_cut is not None:  # no more text: the earlier candidate cannot complete
+            return self._stop_at(self._pending_cut)
         return self._release(len(self._buffer))
+
+    def _stop_at(self, cut: int) -> str:
+        self._buffer = self._buffer[:cut]
+        self._pending_cut = None
+        self.stopped = True
+        return self._release(len(self._buffer))
+
+    def _open_match_before(self, limit: int) -> int | None:
+        """The earliest unreleased position before `limit` where a stop string could still start: the rest
+        of the buffer from there is a proper prefix of some stop string."""
+        buf = self._buffer
+        for q in range(max(self._released, len(buf) - self._max_hold), limit):
+            tail = buf[q:]
+            if any(len(s) > len(tail) and s.startswith(tail) for s in self.stop):
+                return q
+        return None
 
     def _held_tail(self) -> int:
         """Length of the longest suffix of the buffer that is a proper prefix of some stop string."""

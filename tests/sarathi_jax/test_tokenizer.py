@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -182,6 +182,10 @@ def test_find_stop_string() -> None:
     stop=st.lists(st.text(alphabet="abST P", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(0, 40), max_size=6),
 )
+# A later-starting stop ("P") completes first while an earlier-starting one ("SPP") is still open: the
+# earliest start must win, so the checker waits for the next delta.
+@example(text="SPP", stop=["P", "SPP"], cuts=[2])
+@example(text="SPx", stop=["P", "SPP"], cuts=[2])
 def test_stop_checker_matches_whole_text_search(text: str, stop: list[str], cuts: list[int]) -> None:
     """Streaming in arbitrary deltas finds the same (earliest) stop as searching the whole text at once."""
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
