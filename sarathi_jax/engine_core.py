@@ -278,6 +278,8 @@ class EngineCore:
                 # Release a held-back partial character and any tail held for stop strings.
                 state.text_delta += state.stop_checker.add(state.detokenizer.flush(), detect=False)
                 state.text_delta += state.stop_checker.flush()
+                if state.stop_checker.stopped:  # a stop string that waited on an earlier candidate
+                    reason = "stop"
             seq.discard_pending_tokens()
             self.scheduler.finish_sequence(seq, reason)
             seq.metrics.finished_time = now

@@ -223,8 +223,8 @@ class StopStringChecker:
             return ""
         search_from = len(self._buffer)
         self._buffer += delta
-        if not detect:
-            return self._release(len(self._buffer))
+        if not detect:  # (a decision pending on earlier text still holds the text after it)
+            return "" if self._pending_cut is not None else self._release(len(self._buffer))
         cut = find_stop_string(self._buffer, self.stop, search_from)
         if self._pending_cut is not None and (cut is None or self._pending_cut < cut):
             cut = self._pending_cut

@@ -232,3 +232,14 @@ def test_detokenizer_and_stop_string_across_token_deltas(byte_level: Tokenizer) 
             break
     assert checker.stopped
     assert shown == checker.text == "héllo wör"
+
+
+def test_pending_stop_is_applied_when_the_request_ends_for_another_reason() -> None:
+    """A found stop waiting on an earlier, still-open candidate is applied by flush(), even if the last delta
+    came in with detect=False (the engine's end-of-request path): text is cut and `stopped` is set."""
+    checker = StopStringChecker(["P", "SPP"])
+    assert checker.add("SP") == ""  # "P" matched at 1, but "SPP" could still start at 0
+    assert not checker.stopped
+    assert checker.add("x", detect=False) == ""
+    assert checker.flush() == "S" and checker.stopped and checker.text == "S"
+
