@@ -1,4 +1,5 @@
-"""CLI: `python -m checkpoints_convert --hf DIR --out DIR [--dtype bfloat16|float32] [--force] [--verify]`.
+"""CLI: `python -m checkpoints_convert --hf DIR --out DIR [--dtype bfloat16|float32] [--force] [--verify]`,
+or `python -m checkpoints_convert --gguf FILE.gguf --out DIR [--dtype float32|bfloat16] [--force]`.
 
 Exit status: 0 converted (and verified, with --verify); 2 the conversion failed (the message names the
 problem: unsupported architecture, missing / mis-shaped tensor, corrupt file, output folder in the way);
@@ -22,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
                     "sarathi-jax loads directly (LLM(model=OUT)). Supported architectures: "
                     + ", ".join(SUPPORTED_ARCHITECTURES),
     )
-    parser.add_argument("--hf", required=True, help="HF folder: config.json, *.safetensors (+ index), tokenizer files")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="HF folder: config.json, *.safetensors (+ index), tokenizer files")
+    source.add_argument("--gguf", help="llama.cpp GGUF file (Llama family; any quantization the gguf package "
+                                       "dequantizes); default dtype float32")
     parser.add_argument("--out", required=True, help="output folder (created; must not hold a checkpoint unless --force)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="parameter dtype to store (default: float32 for float32 checkpoints, else bfloat16)")
@@ -42,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
             print(message, flush=True)
 
     try:
-        result = convert(args.hf, args.out, args.dtype, force=args.force, log=log, compress=args.compress)
+        if args.gguf is not None:
+            if args.verify:
+                parser.error("--verify compares against an HF folder; it is not available with --gguf")
+            from checkpoints_convert.gguf_source import convert_gguf
+
+            result = convert_gguf(args.gguf, args.out, args.dtype, force=args.force, log=log, compress=args.compress)
+        else:
+            result = convert(args.hf, args.out, args.dtype, force=args.force, log=log, compress=args.compress)
     except (ConversionError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

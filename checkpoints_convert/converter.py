@@ -1,5 +1,8 @@
 """HF safetensors folder -> Orbax checkpoint of the engine's parameter tree, streamed parameter by parameter.
 
+`write_checkpoint` is the one writer: `convert` feeds it a `SafetensorsCheckpoint`, `gguf_source.convert_gguf`
+a `GGUFCheckpoint` (same `info` / `read_rows` interface, tensors under HF names).
+
 Output folder layout (what `sarathi_jax.models.load_model` recognizes):
 
     OUT/params/...                 Orbax PyTree checkpoint of the params (OCDBT), written with
@@ -36,7 +39,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -104,7 +107,24 @@ def default_dtype(config: ModelConfig) -> str:
     return "float32" if config.torch_dtype in (None, "float32", "float64") else "bfloat16"
 
 
-def read_param(checkpoint: SafetensorsCheckpoint, source: ParamSource, dtype: np.dtype,
+class TensorSource(Protocol):
+    """What the writer reads tensors through: `SafetensorsCheckpoint`, or `gguf_source.GGUFCheckpoint`.
+    `info(name)` has `.shape`, `.dtype`, `.row_elems`; `read_rows(info, r0, r1)` returns rows r0..r1."""
+
+    def info(self, name: str) -> Any: ...
+
+    def read_rows(self, info: Any, start: int, stop: int) -> np.ndarray: ...
+
+
+def resolve_dtype(config: ModelConfig, dtype: str | None) -> str:
+    if dtype is None:
+        dtype = default_dtype(config)
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def read_param(checkpoint: TensorSource, source: ParamSource, dtype: np.dtype,
                chunk_bytes: int = CHUNK_BYTES, out: np.ndarray | None = None) -> np.ndarray:
     """Assemble one parameter in `dtype` from its HF tensor, `chunk_bytes` of rows at a time.
 
@@ -148,7 +168,7 @@ def read_param(checkpoint: SafetensorsCheckpoint, source: ParamSource, dtype: np
     return out.reshape(source.shape)
 
 
-def _check_plan(checkpoint: SafetensorsCheckpoint, plan: list[ParamSource]) -> None:
+def _check_plan(checkpoint: TensorSource, plan: list[ParamSource]) -> None:
     """Every tensor the model needs exists with the right shape: checked from the headers before writing."""
     for source in plan:
         info = checkpoint.info(source.name)
@@ -178,8 +198,8 @@ def _looks_like_checkpoint(path: Path) -> bool:
     return is_orbax_checkpoint(path) or (path / "config.json").exists() or any(path.glob("*.safetensors"))
 
 
-def _prepare_out(hf_dir: Path, out_dir: Path, force: bool) -> None:
-    if out_dir.resolve() == hf_dir.resolve() or hf_dir.resolve() in out_dir.resolve().parents:
+def _prepare_out(hf_dir: Path | None, out_dir: Path, force: bool) -> None:
+    if hf_dir is not None and (out_dir.resolve() == hf_dir.resolve() or hf_dir.resolve() in out_dir.resolve().parents):
         raise ConversionError(f"--out {str(out_dir)!r} must not be the HF folder or inside it")
     if out_dir.exists() and not out_dir.is_dir():
         raise ConversionError(f"output path {str(out_dir)!r} exists and is not a folder")
@@ -266,14 +286,40 @@ def convert(
         config = ModelConfig.from_pretrained(hf_dir)
     except (ValueError, KeyError) as e:
         raise ConversionError(f"cannot convert {str(hf_dir)!r}: {e}") from e
-    if dtype is None:
-        dtype = default_dtype(config)
-    if dtype not in DTYPES:
-        raise ConversionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    np_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(__import__("ml_dtypes").bfloat16)
+    dtype = resolve_dtype(config, dtype)
     _prepare_out(hf_dir, out_dir, force)
-
     checkpoint = SafetensorsCheckpoint(hf_dir)
+    return write_checkpoint(
+        config, checkpoint, out_dir, dtype, side_dir=hf_dir, source_path=str(hf_dir.resolve()),
+        source_desc=f"{str(hf_dir)!r}, {len(checkpoint.files)} safetensors file(s)", log=log,
+        chunk_bytes=chunk_bytes, min_batch_bytes=min_batch_bytes, compress=compress, start_time=start_time,
+    )
+
+
+def write_checkpoint(
+    config: ModelConfig,
+    checkpoint: TensorSource,
+    out_dir: Path,
+    dtype: str | None,
+    *,
+    side_dir: Path,
+    source_path: str,
+    source_desc: str,
+    log: Log = print,
+    chunk_bytes: int = CHUNK_BYTES,
+    min_batch_bytes: int = MIN_BATCH_BYTES,
+    compress: bool = False,
+    start_time: float | None = None,
+) -> ConversionResult:
+    """The one writer behind every input format: read each planned parameter from `checkpoint` (anything with
+    `SafetensorsCheckpoint`'s `info(name)` / `read_rows(info, r0, r1)`, tensors named and shaped as in HF),
+    write the Orbax PyTree, copy the side files (`COPIED_FILES`) found in `side_dir`, then the marker, and
+    rename into place. The caller has checked the output folder (`_prepare_out`)."""
+    if start_time is None:
+        start_time = time.monotonic()
+    dtype = resolve_dtype(config, dtype)
+    np_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(__import__("ml_dtypes").bfloat16)
+
     sources = param_plan(config)
     _check_plan(checkpoint, sources)
     plan = _group_layers(sources)  # one entry per output parameter: its sources, one per layer when stacked
@@ -281,9 +327,9 @@ def convert(
     sizes = [int(np.prod(shape)) * np_dtype.itemsize for shape in shapes]
     total_bytes, largest = sum(sizes), max(sizes)
     batch_limit = max(largest, min_batch_bytes)
-    log(f"converting {config.architecture} from {str(hf_dir)!r}: {len(plan)} params, "
+    log(f"converting {config.architecture} from {source_desc}: {len(plan)} params, "
         f"{sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M values, {_fmt_bytes(total_bytes)} as {dtype} "
-        f"(largest param {_fmt_bytes(largest)}), {len(checkpoint.files)} safetensors file(s)")
+        f"(largest param {_fmt_bytes(largest)})")
 
     import orbax.checkpoint.experimental.v1 as ocp  # heavy: after the cheap checks
 
@@ -341,8 +387,8 @@ def convert(
 
         copied = []
         for name in COPIED_FILES:
-            if (hf_dir / name).is_file():
-                shutil.copy2(hf_dir / name, tmp_dir / name)
+            if (side_dir / name).is_file():
+                shutil.copy2(side_dir / name, tmp_dir / name)
                 copied.append(name)
         log(f"copied {', '.join(copied)}")
 
@@ -355,7 +401,7 @@ def convert(
             "num_params": int(sum(int(np.prod(s)) for s in shapes)),
             "num_bytes": int(total_bytes),
             "params": {param_path_str(g[0].param_path): {"shape": list(s), "dtype": dtype} for g, s in zip(plan, shapes)},
-            "source": str(hf_dir.resolve()),
+            "source": source_path,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         marker_path = tmp_dir / CHECKPOINT_MARKER
@@ -383,4 +429,5 @@ def convert(
     return ConversionResult(out_dir, config, dtype, marker["num_params"], total_bytes, largest, num_saves, seconds)
 
 
-__all__ = ["ConversionError", "ConversionResult", "SUPPORTED_ARCHITECTURES", "convert", "read_param"]
+__all__ = ["ConversionError", "ConversionResult", "SUPPORTED_ARCHITECTURES", "TensorSource", "convert", "read_param",
+           "write_checkpoint"]

@@ -2,6 +2,7 @@
 
     python -m server.client "Hello, my name is" --max-tokens 32 --temperature 0
     python -m server.client --token-ids 1,2,3 --max-tokens 8 --target 127.0.0.1:50051
+    python -m server.client --chat "What is the capital of France?" --max-tokens 64 --temperature 0
 
 Streams the generated text to stdout as it arrives (token ids, space separated, when the model has no
 tokenizer), then the finish reason, usage and timings to stderr.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import grpc
 
@@ -27,9 +28,9 @@ FINISH_REASON_NAMES = {
 }
 
 
-def make_request(prompt: str | Sequence[int], params=None, request_id: str | None = None,
+def make_request(prompt: str | Sequence[int] | Sequence[Mapping[str, str]], params=None, request_id: str | None = None,
                  **sampling: object) -> pb.GenerateRequest:
-    """A GenerateRequest from a text or token-id prompt and a SamplingParams (and/or sampling keyword fields).
+    """A GenerateRequest from a text, token-id or chat-messages prompt and a SamplingParams (and/or sampling keyword fields).
 
     Only fields that are given (not None) are set, so the server applies SamplingParams' defaults to the rest.
     """
@@ -38,6 +39,10 @@ def make_request(prompt: str | Sequence[int], params=None, request_id: str | Non
         req.request_id = request_id
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):  # a conversation: [{"role": ..., "content": ...}, ...]
+        for message in prompt:
+            req.messages.messages.add(role=str(message["role"]), content=str(message.get("content", "")))
+        req.messages.SetInParent()
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
         req.token_ids.SetInParent()  # an empty list still selects token_ids (the server refuses it)
@@ -68,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", default=None, help="text prompt (needs a model with a tokenizer)")
     p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    p.add_argument("--chat", default=None, metavar="TEXT",
+                   help="a user message, sent as a conversation rendered with the model's chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system message before it")
     p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--min-tokens", type=int, default=None)
@@ -82,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     args = p.parse_args(argv)
-    if (args.prompt is None) == (args.token_ids is None):
-        p.error("give either a text prompt or --token-ids")
-    prompt: str | list[int]
-    if args.token_ids is not None:
+    if sum(x is not None for x in (args.prompt, args.token_ids, args.chat)) != 1:
+        p.error("give exactly one of a text prompt, --token-ids or --chat")
+    if args.system is not None and args.chat is None:
+        p.error("--system goes with --chat")
+    prompt: str | list[int] | list[dict[str, str]]
+    if args.chat is not None:
+        prompt = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        prompt.append({"role": "user", "content": args.chat})
+    elif args.token_ids is not None:
         prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
     else:
         prompt = args.prompt

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_reflection.v1alpha import reflection
 
+from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.sampling_params import SamplingParams
 from server.engine_worker import EngineError, EngineWorker
 from server.metrics import ServerMetrics
@@ -305,7 +307,7 @@ class GenerationServer:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
         which = request.WhichOneof("prompt")
         if which is None:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must be set (text or token_ids)")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must be set (text, token_ids or messages)")
         prompt: str | list[int]
         if which == "text":
             prompt = request.text
@@ -316,6 +318,9 @@ class GenerationServer:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "prompt: the model has no tokenizer; send token_ids instead of text")
             num_tokens = _count_tokens(tokenizer, prompt)
+        elif which == "messages":
+            prompt = self._chat_prompt_ids(request.messages)
+            num_tokens = len(prompt)
         else:
             prompt = [int(t) for t in request.token_ids.ids]
             if not prompt:
@@ -346,6 +351,26 @@ class GenerationServer:
         else:
             rid = uuid.uuid4().hex
         return rid, prompt, params, num_tokens
+
+    def _chat_prompt_ids(self, messages: pb.ChatMessages) -> list[int]:
+        """A `messages` prompt as token ids: the model's chat template, with an assistant turn opened."""
+        conversation = [{"role": m.role, "content": m.content} for m in messages.messages]
+        if not conversation:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt.messages: must not be empty")
+        if not hasattr(self, "_chat_template"):
+            model = getattr(self.engine_config, "model", None)
+            self._chat_template = (ChatTemplate.from_folder(model)
+                                   if isinstance(model, str) and Path(model).is_dir() else None)
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if self._chat_template is None or tokenizer is None:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "prompt.messages: the model has no chat template (tokenizer_config.json "
+                               "'chat_template' or chat_template.jinja) or no tokenizer; send text or token_ids")
+        try:
+            text = self._chat_template.render(conversation, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error (raise_exception, sandbox) is the request's fault
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.messages: {exc}") from None
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def _check_capacity(self, num_tokens: int) -> None:
         if self._pending_requests == 0:

@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(server/proto/sarathi/v1/generation.proto\x12\nsarathi.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xe0\x03\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.sarathi.v1.TokenIdsH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"s\n\x07Timings\x12\x19\n\x0cqueue_time_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0f\n\r_queue_time_sB\t\n\x07_ttft_sB\x08\n\x06_e2e_s\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.sarathi.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.sarathi.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.sarathi.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.sarathi.v1.Timings\x12\r\n\x05\x65rror\x18\t \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x11\n\tscheduler\x18\x05 \x01(\t\x12\x14\n\x0ctoken_budget\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\"\x11\n\x0fGetStatsRequest\"\x9d\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x07 \x01(\x05\x12\x1c\n\x14num_pending_requests\x18\x08 \x01(\x05\x12!\n\x19num_pending_prompt_tokens\x18\t \x01(\x03\x12\x16\n\x0enum_iterations\x18\n \x01(\x03\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa0\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.sarathi.v1.GenerateRequest\x1a\x1c.sarathi.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.sarathi.v1.GenerateRequest\x1a\x1c.sarathi.v1.GenerateResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.sarathi.v1.GetModelInfoRequest\x1a\x15.sarathi.v1.ModelInfo\x12:\n\x08GetStats\x12\x1b.sarathi.v1.GetStatsRequest\x1a\x11.sarathi.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(server/proto/sarathi/v1/generation.proto\x12\nsarathi.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.sarathi.v1.ChatMessage\"\x8e\x04\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.sarathi.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x0f \x01(\x0b\x32\x18.sarathi.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"s\n\x07Timings\x12\x19\n\x0cqueue_time_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0f\n\r_queue_time_sB\t\n\x07_ttft_sB\x08\n\x06_e2e_s\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.sarathi.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.sarathi.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.sarathi.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.sarathi.v1.Timings\x12\r\n\x05\x65rror\x18\t \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x11\n\tscheduler\x18\x05 \x01(\t\x12\x14\n\x0ctoken_budget\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\"\x11\n\x0fGetStatsRequest\"\x9d\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x07 \x01(\x05\x12\x1c\n\x14num_pending_requests\x18\x08 \x01(\x05\x12!\n\x19num_pending_prompt_tokens\x18\t \x01(\x03\x12\x16\n\x0enum_iterations\x18\n \x01(\x03\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa0\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.sarathi.v1.GenerateRequest\x1a\x1c.sarathi.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.sarathi.v1.GenerateRequest\x1a\x1c.sarathi.v1.GenerateResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.sarathi.v1.GetModelInfoRequest\x1a\x15.sarathi.v1.ModelInfo\x12:\n\x08GetStats\x12\x1b.sarathi.v1.GetStatsRequest\x1a\x11.sarathi.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'server.proto.sarathi.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1686
-  _globals['_FINISHREASON']._serialized_end=1831
+  _globals['_FINISHREASON']._serialized_start=1837
+  _globals['_FINISHREASON']._serialized_end=1982
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
-  _globals['_GENERATEREQUEST']._serialized_start=82
-  _globals['_GENERATEREQUEST']._serialized_end=562
-  _globals['_TOKENLOGPROB']._serialized_start=564
-  _globals['_TOKENLOGPROB']._serialized_end=658
-  _globals['_USAGE']._serialized_start=660
-  _globals['_USAGE']._serialized_end=717
-  _globals['_TIMINGS']._serialized_start=719
-  _globals['_TIMINGS']._serialized_end=834
-  _globals['_GENERATERESPONSE']._serialized_start=837
-  _globals['_GENERATERESPONSE']._serialized_end=1106
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1108
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1129
-  _globals['_MODELINFO']._serialized_start=1132
-  _globals['_MODELINFO']._serialized_end=1376
-  _globals['_GETSTATSREQUEST']._serialized_start=1378
-  _globals['_GETSTATSREQUEST']._serialized_end=1395
-  _globals['_STATS']._serialized_start=1398
-  _globals['_STATS']._serialized_end=1683
-  _globals['_GENERATION']._serialized_start=1834
-  _globals['_GENERATION']._serialized_end=2122
+  _globals['_CHATMESSAGE']._serialized_start=81
+  _globals['_CHATMESSAGE']._serialized_end=125
+  _globals['_CHATMESSAGES']._serialized_start=127
+  _globals['_CHATMESSAGES']._serialized_end=184
+  _globals['_GENERATEREQUEST']._serialized_start=187
+  _globals['_GENERATEREQUEST']._serialized_end=713
+  _globals['_TOKENLOGPROB']._serialized_start=715
+  _globals['_TOKENLOGPROB']._serialized_end=809
+  _globals['_USAGE']._serialized_start=811
+  _globals['_USAGE']._serialized_end=868
+  _globals['_TIMINGS']._serialized_start=870
+  _globals['_TIMINGS']._serialized_end=985
+  _globals['_GENERATERESPONSE']._serialized_start=988
+  _globals['_GENERATERESPONSE']._serialized_end=1257
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1259
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1280
+  _globals['_MODELINFO']._serialized_start=1283
+  _globals['_MODELINFO']._serialized_end=1527
+  _globals['_GETSTATSREQUEST']._serialized_start=1529
+  _globals['_GETSTATSREQUEST']._serialized_end=1546
+  _globals['_STATS']._serialized_start=1549
+  _globals['_STATS']._serialized_end=1834
+  _globals['_GENERATION']._serialized_start=1985
+  _globals['_GENERATION']._serialized_end=2273
 # @@protoc_insertion_point(module_scope)
