@@ -16,19 +16,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sarathi_jax.tokenizer import read_json_object
+
 Message = Mapping[str, Any]
 
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or the template refused the conversation (`raise_exception`)."""
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _token_content(value: Any) -> str | None:
@@ -79,12 +73,12 @@ class ChatTemplate:
     def from_folder(cls, folder: str | Path) -> ChatTemplate | None:
         """The template of a model folder, or None if it has none."""
         folder = Path(folder)
-        tok_config = _read_json(folder / "tokenizer_config.json")
+        tok_config = read_json_object(folder / "tokenizer_config.json")
         source: str | None = None
         if (folder / "chat_template.jinja").is_file():
             source = (folder / "chat_template.jinja").read_text()
         if source is None:
-            source = _pick(_read_json(folder / "chat_template.json").get("chat_template"))
+            source = _pick(read_json_object(folder / "chat_template.json").get("chat_template"))
         if source is None:
             source = _pick(tok_config.get("chat_template"))
         if not source:

@@ -58,7 +58,8 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} when the file is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -96,9 +97,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     if not path.is_file():
         return None
     backend = tokenizers.Tokenizer.from_file(str(path))
-    generation = _read_json(model_dir / "generation_config.json")
-    config = _read_json(model_dir / "config.json")
-    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    generation = read_json_object(model_dir / "generation_config.json")
+    config = read_json_object(model_dir / "config.json")
+    tok_config = read_json_object(model_dir / "tokenizer_config.json")
 
     def special(id_key: str, token_key: str) -> list[int]:
         for source in (generation, config):
