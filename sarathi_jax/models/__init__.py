@@ -74,6 +74,15 @@ def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int 
     return random_init.init_random_params(config, dtype, seed, shardings)
 
 
+def check_not_ambiguous(name: str) -> None:
+    """A bare preset name that is also a folder here could mean either: refuse it rather than guess."""
+    if name in PRESETS and os.path.isdir(name):
+        raise ValueError(
+            f"{name!r} is both a model preset and a folder in {os.getcwd()!r}; pass the folder as "
+            f"{os.path.join('.', name)!r} (or rename it) to load it, or run from elsewhere for the preset"
+        )
+
+
 def load_model(
     name_or_path: str | os.PathLike[str], dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None
 ) -> tuple[ModelConfig, Any]:
@@ -85,6 +94,7 @@ def load_model(
     device. Converted checkpoints are restored into it shard by shard.
     """
     name = os.fspath(name_or_path)
+    check_not_ambiguous(name)
     if name in PRESETS:
         config = PRESETS[name]
         return config, init_random_params(config, dtype, seed, shardings)  # each device draws its own shards
@@ -118,6 +128,7 @@ __all__ = [
     "is_orbax_checkpoint",
     "kv_cache_shape",
     "load_hf_params",
+    "check_not_ambiguous",
     "load_model",
     "load_orbax_params",
     "open_safetensors",

@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sarathi_jax.models import PRESETS, ModelConfig, load_model
+from sarathi_jax.models import PRESETS, ModelConfig, check_not_ambiguous, load_model
 from sarathi_jax.models.loader import is_orbax_checkpoint
 
 
 def load_model_config(name_or_path: str | os.PathLike[str]) -> ModelConfig:
     """The `ModelConfig` of a preset, HF folder or converted (Orbax) folder, without reading weights."""
     name = os.fspath(name_or_path)
+    check_not_ambiguous(name)
     if name in PRESETS:
         return PRESETS[name]
     if os.path.isdir(name):

@@ -400,3 +400,11 @@ def test_attention_fn_is_pluggable(loaded):
 def test_load_model_unknown_name():
     with pytest.raises(ValueError, match="tiny-llama"):
         load_model("no-such-model")
+
+
+def test_preset_name_that_is_also_a_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-llama").mkdir()
+    with pytest.raises(ValueError, match=r"both a model preset and a folder.*'\./tiny-llama'"):
+        load_model("tiny-llama")
+
