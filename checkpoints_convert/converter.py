@@ -300,7 +300,7 @@ def write_checkpoint(
     config: ModelConfig,
     checkpoint: TensorSource,
     out_dir: Path,
-    dtype: str | None,
+    dtype: str,
     *,
     side_dir: Path,
     source_path: str,
@@ -314,10 +314,10 @@ def write_checkpoint(
     """The one writer behind every input format: read each planned parameter from `checkpoint` (anything with
     `SafetensorsCheckpoint`'s `info(name)` / `read_rows(info, r0, r1)`, tensors named and shaped as in HF),
     write the Orbax PyTree, copy the side files (`COPIED_FILES`) found in `side_dir`, then the marker, and
-    rename into place. The caller has checked the output folder (`_prepare_out`)."""
+    rename into place. The caller has checked the output folder (`_prepare_out`) and resolved `dtype`
+    (`resolve_dtype`)."""
     if start_time is None:
         start_time = time.monotonic()
-    dtype = resolve_dtype(config, dtype)
     np_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(__import__("ml_dtypes").bfloat16)
 
     sources = param_plan(config)

@@ -54,12 +54,11 @@ def summarize(events: list[dict[str, Any]], step_name: str = "step", memcpy: boo
     device_pids = {pid for pid, name in process.items() if name.startswith("/device:")}
     host_spans = [e for e in spans if e["pid"] not in device_pids]
     steps = [e for e in host_spans if e["name"] == step_name]  # e.g. a `TraceAnnotation("step")`
-    if not steps:  # else Python-tracer events such as "$engine.py:164 step"
-        steps = [e for e in host_spans if e["name"].endswith(" " + step_name)]
-        top_level = {e["tid"] for e in steps}
-        steps = [e for e in steps if len(top_level) == 1 or e["tid"] == steps[0]["tid"]]
-        name = min((e["name"] for e in steps), key=lambda n: sum(s["name"] == n for s in steps), default=None)
-        steps = [e for e in steps if e["name"] == name]
+    if not steps:  # else Python-tracer events such as "$engine.py:164 step": the outermost of them
+        candidates = [e for e in host_spans if e["name"].endswith(" " + step_name)]
+        if candidates:
+            outer = max(candidates, key=lambda e: e["dur"])
+            steps = [e for e in candidates if (e["name"], e["tid"]) == (outer["name"], outer["tid"])]
     steps.sort(key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"no host event named ...{step_name!r} in the trace")
