@@ -1,5 +1,5 @@
 """CLI: `python -m checkpoints_convert --hf DIR --out DIR [--dtype bfloat16|float32] [--force] [--verify]`,
-or `python -m checkpoints_convert --gguf FILE.gguf --out DIR [--dtype float32|bfloat16] [--force]`.
+or `python -m checkpoints_convert --gguf FILE.gguf --out DIR [--dtype float32|bfloat16] [--force] [--verify]`.
 
 Exit status: 0 converted (and verified, with --verify); 2 the conversion failed (the message names the
 problem: unsupported architecture, missing / mis-shaped tensor, corrupt file, output folder in the way);
@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="parameter dtype to store (default: float32 for float32 checkpoints, else bfloat16)")
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")
     parser.add_argument("--verify", action="store_true",
-                        help="run a probe prompt through the converted checkpoint and (if installed) transformers, "
-                             "and fail if the max relative logit difference exceeds the threshold")
+                        help="run a probe prompt through the converted checkpoint and (if installed) transformers "
+                             "(for --gguf, transformers' own GGUF loading), and fail if the max relative logit "
+                             "difference exceeds the threshold")
     parser.add_argument("--verify-threshold", type=float, default=None,
                         help="max relative logit difference for --verify (default 1e-4 float32, 5e-2 bfloat16)")
     parser.add_argument("--compress", action="store_true",
@@ -47,8 +48,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.gguf is not None:
-            if args.verify:
-                parser.error("--verify compares against an HF folder; it is not available with --gguf")
             from checkpoints_convert.gguf_source import convert_gguf
 
             result = convert_gguf(args.gguf, args.out, args.dtype, force=args.force, log=log, compress=args.compress)
@@ -60,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verify:
         from checkpoints_convert.verifier import verify
 
-        outcome = verify(args.out, args.hf, result.dtype, args.verify_threshold, log=log)
+        outcome = verify(args.out, args.hf or args.gguf, result.dtype, args.verify_threshold, log=log)
         if not outcome.passed:
             print(f"error: verify failed: max relative logit difference {outcome.max_rel_diff:.3g} > "
                   f"{outcome.threshold:g} (the converted folder {args.out!r} is kept for inspection)",

@@ -93,6 +93,45 @@ def _reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
+def llama3_rope_parameters(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any]:
+    """HF `rope_parameters` (rope_type "llama3") that reproduce llama.cpp's `rope_freqs.weight`.
+
+    llama.cpp stores Llama 3's RoPE scaling as one divisor per frequency, `factors [head_dim // 2]`, not as the
+    four HF numbers. The largest divisor is `factor`. In the blended band, `1 / f = (1 - s) / factor + s` with
+    `s = (orig / wavelen - low) / (high - low)`, which is linear in `1 / wavelen`; its slope and intercept fix
+    the band, and any (orig, low, high) with the same two give the same rotation. Llama 3's own low_freq_factor
+    1 is taken, which recovers the released models' numbers exactly. With a single blended frequency the line
+    is underdetermined and Llama 3's high_freq_factor 4 is taken too. The result is checked against `factors`
+    through the model's own RoPE formula; a file that does not follow Llama 3's scheme is refused.
+    """
+    from sarathi_jax.models.config import RopeScaling
+    from sarathi_jax.models.llama import rope_inv_freq
+
+    factors = np.asarray(factors, np.float64)
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim)
+    inv_wavelen = inv_freq / (2 * np.pi)
+    factor = float(factors.max())
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros_like(factors)
+    middle = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+    if middle.sum() >= 2:
+        slope, intercept = np.polyfit(inv_wavelen[middle], smooth[middle], 1)
+        orig = round(-slope / intercept) if intercept < 0 else 0
+        high = 1 + orig / slope if orig > 0 else 0.0
+    elif middle.sum() == 1:
+        orig, high = round(float((3 * smooth[middle][0] + 1) / inv_wavelen[middle][0])), 4.0
+    else:
+        orig, high = 0, 0.0
+    if orig < 1 or not high > 1:
+        raise ConversionError(f"rope_freqs.weight does not follow Llama 3's RoPE scaling (factors {factors.tolist()})")
+    params = {"rope_type": "llama3", "rope_theta": rope_theta, "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": float(round(high, 6)), "original_max_position_embeddings": orig}
+    scaling = RopeScaling(**{k: v for k, v in params.items() if k != "rope_theta"})
+    expected = (inv_freq / factors).astype(np.float32)
+    if not np.allclose(rope_inv_freq(head_dim, rope_theta, scaling), expected, rtol=1e-4, atol=0):
+        raise ConversionError(f"rope_freqs.weight does not follow Llama 3's RoPE scaling (factors {factors.tolist()})")
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
 class GGUFTensorInfo:
     name: str  # HF name
@@ -138,8 +177,6 @@ class GGUFCheckpoint:
                 f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama family)"
             )
         self._tensors = {t.name: t for t in self.reader.tensors}
-        if "rope_freqs.weight" in self._tensors:
-            raise ConversionError("GGUF file has rope_freqs.weight (Llama 3.1-style rope scaling): not supported yet")
         self._infos: dict[str, GGUFTensorInfo] = {}
         for t in self.reader.tensors:
             hf_name = gguf_to_hf_name(t.name)
@@ -181,7 +218,17 @@ class GGUFCheckpoint:
                                   f"{head_dim}) are not supported")
         scaling = self._meta("rope.scaling.type")
         if scaling not in (None, "none"):
-            raise ConversionError(f"GGUF rope scaling {scaling!r} is not supported")
+            raise ConversionError(f"GGUF rope scaling {scaling!r} is not supported (only Llama 3's, stored as "
+                                  "rope_freqs.weight)")
+        rope_theta = float(self._meta("rope.freq_base", 10000.0))
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+        if "rope_freqs.weight" in self._tensors:
+            t = self._tensors["rope_freqs.weight"]
+            factors = np.asarray(t.data, np.float32).reshape(-1)
+            if t.tensor_type.name != "F32" or factors.shape != (head_dim // 2,):
+                raise ConversionError(f"rope_freqs.weight: expected {head_dim // 2} F32 values, got "
+                                      f"{factors.shape} {t.tensor_type.name}")
+            rope_parameters = llama3_rope_parameters(factors, rope_theta, head_dim)
         vocab_size = len(self.tokens) or int(self._meta("vocab_size"))
         emb = self._infos.get("model.embed_tokens.weight")
         if emb is not None and emb.shape[0] != vocab_size:
@@ -199,7 +246,7 @@ class GGUFCheckpoint:
             "hidden_act": "silu",
             "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
             "max_position_embeddings": int(self._meta("context_length", 2048)),
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(self._meta("rope.freq_base", 10000.0))},
+            "rope_parameters": rope_parameters,
             "tie_word_embeddings": "lm_head.weight" not in self._infos,
             "attention_bias": False,
             "mlp_bias": False,

@@ -2,7 +2,8 @@
 
 The converted folder is loaded with `sarathi_jax.models.load_model(out_dir)` (the Orbax restore path the engine
 uses) and the probe runs through the model forward over a paged KV cache. When torch and transformers are
-importable, the same ids run through HF's float32 eager forward from the original folder, and the max relative
+importable, the same ids run through HF's float32 eager forward from the original folder (or, for a GGUF
+source, from transformers' own loading of the same GGUF file, which dequantizes it independently), and the max relative
 logit difference `max|ours - hf| / max|hf|` over all probe positions must stay under the threshold (1e-4 for a
 float32 checkpoint; 5e-2 for bfloat16, whose rounding alone is ~1e-2 on logits).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -71,21 +73,25 @@ def engine_logits(model_dir: str | os.PathLike[str], token_ids: list[int], dtype
     return np.asarray(logits, np.float64)
 
 
-def hf_logits(hf_dir: str | os.PathLike[str], token_ids: list[int]) -> np.ndarray | None:
-    """HF transformers' float32 eager logits, or None when torch / transformers are not installed."""
+def hf_logits(source: str | os.PathLike[str], token_ids: list[int]) -> np.ndarray | None:
+    """HF transformers' float32 eager logits, or None when torch / transformers are not installed. `source` is an
+    HF folder or a GGUF file (transformers' own GGUF loading: `from_pretrained(folder, gguf_file=name)`)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    source = Path(source)
+    kwargs = {"gguf_file": source.name} if source.is_file() else {}
+    model = AutoModelForCausalLM.from_pretrained(source.parent if source.is_file() else source, dtype=torch.float32,
+                                                 attn_implementation="eager", **kwargs).eval()
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].double().numpy()
 
 
 def verify(
     out_dir: str | os.PathLike[str],
-    hf_dir: str | os.PathLike[str],
+    source: str | os.PathLike[str],
     dtype: str,
     threshold: float | None = None,
     log: Callable[[str], None] = print,
@@ -98,7 +104,7 @@ def verify(
     ours = engine_logits(out_dir, ids, dtype)
     if not np.all(np.isfinite(ours)):
         raise ValueError(f"verify: the converted checkpoint gives non-finite logits for the probe {ids}")
-    ref = hf_logits(hf_dir, ids)
+    ref = hf_logits(source, ids)
     if ref is None:
         log(f"verify: {len(ids)}-token probe ran through the converted checkpoint (logits finite); transformers is "
             "not installed, so there is no reference to compare with")

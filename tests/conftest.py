@@ -6,11 +6,12 @@
     llama      LlamaForCausalLM, GQA 4:2, untied LM head, saved *sharded* (index.json), with tokenizer.json
     llama3     LlamaForCausalLM with rope_scaling llama3 (Llama 3.1), tied embeddings
     llama-mqa  LlamaForCausalLM, MQA (num_key_value_heads=1)
+    llama-256  LlamaForCausalLM, hidden 256, ffn 512, 1 layer (rows of whole GGUF K-quant super-blocks)
     mistral    MistralForCausalLM, GQA, sliding_window 4096 < max_position_embeddings
     qwen2      Qwen2ForCausalLM (q/k/v bias), tied embeddings
     qwen3      Qwen3ForCausalLM (q/k norm), explicit head_dim != hidden/heads, attention_bias (o bias too)
 
-All have hidden 64, 2 layers, vocab 256. Every weight is re-drawn (biases non-zero, norm weights != 1) so
+All others have hidden 64, 2 layers; all have vocab 256. Every weight is re-drawn (biases non-zero, norm weights != 1) so
 that a wrong name or layout mapping cannot hide behind HF's zero/one initialisation.
 torch and transformers are imported inside the fixture: tests that use it fail (not skip) without them.
 """
@@ -76,6 +77,9 @@ HF_CHECKPOINT_SPECS: dict[str, tuple[str, dict[str, Any], dict[str, Any], bool]]
         {},
         False,
     ),
+    # Hidden 256, ffn 512: rows that hold whole 256-value GGUF K-quant super-blocks.
+    "llama-256": ("LlamaForCausalLM", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                           tie_word_embeddings=False), {}, False),
     "llama-mqa": ("LlamaForCausalLM", dict(num_key_value_heads=1), {}, False),
     "mistral": ("MistralForCausalLM", dict(sliding_window=4096, max_position_embeddings=8192), {}, False),
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True), {}, False),

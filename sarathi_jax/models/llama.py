@@ -41,7 +41,7 @@ import numpy as np
 
 from pallas_kernels import ragged_paged_attention_xla
 from sarathi_jax.models.attention import AttentionMetadata, KVCache, init_kv_cache, layer_view, write_kv
-from sarathi_jax.models.config import ModelConfig
+from sarathi_jax.models.config import ModelConfig, RopeScaling
 
 # Same signature as `ragged_paged_attention_xla` (see docs/design.md).
 AttentionFn = Callable[..., jax.Array]
@@ -60,12 +60,11 @@ def matmul_precision(dtype: Any) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def rope_inv_freq(head_dim: int, rope_theta: float, scaling: RopeScaling | None) -> np.ndarray:
     """Inverse RoPE frequencies `[head_dim // 2]`, computed in float32 exactly as transformers does."""
-    dim = config.head_dim
+    dim = head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
-    scaling = config.rope_scaling
+    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
     if scaling is None:
         return inv_freq
     # llama3 (Llama 3.1): leave high frequencies, divide low ones by `factor`, blend the band in between.
@@ -250,7 +249,7 @@ def paged_decoder_forward(
     x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids  # [T, embed]
 
     # RoPE angles once per step, shared by all layers.
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, head_dim // 2]
 
     layer_args = (c, module.attention_fn, module.dtype)
