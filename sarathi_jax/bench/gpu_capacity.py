@@ -10,10 +10,12 @@ by the first run, and the others get the same SLO in seconds. Writes, under DIR:
 - `<trace>-<slo>/`: the bench's own output for that run (per-run JSON/CSV, summary.json, TBT CDF and capacity PNGs);
 - `commands.sh`: every bench command, as run;
 - `machine.json`: platform, device, versions, git commit, `nvidia-smi` when there is one;
-- `capacity.md` and `capacity.png`: the capacities side by side, sarathi's best over vllm per trace and SLO.
+- `capacity.md`, `capacity.json` and `capacity.png`: the capacities side by side, sarathi's best over vllm per
+  trace and SLO.
 
-`--smoke` runs the same pipeline in about a minute on a CPU (tiny-llama, a handful of requests, two probes), so
-the script is known to work before a GPU is spent on it.
+`--smoke` runs the same pipeline in a few minutes on a CPU (tiny-llama, six requests, two probes), so the script
+is known to work before a GPU is spent on it. A capacity marked ">=" passed every probe (the search found no
+failing rate: a lower bound); "<" failed every probe (below the lowest rate probed).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from sarathi_jax.bench.__main__ import main as bench_main
+from sarathi_jax.config import resolve_dtype
 
 TRACE_FILES = {"arxiv": "arxiv_summarization.csv", "conversation": "splitwise_conv.csv"}
 SLO_MULTIPLES = {"strict": 5.0, "relaxed": 25.0}  # x the decode-only iteration time (the paper's section 5)
@@ -103,17 +106,38 @@ def machine_info() -> dict:
     return info
 
 
-def collect(out: str, runs: Sequence[tuple[str, str, str]]) -> dict:
-    """{trace: {slo: {"slo_tbt": s, "capacity": {label: req/s}}}} from each run's summary.json."""
+def collect(runs: Sequence[tuple[str, str, str]]) -> dict:
+    """{trace: {slo: {"slo_tbt": s, "capacity": {label: req/s}, "bound": {label: "", ">=" or "<"}}}} from each
+    run's summary.json."""
     table: dict = {}
     for trace, slo, run_dir in runs:
         with open(os.path.join(run_dir, "summary.json")) as f:
             doc = json.load(f)
+        caps = doc["capacity"]
         table.setdefault(trace, {})[slo] = {
             "slo_tbt": doc["slo_tbt"],
-            "capacity": {label: c["capacity_qps"] for label, c in doc["capacity"].items()},
+            "capacity": {label: c["capacity_qps"] for label, c in caps.items()},
+            "bound": {label: _bound(c) for label, c in caps.items()},
+            "probes": {label: c["probes"] for label, c in caps.items()},
         }
     return table
+
+
+def _bound(capacity: dict) -> str:
+    """">=" when no probe failed (the search stopped below the capacity), "<" when none passed, else ""."""
+    if capacity["bracket"][1] is None:
+        return ">="
+    if capacity["capacity_qps"] == 0:
+        return "<"
+    return ""
+
+
+def _cell(r: dict, label: str) -> str:
+    if label not in r["capacity"]:
+        return "-"
+    if r["bound"][label] == "<":
+        return f"< {min(p['qps'] for p in r['probes'][label]):.3g}"
+    return f"{r['bound'][label]}{r['capacity'][label]:.3g}"
 
 
 def sarathi_over_vllm(capacity: dict) -> float | None:
@@ -123,7 +147,7 @@ def sarathi_over_vllm(capacity: dict) -> float | None:
 
 
 def format_report(table: dict, exp: Experiment, decode_time: float, info: dict) -> str:
-    lines = [f"Model {exp.model} ({exp.dtype}) on {info['platform']} [{', '.join(sorted(set(info['devices'])))}]; "
+    lines = [f"Model {exp.model} ({resolve_dtype(exp.dtype, info['platform'])}) on {info['platform']} [{', '.join(sorted(set(info['devices'])))}]; "
              f"{exp.sample} requests per probe, length scale {exp.length_scale:g}, at most {exp.capacity_probes} "
              f"probes per configuration; decode-only iteration time (batch {exp.decode_probe_batch}) "
              f"{decode_time * 1e3:.1f} ms.", "", f"Paper: {PAPER_NOTE}.", ""]
@@ -134,11 +158,13 @@ def format_report(table: dict, exp: Experiment, decode_time: float, info: dict) 
                   "| policy | " + " | ".join(f"{s} ({by_slo[s]['slo_tbt'] * 1e3:.1f} ms) req/s" for s in slos) + " |",
                   "| --- |" + " --- |" * len(slos)]
         for label in labels:
-            lines.append(f"| {label} | " + " | ".join(f"{by_slo[s]['capacity'].get(label, float('nan')):.3g}"
-                                                       for s in slos) + " |")
-        ratios = [sarathi_over_vllm(by_slo[s]["capacity"]) for s in slos]
-        lines += ["| best sarathi / vllm | " + " | ".join("-" if r is None else f"**{r:.2f}x**" for r in ratios)
-                  + " |", ""]
+            lines.append(f"| {label} | " + " | ".join(_cell(by_slo[s], label) for s in slos) + " |")
+        cells = []
+        for s in slos:
+            ratio = sarathi_over_vllm(by_slo[s]["capacity"])
+            bounded = any(by_slo[s]["bound"].values())  # a ratio of bounds says little: say so
+            cells.append("-" if ratio is None else f"**{ratio:.2f}x**" + (" (from bounds)" if bounded else ""))
+        lines += ["| best sarathi / vllm | " + " | ".join(cells) + " |", ""]
     return "\n".join(lines)
 
 
@@ -180,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], Any] | None = None) -> int:
+    """`engine_factory`: passed to the bench (tests drive the pipeline with a simulated engine)."""
     args = build_parser().parse_args(argv)
     exp = SMOKE if args.smoke else Experiment()
     overrides = {"traces": tuple(args.traces.split(",")) if args.traces else None,
@@ -206,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.dry_run:  # (a real run passes the first run's measured SLO to the later ones as --slo-tbt)
                 continue
             t0 = time.monotonic()
-            rc = bench_main(argv)
+            rc = bench_main(argv, engine_factory=engine_factory)
             if rc != 0:
                 print(f"[{trace}, {slo}] the bench failed (exit {rc})", file=sys.stderr)
                 return rc
@@ -221,17 +248,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return 0
     info = machine_info()
-    table = collect(args.out, runs)
+    table = collect(runs)
     with open(os.path.join(args.out, "machine.json"), "w") as f:
-        json.dump({**info, "experiment": dataclasses.asdict(exp), "decode_only_iteration_time": decode_time,
-                   "capacity": table}, f, indent=1)
+        json.dump({**info, "experiment": dataclasses.asdict(exp), "decode_only_iteration_time": decode_time},
+                  f, indent=1)
+    with open(os.path.join(args.out, "capacity.json"), "w") as f:
+        json.dump(table, f, indent=1)
     report = format_report(table, exp, decode_time, info)
     with open(os.path.join(args.out, "capacity.md"), "w") as f:
         f.write(report + "\n")
     plot(table, os.path.join(args.out, "capacity.png"))
     print()
     print(report)
-    print(f"wrote {args.out}/capacity.md, capacity.png, machine.json, commands.sh and one folder per run")
+    print(f"wrote {args.out}/capacity.md, capacity.json, capacity.png, machine.json, commands.sh and one folder per run")
     return 0
 
 
