@@ -218,3 +218,19 @@ def test_engine_sizes_its_kv_cache_from_mocked_device_memory(monkeypatch):
     assert stats["num_kv_blocks"] == expected and stats["gpu_memory_utilization"] == 0.8
     assert stats["peak_bytes_in_use"] == in_use and engine.config.gpu_memory_utilization == 0.8
     assert "gpu_memory_utilization 0.8" in format_startup(stats)
+
+
+def test_cli_flags_reach_the_engine_config():
+    from sarathi_jax.bench.__main__ import build_parser as bench_parser
+    from sarathi_jax.bench.__main__ import engine_config_kwargs
+    from server.__main__ import build_parser as server_parser
+    from server.__main__ import engine_config_from_args
+
+    config = engine_config_from_args(server_parser().parse_args(["--dtype", "auto", "--gpu-memory-utilization", "0.5"]))
+    assert (config.dtype, config.gpu_memory_utilization, config.kv_cache_bytes) == ("auto", 0.5, None)
+    with pytest.raises(ValueError, match="give one of them"):
+        engine_config_from_args(server_parser().parse_args(["--kv-cache-bytes", "1000", "--gpu-memory-utilization", ".5"]))
+    args = bench_parser().parse_args(["--model", "llama-1b", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.6"])
+    kw = engine_config_kwargs(args, {"scheduler": "sarathi", "token_budget": 512})
+    assert (kw["dtype"], kw["gpu_memory_utilization"]) == ("bfloat16", 0.6) and "kv_cache_bytes" not in kw
+    assert bench_parser().parse_args([]).model is None  # chosen by platform at run time (default_model)

@@ -58,3 +58,15 @@ def test_pipeline_on_the_simulated_engine(tmp_path, capsys):
     machine = json.loads((out / "machine.json").read_text())
     assert machine["versions"]["jax"] and machine["experiment"]["model"] == "tiny-llama"
     assert (out / "capacity.png").stat().st_size > 0 and (out / "arxiv-strict" / "summary.json").exists()
+
+
+def test_bench_without_model_picks_the_platforms_default(capsys):
+    import jax
+
+    from sarathi_jax.bench.__main__ import default_model
+    from sarathi_jax.bench.__main__ import main as bench_main
+
+    built = []
+    rc = bench_main(["--num-requests", "2", "--prompt-len", "8", "--output-len", "2", "--quiet"],
+                    engine_factory=lambda kw: built.append(kw) or sim_engine())
+    assert rc == 0 and built[0]["model"] == default_model(jax.default_backend())
