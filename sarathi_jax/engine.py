@@ -80,7 +80,8 @@ class LLMEngine:
             mc = self.model_config
 
             with timer.phase("init"):
-                kv_budget = self._kv_budget(config, platform)  # after the weights are on the devices
+                jax.block_until_ready(params)  # the weights count in the devices' memory in use
+                kv_budget = self._kv_budget(config, platform)
                 if kv_budget is not None:
                     self.config = config = dataclasses.replace(
                         config, kv_cache_bytes=None if kv_budget.gpu_memory_utilization else kv_budget.kv_cache_bytes,
@@ -272,10 +273,12 @@ class LLMEngine:
 
 
 def _memory_stats(num_devices: int) -> list[dict | None]:
-    """`memory_stats()` of this process's devices among the engine's (the first `num_devices`, the mesh's
-    order); None for a device that keeps none (CPU)."""
-    devices = [d for d in jax.devices()[:num_devices] if d.process_index == jax.process_index()]
-    return [d.memory_stats() for d in devices]
+    """`memory_stats()` of the engine's devices (the first `num_devices`, the mesh's order); None for a device
+    that keeps none (CPU). None of them when the engine spans processes: each would size its cache from its own
+    devices, and every process must build the same number of blocks."""
+    if jax.process_count() > 1:
+        return [None]
+    return [d.memory_stats() for d in jax.devices()[:num_devices]]
 
 
 def format_startup(stats: dict) -> str:

@@ -102,8 +102,8 @@ def kv_cache_budget(
     reported = bool(memory_stats) and all(s and s.get("bytes_limit") for s in memory_stats)
     if not reported:
         if explicit is not None:
-            raise ValueError("gpu_memory_utilization: this device does not report its memory (a CPU?); "
-                             "size the KV cache with kv_cache_bytes or num_blocks instead")
+            raise ValueError("gpu_memory_utilization: the devices do not report their memory (a CPU, or an "
+                             "engine over several processes); size the KV cache with kv_cache_bytes or num_blocks")
         return KVBudget(DEFAULT_KV_CACHE_BYTES, None)
     if explicit is not None and explicit > mem_fraction + 1e-9:
         raise ValueError(

@@ -179,7 +179,7 @@ def test_kv_budget_explicit_values_and_refusals():
     assert (fixed.kv_cache_bytes, fixed.gpu_memory_utilization) == (3 * GiB, None)
     cpu = kv_cache_budget(EngineConfig(), mc, [None], 0.75)  # a CPU reports no memory: the fixed budget
     assert (cpu.kv_cache_bytes, cpu.gpu_memory_utilization) == (DEFAULT_KV_CACHE_BYTES, None)
-    with pytest.raises(ValueError, match="does not report its memory"):
+    with pytest.raises(ValueError, match="do not report their memory"):
         kv_cache_budget(EngineConfig(gpu_memory_utilization=0.5), mc, [None], 0.75)
     with pytest.raises(ValueError, match="XLA_CLIENT_MEM_FRACTION=0.9"):  # more than JAX's allocator may use
         kv_cache_budget(EngineConfig(gpu_memory_utilization=0.9), mc, gpu, 0.75)
