@@ -5,10 +5,15 @@ For each trace (arxiv_summarization, conversation) and SLO (strict: P99 TBT <= 5
 time; relaxed: 25x), one `python -m sarathi_jax.bench --capacity` run searches the highest request rate each
 policy sustains: sarathi at two token budgets (the paper's 512 and 2048), vllm and orca (whole prompts, at most
 `--max-num-seqs` sequences, the paper's largest vLLM batch). The decode-only iteration time is measured once,
-by the first run, and the others get the same SLO in seconds. Writes, under DIR:
+by the first run into DIR (kept in `decode_time.json`), and every later run gets the same SLO in seconds.
 
-- `<trace>-<slo>/`: the bench's own output for that run (per-run JSON/CSV, summary.json, TBT CDF and capacity PNGs);
-- `commands.sh`: every bench command, as run;
+The experiment can be run in pieces (`--traces`, `--slos`, `--policies`; for example one trace, SLO and policy
+per command where a command may run only minutes) into the same DIR: every invocation rebuilds the report from
+all the runs there. Writes, under DIR:
+
+- `<trace>-<slo>/<policies>/`: the bench's own output for one run (per-run JSON/CSV, summary.json, TBT CDF
+  and capacity PNGs);
+- `commands.sh`: every bench command, as run (appended to);
 - `machine.json`: platform, device, versions, git commit, `nvidia-smi` when there is one;
 - `capacity.md`, `capacity.json` and `capacity.png`: the capacities side by side, sarathi's best over vllm per
   trace and SLO.
@@ -38,6 +43,7 @@ from sarathi_jax.config import resolve_dtype
 TRACE_FILES = {"arxiv": "arxiv_summarization.csv", "conversation": "splitwise_conv.csv"}
 SLO_MULTIPLES = {"strict": 5.0, "relaxed": 25.0}  # x the decode-only iteration time (the paper's section 5)
 POLICIES = ("sarathi", "vllm", "orca")
+DECODE_TIME_FILE = "decode_time.json"
 PAPER_NOTE = ("Sarathi-Serve (OSDI'24): Mistral-7B on one A100, up to 2.6x the capacity of vLLM under the strict "
               "P99-TBT SLO; sarathi token budgets 512 (strict) and 2048 (relaxed)")
 
@@ -58,6 +64,11 @@ class Experiment:
     capacity_probes: int = 6
     decode_probe_batch: int = 32
     seed: int = 0
+    policies: tuple[str, ...] = POLICIES
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(x.strip() for x in text.split(",") if x.strip()) if text else None
 
 
 SMOKE = Experiment(model="tiny-llama", dtype="auto", sarathi_budgets=(32, 64), max_num_seqs=8, max_model_len=256,
@@ -68,7 +79,7 @@ def bench_argv(exp: Experiment, trace_path: str, out_dir: str, slo: str, slo_tbt
     """The bench command line for one trace and SLO; `slo_tbt`: seconds, or None to measure the decode time."""
     argv = ["--model", exp.model, "--dtype", exp.dtype, "--trace", trace_path, "--sample", str(exp.sample),
             "--length-scale", f"{exp.length_scale:g}", "--seed", str(exp.seed),
-            "--scheduler", ",".join(POLICIES), "--token-budget", ",".join(map(str, exp.sarathi_budgets)),
+            "--scheduler", ",".join(exp.policies), "--token-budget", ",".join(map(str, exp.sarathi_budgets)),
             "--max-num-seqs", str(exp.max_num_seqs), "--max-model-len", str(exp.max_model_len),
             "--capacity", "--capacity-probes", str(exp.capacity_probes),
             "--decode-probe-batch", str(exp.decode_probe_batch), "--out", out_dir, "--quiet"]
@@ -106,20 +117,26 @@ def machine_info() -> dict:
     return info
 
 
-def collect(runs: Sequence[tuple[str, str, str]]) -> dict:
-    """{trace: {slo: {"slo_tbt": s, "capacity": {label: req/s}, "bound": {label: "", ">=" or "<"}}}} from each
-    run's summary.json."""
+def collect(out: str) -> dict:
+    """{trace: {slo: {"slo_tbt": s, "capacity": {label: req/s}, "bound": {label: "", ">=" or "<"},
+    "probes": {label: [...]}}}} from every run folder in `out` (`<trace>-<slo>/<policies>/summary.json`), so
+    runs made piece by piece, by several invocations, make one report."""
     table: dict = {}
-    for trace, slo, run_dir in runs:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            doc = json.load(f)
-        caps = doc["capacity"]
-        table.setdefault(trace, {})[slo] = {
-            "slo_tbt": doc["slo_tbt"],
-            "capacity": {label: c["capacity_qps"] for label, c in caps.items()},
-            "bound": {label: _bound(c) for label, c in caps.items()},
-            "probes": {label: c["probes"] for label, c in caps.items()},
-        }
+    for trace in TRACE_FILES:
+        for slo in SLO_MULTIPLES:
+            folder = os.path.join(out, f"{trace}-{slo}")
+            for group in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+                path = os.path.join(folder, group, "summary.json")
+                if not os.path.exists(path):
+                    continue
+                with open(path) as f:
+                    doc = json.load(f)
+                entry = table.setdefault(trace, {}).setdefault(
+                    slo, {"slo_tbt": doc["slo_tbt"], "capacity": {}, "bound": {}, "probes": {}})
+                for label, c in doc["capacity"].items():
+                    entry["capacity"][label] = c["capacity_qps"]
+                    entry["bound"][label] = _bound(c)
+                    entry["probes"][label] = c["probes"]
     return table
 
 
@@ -199,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="tiny-llama, a handful of requests: checks the pipeline")
     p.add_argument("--traces", default=None, help=f"comma-separated, from {', '.join(TRACE_FILES)} (default all)")
     p.add_argument("--slos", default=None, help="comma-separated, from strict, relaxed (default both)")
+    p.add_argument("--policies", default=None, help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
     p.add_argument("--model", default=None, help=f"default {d.model}")
     p.add_argument("--sample", type=int, default=None, help=f"requests per probe (default {d.sample})")
     p.add_argument("--capacity-probes", type=int, default=None, help=f"default {d.capacity_probes}")
@@ -210,22 +228,25 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
     """`engine_factory`: passed to the bench (tests drive the pipeline with a simulated engine)."""
     args = build_parser().parse_args(argv)
     exp = SMOKE if args.smoke else Experiment()
-    overrides = {"traces": tuple(args.traces.split(",")) if args.traces else None,
-                 "slos": tuple(args.slos.split(",")) if args.slos else None,
+    overrides = {"traces": _names(args.traces), "slos": _names(args.slos), "policies": _names(args.policies),
                  "model": args.model, "sample": args.sample, "capacity_probes": args.capacity_probes}
     exp = dataclasses.replace(exp, **{k: v for k, v in overrides.items() if v is not None})
-    for name, known in (("traces", TRACE_FILES), ("slos", SLO_MULTIPLES)):
+    for name, known in (("traces", TRACE_FILES), ("slos", SLO_MULTIPLES), ("policies", POLICIES)):
         unknown = [x for x in getattr(exp, name) if x not in known]
         if unknown:
             print(f"--{name}: unknown {unknown}; choose from {', '.join(known)}", file=sys.stderr)
             return 2
     os.makedirs(args.out, exist_ok=True)
-    commands, runs = [], []
-    decode_time = None
+    decode_path = os.path.join(args.out, DECODE_TIME_FILE)
+    decode_time = None  # measured by the first run into DIR, reused by every later one (also across invocations)
+    if os.path.exists(decode_path):
+        with open(decode_path) as f:
+            decode_time = json.load(f)["decode_only_iteration_time"]
+    commands = []
     for trace in exp.traces:
         trace_path = os.path.join(args.trace_dir, TRACE_FILES[trace])
         for slo in exp.slos:
-            run_dir = os.path.join(args.out, f"{trace}-{slo}")
+            run_dir = os.path.join(args.out, f"{trace}-{slo}", "-".join(exp.policies))
             slo_tbt = None if decode_time is None else SLO_MULTIPLES[slo] * decode_time
             argv = bench_argv(exp, trace_path, run_dir, slo, slo_tbt)
             commands.append("python -m sarathi_jax.bench " + shlex.join(argv))
@@ -238,17 +259,17 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
                 print(f"[{trace}, {slo}] the bench failed (exit {rc})", file=sys.stderr)
                 return rc
             print(f"[{trace}, {slo}] done in {time.monotonic() - t0:.0f} s", flush=True)
-            runs.append((trace, slo, run_dir))
             if decode_time is None:
                 with open(os.path.join(run_dir, "summary.json")) as f:
                     decode_time = json.load(f)["decode_only_iteration_time"]
-    with open(os.path.join(args.out, "commands.sh"), "w") as f:
-        f.write("# decode-only iteration time measured by the first run; later runs pass its multiples as --slo-tbt\n")
+                with open(decode_path, "w") as f:
+                    json.dump({"decode_only_iteration_time": decode_time, "measured_by": commands[-1]}, f, indent=1)
+    with open(os.path.join(args.out, "commands.sh"), "a") as f:
         f.write("\n".join(commands) + "\n")
     if args.dry_run:
         return 0
     info = machine_info()
-    table = collect(runs)
+    table = collect(args.out)
     with open(os.path.join(args.out, "machine.json"), "w") as f:
         json.dump({**info, "experiment": dataclasses.asdict(exp), "decode_only_iteration_time": decode_time},
                   f, indent=1)

@@ -45,7 +45,7 @@ def test_pipeline_on_the_simulated_engine(tmp_path, capsys):
     assert rc == 0
     assert {(k["scheduler"], k["token_budget"]) for k in built} == {("sarathi", 32), ("sarathi", 64), ("vllm", 64),
                                                                      ("orca", 64)}
-    commands = (out / "commands.sh").read_text().splitlines()[1:]
+    commands = (out / "commands.sh").read_text().splitlines()
     # The first run measures the decode-only iteration time; the others get its multiples in seconds.
     assert "--slo-tbt-multiple 5" in commands[0] and all("--slo-tbt " in c for c in commands[1:])
     table = json.loads((out / "capacity.json").read_text())
@@ -57,7 +57,8 @@ def test_pipeline_on_the_simulated_engine(tmp_path, capsys):
     assert "| best sarathi / vllm |" in report and "2.6x" in report and "### conversation" in report
     machine = json.loads((out / "machine.json").read_text())
     assert machine["versions"]["jax"] and machine["experiment"]["model"] == "tiny-llama"
-    assert (out / "capacity.png").stat().st_size > 0 and (out / "arxiv-strict" / "summary.json").exists()
+    assert (out / "capacity.png").stat().st_size > 0
+    assert (out / "arxiv-strict" / "sarathi-vllm-orca" / "summary.json").exists()
 
 
 def test_bench_without_model_picks_the_platforms_default(capsys):
@@ -70,3 +71,25 @@ def test_bench_without_model_picks_the_platforms_default(capsys):
     rc = bench_main(["--num-requests", "2", "--prompt-len", "8", "--output-len", "2", "--quiet"],
                     engine_factory=lambda kw: built.append(kw) or sim_engine())
     assert rc == 0 and built[0]["model"] == default_model(jax.default_backend())
+
+
+def test_pieces_into_one_folder_make_one_report(tmp_path, capsys):
+    # A device lent a few minutes per command: one policy and SLO at a time, the same DIR, one report at the end.
+    traces = str(_traces(tmp_path / "traces"))
+    out = tmp_path / "out"
+
+    def factory(kw):
+        return sim_engine(base=0.01, per_seq=0.002, max_model_len=kw["max_model_len"])
+
+    for policies, slo in (("sarathi", "strict"), ("vllm", "strict"), ("vllm", "relaxed")):
+        rc = main(["--out", str(out), "--smoke", "--trace-dir", traces, "--traces", "arxiv", "--slos", slo,
+                   "--policies", policies, "--sample", "8", "--capacity-probes", "2"], engine_factory=factory)
+        assert rc == 0
+    commands = (out / "commands.sh").read_text().splitlines()
+    assert len(commands) == 3 and "--slo-tbt-multiple 5" in commands[0]
+    decode = json.loads((out / "decode_time.json").read_text())["decode_only_iteration_time"]
+    assert f"--slo-tbt {5 * decode!r}" in commands[1] and f"--slo-tbt {25 * decode!r}" in commands[2]
+    table = json.loads((out / "capacity.json").read_text())
+    assert set(table["arxiv"]["strict"]["capacity"]) == {"sarathi-32", "sarathi-64", "vllm"}
+    assert set(table["arxiv"]["relaxed"]["capacity"]) == {"vllm"}
+    assert main(["--out", str(out), "--policies", "tgi"]) == 2
