@@ -89,8 +89,9 @@ def kv_cache_budget(
     `jax.Device.memory_stats()` after the weights are placed (`bytes_limit`: what JAX's allocator may hand
     out, `mem_fraction` of the device's memory; `bytes_in_use`: weights and anything else live). When every
     device reports them and no fixed budget is given, the budget is, per device, gpu_memory_utilization x
-    its memory - bytes in use - the activation estimate, times the number of devices (KV heads and layers
-    are split evenly over them), the tightest device deciding. Otherwise (CPU) a fixed budget.
+    its memory - bytes in use - the activation estimate, the tightest device deciding, times the number of
+    distinct shares of the cache (layers split evenly over pipeline stages, KV heads over tensor-parallel
+    devices). Otherwise (CPU) a fixed budget.
 
     Raises ValueError when an explicit gpu_memory_utilization cannot be honoured: no memory statistics,
     more than JAX's allocator may use, or nothing left for the KV cache."""
@@ -121,7 +122,10 @@ def kv_cache_budget(
             f"gpu_memory_utilization={utilization:g} leaves no memory for the KV cache after the weights and "
             f"{activations / 2**20:.0f} MiB of activations; raise it, or use a smaller model or token budget"
         )
-    return KVBudget(per_device * len(memory_stats), utilization, activations)
+    # A device holds 1/pp of the layers and 1/min(tp, kv heads) of the KV heads (KV heads fewer than the
+    # tensor-parallel devices are replicated: docs/parallelism.md); the budget counts the logical cache.
+    shares = config.pipeline_parallel_size * min(config.tensor_parallel_size, model_config.num_key_value_heads)
+    return KVBudget(per_device * shares, utilization, activations)
 
 
 def size_engine(

@@ -164,8 +164,16 @@ def test_kv_budget_from_mocked_gpu_memory():
     roomy = kv_cache_budget(config, mc, [_stats(76 * GiB, 14 * GiB)], mem_fraction=0.95)
     assert roomy.gpu_memory_utilization == 0.9 and roomy.kv_cache_bytes == 72 * GiB - 14 * GiB - act
     # Two devices (tensor parallel): each holds half of every block; the tighter device decides.
-    two = kv_cache_budget(config, mc, [_stats(60 * GiB, 7 * GiB), _stats(60 * GiB, 8 * GiB)], 0.75)
+    tp2 = EngineConfig(model="mistral-7b", tensor_parallel_size=2)
+    two = kv_cache_budget(tp2, mc, [_stats(60 * GiB, 7 * GiB), _stats(60 * GiB, 8 * GiB)], 0.75)
     assert two.kv_cache_bytes == 2 * (60 * GiB - 8 * GiB - act)
+    # 16-way tensor parallel over 8 KV heads: each head is replicated on two devices, so 8 shares, not 16.
+    tp16 = EngineConfig(model="mistral-7b", tensor_parallel_size=16)
+    assert mc.num_key_value_heads == 8
+    assert kv_cache_budget(tp16, mc, [_stats(60 * GiB, 8 * GiB)] * 16, 0.75).kv_cache_bytes == 8 * (52 * GiB - act)
+    # Two pipeline stages of two devices: four shares.
+    pp2 = EngineConfig(model="mistral-7b", tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert kv_cache_budget(pp2, mc, [_stats(60 * GiB, 8 * GiB)] * 4, 0.75).kv_cache_bytes == 4 * (52 * GiB - act)
     # The budget becomes blocks of bfloat16 KV (dtype "auto" on a GPU).
     sized = size_engine(config, mc, budget.kv_cache_bytes, platform="gpu")
     assert sized.num_blocks == budget.kv_cache_bytes // kv_bytes_per_block(mc, 16, "bfloat16")
