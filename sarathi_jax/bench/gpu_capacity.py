@@ -82,7 +82,7 @@ def bench_argv(exp: Experiment, trace_path: str, out_dir: str, slo: str, slo_tbt
             "--scheduler", ",".join(exp.policies), "--token-budget", ",".join(map(str, exp.sarathi_budgets)),
             "--max-num-seqs", str(exp.max_num_seqs), "--max-model-len", str(exp.max_model_len),
             "--capacity", "--capacity-probes", str(exp.capacity_probes),
-            "--decode-probe-batch", str(exp.decode_probe_batch), "--out", out_dir, "--quiet"]
+            "--decode-probe-batch", str(exp.decode_probe_batch), "--out", out_dir]  # not --quiet: start-up lines, probes
     if slo_tbt is None:
         argv += ["--slo-tbt-multiple", f"{SLO_MULTIPLES[slo]:g}"]
     else:
