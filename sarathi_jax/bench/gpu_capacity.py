@@ -45,7 +45,7 @@ SLO_MULTIPLES = {"strict": 5.0, "relaxed": 25.0}  # x the decode-only iteration 
 POLICIES = ("sarathi", "vllm", "orca")
 DECODE_TIME_FILE = "decode_time.json"
 PAPER_NOTE = ("Sarathi-Serve (OSDI'24): Mistral-7B on one A100, up to 2.6x the capacity of vLLM under the strict "
-              "P99-TBT SLO; sarathi token budgets 512 (strict) and 2048 (relaxed)")
+              "P99-TBT SLO, with sarathi token budgets of 512 and 2048")
 
 
 @dataclass(frozen=True)
