@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 from sarathi_jax.scheduler.config import TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+ACCELERATOR_PLATFORMS = GPU_PLATFORMS + ("tpu",)
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # the fixed KV budget on devices that do not report their memory (CPU)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default; lowered to what JAX's allocator may hand out
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NUM_SEQS = 128  # the most; lowered to the batch token limit when that is smaller
 
@@ -21,6 +24,17 @@ def resolve_attention_backend(name: str, platform: str) -> str:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         return "pallas" if platform in GPU_PLATFORMS else "xla"
+    return name
+
+
+def resolve_dtype(name: str, platform: str) -> str:
+    """The dtype `name` means on `platform`: "auto" is bfloat16 on GPUs and TPUs (their matmul units' native
+    type; float32 there is emulated or TF32 unless forced) and float32 elsewhere (a CPU has no bfloat16
+    matmul units and runs it slower than float32)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    if name == "auto":
+        return "bfloat16" if platform in ACCELERATOR_PLATFORMS else "float32"
     return name
 
 
@@ -46,7 +60,15 @@ class EngineConfig:
         an explicit max_num_batched_tokens under the whole-prompt policies). Explicit values that contradict
         each other are refused.
     block_size: tokens per KV-cache block.
-    num_blocks: KV blocks outright; when None, as many as fit in `kv_cache_bytes`.
+    dtype: weights, activations and KV cache: `auto` (bfloat16 on GPU and TPU, float32 elsewhere; see
+        `resolve_dtype`), `float32` or `bfloat16`.
+    num_blocks: KV blocks outright; when None, as many as fit in the KV byte budget (below).
+    kv_cache_bytes: a fixed KV byte budget. None: sized from device memory where the device reports it
+        (GPU, TPU; see `gpu_memory_utilization`), else 1 GiB (CPU).
+    gpu_memory_utilization: vLLM's meaning: the fraction of the device's total memory the engine may use;
+        the KV cache gets what is left of it after the weights and an estimate of a step's activations
+        (sarathi_jax/sizing.py). None: 0.9, lowered to JAX's allocator limit (XLA_CLIENT_MEM_FRACTION, 0.75
+        unless set). At most one of num_blocks, kv_cache_bytes and gpu_memory_utilization may be given.
     max_model_len: longest prompt + output; None means the model's own limit (capped by the cache size).
     scheduler: policy name (`sarathi`, `vllm`, `orca`, ...).
     attention_backend: `auto` (`pallas` on GPU, `xla` elsewhere; see `resolve_attention_backend`), `xla` or
@@ -70,12 +92,13 @@ class EngineConfig:
     """
 
     model: str = "tiny-llama"
-    dtype: str = "float32"
+    dtype: str = "auto"
     token_budget: int | None = None  # resolved in __post_init__: an int afterwards
     max_num_seqs: int | None = None  # resolved in __post_init__: an int afterwards
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     scheduler: str = "sarathi"
     attention_backend: str = "auto"
@@ -103,6 +126,13 @@ class EngineConfig:
             raise ValueError(f"token_budget must be a multiple of 16 (the smallest bucket), got {self.token_budget}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        kv_sizes = [n for n in ("num_blocks", "kv_cache_bytes", "gpu_memory_utilization") if getattr(self, n) is not None]
+        if len(kv_sizes) > 1:
+            raise ValueError(f"{' and '.join(kv_sizes)} each size the KV cache: give one of them")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if not 0.0 <= self.watermark < 1.0:

@@ -21,7 +21,13 @@ import numpy as np
 from pallas_kernels import get_attention_fn
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.compile_cache import PhaseTimer, enable_compilation_cache, record_compiles
-from sarathi_jax.config import EngineConfig, resolve_attention_backend, resolve_scan_layers
+from sarathi_jax.config import (
+    GPU_PLATFORMS,
+    EngineConfig,
+    resolve_attention_backend,
+    resolve_dtype,
+    resolve_scan_layers,
+)
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
@@ -30,7 +36,7 @@ from sarathi_jax.sampling import MAX_BANNED
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.sequence import Sequence
-from sarathi_jax.sizing import size_engine
+from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, size_engine
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer, load_tokenizer
 
 
@@ -38,8 +44,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
         """Build the engine: load the weights, size the KV cache and the scheduler, compile and warm up.
 
-        `self.config` is `config` as resolved on this machine: the attention backend that "auto" chose and
-        the compilation cache directory in use (None: none). `startup_stats()` reports the parts' times.
+        `self.config` is `config` as resolved on this machine: the dtype and attention backend that "auto"
+        chose, the compilation cache directory in use (None: none), and the KV sizing used (the
+        gpu_memory_utilization, or the fixed kv_cache_bytes; neither when num_blocks was given).
+        `startup_stats()` reports the parts' times.
         """
         t_start = time.time()
         platform = jax.default_backend()
@@ -47,8 +55,10 @@ class LLMEngine:
         requested_backend = config.attention_backend
         attention_backend = resolve_attention_backend(requested_backend, platform)
         scan_layers = resolve_scan_layers(config.scan_layers, platform)
+        requested_dtype = config.dtype
         self.config = config = dataclasses.replace(
-            config, attention_backend=attention_backend, compilation_cache_dir=cache_dir, scan_layers=scan_layers
+            config, attention_backend=attention_backend, compilation_cache_dir=cache_dir, scan_layers=scan_layers,
+            dtype=resolve_dtype(requested_dtype, platform),
         )
         dtype = jnp.dtype(config.dtype)
         self.parallel_plan = None  # sarathi_jax.parallel.ParallelPlan when tensor/pipeline parallel
@@ -70,7 +80,14 @@ class LLMEngine:
             mc = self.model_config
 
             with timer.phase("init"):
-                sizing = size_engine(config, mc)
+                jax.block_until_ready(params)  # the weights count in the devices' memory in use
+                kv_budget = self._kv_budget(config, platform)
+                if kv_budget is not None:
+                    self.config = config = dataclasses.replace(
+                        config, kv_cache_bytes=None if kv_budget.gpu_memory_utilization else kv_budget.kv_cache_bytes,
+                        gpu_memory_utilization=kv_budget.gpu_memory_utilization,
+                    )
+                sizing = size_engine(config, mc, kv_budget.kv_cache_bytes if kv_budget else None)
                 num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
                 self.scheduler_config = sizing.scheduler_config
                 self.block_manager = BlockManager(
@@ -101,6 +118,7 @@ class LLMEngine:
             eos_token_ids=mc.eos_token_ids,
         )
         num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
+        peak = [(m or {}).get("peak_bytes_in_use") for m in _memory_stats(num_devices)]
         self._startup_stats = {
             "load_s": timer.seconds["load"],
             "init_s": timer.seconds["init"],
@@ -113,12 +131,26 @@ class LLMEngine:
             "num_devices": num_devices,
             "attention_backend": attention_backend,
             "attention_backend_setting": requested_backend,
+            "dtype": config.dtype,
+            "dtype_setting": requested_dtype,
+            "num_kv_blocks": num_blocks,
+            "kv_cache_bytes": num_blocks * kv_bytes_per_block(mc, config.block_size, config.dtype),
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "activation_bytes_estimate": kv_budget.activation_bytes if kv_budget else 0,
+            "peak_bytes_in_use": max(peak) if all(p is not None for p in peak) else None,
             "scan_layers": scan_layers,
             "compilation_cache_dir": cache_dir,
             "executables": compiles.executables,
             "cache_hits": compiles.cache_hits if cache_dir else 0,
             "cache_misses": compiles.executables - compiles.cache_hits if cache_dir else None,
         }
+
+    def _kv_budget(self, config: EngineConfig, platform: str):
+        """`sizing.kv_cache_budget` with this process's devices: their memory statistics (None on CPU) and
+        JAX's allocator fraction (GPUs only; a TPU's bytes_limit is its whole memory)."""
+        stats = _memory_stats(config.tensor_parallel_size * config.pipeline_parallel_size)
+        fraction = jax_mem_fraction() if platform in GPU_PLATFORMS else 1.0
+        return kv_cache_budget(config, self.model_config, stats, fraction)
 
     # ----------------------------------------------------------------------------------- requests in
 
@@ -231,10 +263,22 @@ class LLMEngine:
         with warmup=False, in which case buckets compile on first use), `total_s`. The first three exclude
         the compile time inside them, so the four add up to about the total. Also `platform`, `device`,
         `num_devices`, `attention_backend` (resolved) and `attention_backend_setting` (as given),
-        `scan_layers` (resolved),
+        `scan_layers` (resolved), `dtype` (resolved) and `dtype_setting` (as given), `num_kv_blocks` and
+        `kv_cache_bytes` (the cache allocated), `gpu_memory_utilization` (None: a fixed budget or num_blocks),
+        `activation_bytes_estimate` (set aside per device under memory-fraction sizing, else 0),
+        `peak_bytes_in_use` (the most any device held by the end of start-up; None where not reported),
         `compilation_cache_dir` (None: no persistent cache), `executables` (built during start-up),
         `cache_hits` (of those, loaded from the cache) and `cache_misses` (compiled; None without a cache)."""
         return dict(self._startup_stats)
+
+
+def _memory_stats(num_devices: int) -> list[dict | None]:
+    """`memory_stats()` of the engine's devices (the first `num_devices`, the mesh's order); None for a device
+    that keeps none (CPU). None of them when the engine spans processes: each would size its cache from its own
+    devices, and every process must build the same number of blocks."""
+    if jax.process_count() > 1:
+        return [None]
+    return [d.memory_stats() for d in jax.devices()[:num_devices]]
 
 
 def format_startup(stats: dict) -> str:
@@ -250,4 +294,14 @@ def format_startup(stats: dict) -> str:
     return (f"engine ready in {s['total_s']:.1f} s (load {s['load_s']:.1f} s, init {s['init_s']:.1f} s, "
             f"compile {s['compile_s']:.1f} s, {warm}; {cache}) on {s['platform']} "
             f"[{s['device']} x{s['num_devices']}], {backend} attention, "
-            f"{'scanned' if s.get('scan_layers', True) else 'unrolled'} layers")
+            f"{'scanned' if s.get('scan_layers', True) else 'unrolled'} layers, "
+            f"{s['dtype']}{' (auto)' if s['dtype_setting'] == 'auto' else ''}, {_kv_words(s)}")
+
+
+def _kv_words(s: dict) -> str:
+    kv = f"KV cache {s['num_kv_blocks']} blocks ({s['kv_cache_bytes'] / 2**30:.2f} GiB"
+    if s["gpu_memory_utilization"] is not None:
+        kv += f", gpu_memory_utilization {s['gpu_memory_utilization']:g}"
+    if s["peak_bytes_in_use"] is not None:
+        kv += f"; device memory peak {s['peak_bytes_in_use'] / 2**30:.2f} GiB"
+    return kv + ")"

@@ -29,7 +29,7 @@ class LLM:
         token_budget: int | None = None,
         max_num_seqs: int | None = None,
         block_size: int = 16,
-        dtype: str = "float32",
+        dtype: str = "auto",
         scheduler: str = "sarathi",
         attention_backend: str = "auto",
         warmup: bool = True,

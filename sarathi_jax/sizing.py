@@ -5,9 +5,16 @@ Plain Python (no JAX), so the real engine and the simulator size themselves by t
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sarathi_jax.config import EngineConfig
+from sarathi_jax.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_BYTES,
+    EngineConfig,
+    resolve_dtype,
+)
 from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.scheduler import SchedulerConfig
 from sarathi_jax.scheduler.config import WHOLE_PROMPT_POLICIES
@@ -30,11 +37,107 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -
     return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * _DTYPE_BYTES[dtype]
 
 
-def size_engine(config: EngineConfig, model_config: ModelConfig) -> EngineSizing:
-    """Raises ValueError when max_model_len exceeds what the model computes exactly."""
-    num_blocks = config.num_blocks or max(
-        1, config.kv_cache_bytes // kv_bytes_per_block(model_config, config.block_size, config.dtype)
+# JAX's GPU allocator may hand out this fraction of the device's memory unless the environment says otherwise
+# (https://docs.jax.dev/en/latest/gpu_memory_allocation.html; the second name is the older one).
+JAX_MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+JAX_DEFAULT_MEM_FRACTION = 0.75
+# Transient memory outside the per-token estimate: XLA's scratch (cuBLAS workspaces, sort buffers).
+ACTIVATION_RESERVE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The KV cache's byte budget and where it came from."""
+
+    kv_cache_bytes: int
+    gpu_memory_utilization: float | None  # the fraction used; None: a fixed budget
+    activation_bytes: int = 0  # the activation estimate set aside (memory-fraction sizing only)
+
+
+def jax_mem_fraction(environ: Mapping[str, str] = os.environ) -> float:
+    """The fraction of device memory JAX's allocator may use (its `bytes_limit`), from the environment."""
+    for name in JAX_MEM_FRACTION_ENV:
+        if environ.get(name):
+            return float(environ[name])
+    return JAX_DEFAULT_MEM_FRACTION
+
+
+def activation_bytes_estimate(config: EngineConfig, model_config: ModelConfig) -> int:
+    """An upper estimate of one step's transient device memory at the largest batch this config can build:
+    one layer's intermediates per token in float32 (XLA reuses them from layer to layer; attention is tiled,
+    so it adds nothing proportional to the context), the float32 logits of the sampled rows with the
+    sampler's copies, doubled for XLA's buffer scheduling, plus a fixed reserve. Sized before the KV cache,
+    so it bounds max_model_len by the model's limit."""
+    mc = model_config
+    if config.scheduler in CHUNKING_POLICIES:
+        tokens = config.token_budget
+    else:
+        tokens = max(config.token_budget, config.max_num_batched_tokens or config.max_model_len or mc.max_model_len)
+    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    per_token = 4 * (4 * mc.hidden_size + qkv + 3 * mc.intermediate_size)
+    logits = 4 * 4 * config.max_num_seqs * mc.vocab_size
+    return 2 * (tokens * per_token + logits) + ACTIVATION_RESERVE_BYTES
+
+
+def kv_cache_budget(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    memory_stats: Sequence[Mapping[str, int] | None] = (),
+    mem_fraction: float = JAX_DEFAULT_MEM_FRACTION,
+) -> KVBudget | None:
+    """The KV byte budget for `config` (None when `num_blocks` is given). `memory_stats`: each device's
+    `jax.Device.memory_stats()` after the weights are placed (`bytes_limit`: what JAX's allocator may hand
+    out, `mem_fraction` of the device's memory; `bytes_in_use`: weights and anything else live). When every
+    device reports them and no fixed budget is given, the budget is, per device, gpu_memory_utilization x
+    its memory - bytes in use - the activation estimate, the tightest device deciding, times the number of
+    distinct shares of the cache (layers split evenly over pipeline stages, KV heads over tensor-parallel
+    devices). Otherwise (CPU) a fixed budget.
+
+    Raises ValueError when an explicit gpu_memory_utilization cannot be honoured: no memory statistics,
+    more than JAX's allocator may use, or nothing left for the KV cache."""
+    if config.num_blocks is not None:
+        return None
+    if config.kv_cache_bytes is not None:
+        return KVBudget(config.kv_cache_bytes, None)
+    explicit = config.gpu_memory_utilization
+    reported = bool(memory_stats) and all(s and s.get("bytes_limit") for s in memory_stats)
+    if not reported:
+        if explicit is not None:
+            raise ValueError("gpu_memory_utilization: the devices do not report their memory (a CPU, or an "
+                             "engine over several processes); size the KV cache with kv_cache_bytes or num_blocks")
+        return KVBudget(DEFAULT_KV_CACHE_BYTES, None)
+    if explicit is not None and explicit > mem_fraction + 1e-9:
+        raise ValueError(
+            f"gpu_memory_utilization={explicit:g} is more than JAX's allocator may use ({mem_fraction:g} of the "
+            f"device's memory): start the process with XLA_CLIENT_MEM_FRACTION={explicit:g}, or ask for less"
+        )
+    utilization = explicit if explicit is not None else min(DEFAULT_GPU_MEMORY_UTILIZATION, mem_fraction)
+    activations = activation_bytes_estimate(config, model_config)
+    per_device = min(
+        int(utilization * s["bytes_limit"] / mem_fraction) - s.get("bytes_in_use", 0) - activations
+        for s in memory_stats
     )
+    if per_device <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization:g} leaves no memory for the KV cache after the weights and "
+            f"{activations / 2**20:.0f} MiB of activations; raise it, or use a smaller model or token budget"
+        )
+    # A device holds 1/pp of the layers and 1/min(tp, kv heads) of the KV heads (KV heads fewer than the
+    # tensor-parallel devices are replicated: docs/parallelism.md); the budget counts the logical cache.
+    shares = config.pipeline_parallel_size * min(config.tensor_parallel_size, model_config.num_key_value_heads)
+    return KVBudget(per_device * shares, utilization, activations)
+
+
+def size_engine(
+    config: EngineConfig, model_config: ModelConfig, kv_cache_bytes: int | None = None, platform: str = "cpu"
+) -> EngineSizing:
+    """`kv_cache_bytes`: the KV byte budget when `config.num_blocks` is None (the engine's `kv_cache_budget`);
+    None: `config.kv_cache_bytes`, else the fixed CPU default. `platform` resolves `dtype="auto"`: the
+    simulator and other device-less callers size a CPU engine. Raises ValueError when max_model_len exceeds
+    what the model computes exactly."""
+    budget = kv_cache_bytes or config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    dtype = resolve_dtype(config.dtype, platform)
+    num_blocks = config.num_blocks or max(1, budget // kv_bytes_per_block(model_config, config.block_size, dtype))
     model_limit = model_config.max_model_len  # attention here is full: stay inside a sliding window
     if config.max_model_len is not None and config.max_model_len > model_limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_limit} tokens")

@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 
+from sarathi_jax.config import DTYPES  # plain Python: --help stays fast
 from server.service import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, GenerationServer
 
 
@@ -33,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
                    help="JAX's persistent compilation cache directory, or 'off' "
                         "(default: $SARATHI_JAX_COMPILATION_CACHE, else ~/.cache/sarathi-jax/jax)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="auto (the default): bfloat16 on GPU and TPU, float32 on CPU")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="a fixed KV cache budget (CPU default: 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="fraction of the device's memory the engine may use, the KV cache getting the rest "
+                        "(default 0.9, at most JAX's XLA_CLIENT_MEM_FRACTION)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=None, help="devices per pipeline stage")
     p.add_argument("--pipeline-parallel-size", type=int, default=None, help="pipeline stages")
@@ -55,7 +61,7 @@ def engine_config_from_args(args: argparse.Namespace):
     overrides = {}
     for name in ("token_budget", "scheduler", "max_num_seqs", "block_size", "num_blocks", "max_model_len",
                  "attention_backend", "dtype", "seed", "tensor_parallel_size", "pipeline_parallel_size",
-                 "async_scheduling", "compilation_cache_dir"):
+                 "async_scheduling", "compilation_cache_dir", "kv_cache_bytes", "gpu_memory_utilization"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value

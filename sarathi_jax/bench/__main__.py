@@ -23,6 +23,7 @@ from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR, fmt_seconds, summari
 from sarathi_jax.bench.plots import write_plots  # matplotlib itself loads only when plotting
 from sarathi_jax.bench.report import format_table, write_run, write_summary
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES, Workload, synthetic_workload, trace_workload
+from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
 
 try:  # plain Python, no JAX
     from sarathi_jax.scheduler.config import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES
@@ -31,7 +32,8 @@ except Exception:  # pragma: no cover - scheduler package not importable (yet)
                           "chunked_prefills_only", "hybrid_batching_only")
     TOKEN_BUDGET_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only", "hybrid_batching_only")
 
-DEFAULT_MODEL = "tiny-llama"
+CPU_DEFAULT_MODEL = "tiny-llama"
+ACCELERATOR_DEFAULT_MODEL = "llama-1b"  # a GPU-sized preset: tiny-llama would measure launch overhead only
 DEFAULT_SCHEDULERS = "sarathi"
 DEFAULT_TOKEN_BUDGETS = "128"
 DEFAULT_NUM_REQUESTS = 24
@@ -66,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("engine configurations (every scheduler x token budget is one run)")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="preset name or HF checkpoint folder")
+    g.add_argument("--model", default=None,
+                   help=f"preset name or HF checkpoint folder (default: {ACCELERATOR_DEFAULT_MODEL} on a GPU or "
+                        f"TPU, {CPU_DEFAULT_MODEL} elsewhere)")
     g.add_argument("--scheduler", default=DEFAULT_SCHEDULERS,
                    help=f"comma-separated policies from {', '.join(SCHEDULER_POLICIES)}")
     g.add_argument("--token-budget", default=DEFAULT_TOKEN_BUDGETS,
@@ -82,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-bytes", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--tile-size", type=int, default=None)
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    g.add_argument("--dtype", default=None, choices=DTYPES, help="EngineConfig.dtype (default auto: bfloat16 "
+                   "on GPU and TPU, float32 on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="EngineConfig.gpu_memory_utilization: fraction of the device's memory the engine may use "
+                        "(default 0.9, at most JAX's XLA_CLIENT_MEM_FRACTION); the KV cache gets the rest")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
                    help="auto: pallas on GPU, xla elsewhere")
     g.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
@@ -157,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------- setup
 
 
+def default_model(platform: str) -> str:
+    """The bench's model when --model is not given, for `jax.default_backend()`'s platform."""
+    return ACCELERATOR_DEFAULT_MODEL if platform in ACCELERATOR_PLATFORMS else CPU_DEFAULT_MODEL
+
+
 def run_configs(args: argparse.Namespace) -> list[dict]:
     schedulers = _csv_list(args.scheduler, str, "--scheduler")
     budgets = _csv_list(args.token_budget, int, "--token-budget")
@@ -175,7 +188,7 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
 
 def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
     kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"]}
-    for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes",
+    for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
                  "max_num_batched_tokens", "tile_size", "dtype", "attention_backend",
                  "tensor_parallel_size", "pipeline_parallel_size", "async_scheduling", "compilation_cache_dir"):
         v = getattr(args, name)
@@ -339,6 +352,11 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
         raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed)")
     progress = not args.quiet and sys.stderr.isatty()
     quiet = args.quiet
+    if args.model is None and not args.endpoint:
+        import jax
+
+        args.model = default_model(jax.default_backend())
+        _log(quiet, f"model: {args.model} (the default on {jax.default_backend()} [{jax.devices()[0].device_kind}])")
     workload = build_workload(args)
     configs = run_configs(args)
     if args.cost_model and not args.simulate:

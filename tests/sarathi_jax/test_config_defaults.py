@@ -1,17 +1,32 @@
-"""Defaults that adapt to explicit choices (never contradict them), `attention_backend="auto"`, and the engine's
-start-up report."""
+"""Defaults that adapt to explicit choices (never contradict them), `attention_backend="auto"`, `dtype="auto"`,
+KV sizing from device memory (mocked: no GPU needed), the `cuda` extra, and the engine's start-up report."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import tomllib
+from pathlib import Path
+
 import jax
 import pytest
+from packaging.requirements import Requirement
 
 from pallas_kernels import get_attention_fn
 from sarathi_jax import LLM, EngineConfig
-from sarathi_jax.config import resolve_attention_backend
+from sarathi_jax import engine as engine_module
+from sarathi_jax.bench.__main__ import default_model
+from sarathi_jax.config import DEFAULT_KV_CACHE_BYTES, resolve_attention_backend, resolve_dtype
 from sarathi_jax.engine import format_startup
-from sarathi_jax.models.presets import get_preset
-from sarathi_jax.sizing import size_engine
+from sarathi_jax.models.presets import CPU_PRESETS, PRESETS, get_preset
+from sarathi_jax.sizing import (
+    activation_bytes_estimate,
+    jax_mem_fraction,
+    kv_bytes_per_block,
+    kv_cache_budget,
+    size_engine,
+)
+
+GiB = 1 << 30
 
 
 def test_max_num_seqs_default_is_capped_by_the_token_budget():
@@ -76,3 +91,154 @@ def test_llm_with_only_a_small_token_budget_builds_and_reports_its_start_up():
     line = format_startup(stats)
     assert line.startswith("engine ready in") and f"{backend} (auto) attention" in line
     assert stats["platform"] in line and stats["device"] in line
+    dtype = resolve_dtype("auto", jax.default_backend())
+    assert engine.config.dtype == stats["dtype"] == dtype and stats["dtype_setting"] == "auto"
+    assert f"{dtype} (auto)" in line and "KV cache 16 blocks" in line
+    assert stats["num_kv_blocks"] == 16 and stats["gpu_memory_utilization"] is None
+
+
+# ----------------------------------------------------------------------------------- the GPU user's path
+
+
+def test_cuda_extra_names_a_cuda_extra_that_the_installed_jax_declares():
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    jax_extras = set(importlib.metadata.metadata("jax").get_all("Provides-Extra") or ())
+    for name in ("cuda", "cuda12"):
+        (requirement,) = [Requirement(r) for r in extras[name]]
+        assert requirement.name == "jax" and len(requirement.extras) == 1, requirement
+        (extra,) = requirement.extras
+        assert extra.startswith("cuda") and extra in jax_extras, (extra, sorted(jax_extras))
+    assert Requirement(extras["cuda"][0]).extras == {"cuda13"}  # JAX's installation guide leads with CUDA 13
+
+
+@pytest.mark.parametrize(
+    "name, platform, expected",
+    [("auto", "gpu", "bfloat16"), ("auto", "cuda", "bfloat16"), ("auto", "rocm", "bfloat16"),
+     ("auto", "tpu", "bfloat16"), ("auto", "cpu", "float32"), ("float32", "gpu", "float32"),
+     ("bfloat16", "cpu", "bfloat16")],
+)
+def test_auto_dtype_picks_by_platform(name, platform, expected):
+    assert resolve_dtype(name, platform) == expected
+
+
+def test_dtype_default_is_auto_and_names_are_checked():
+    assert EngineConfig().dtype == "auto"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(dtype="float16")
+
+
+@pytest.mark.parametrize("platform, expected", [("gpu", "llama-1b"), ("cuda", "llama-1b"), ("cpu", "tiny-llama")])
+def test_bench_default_model_by_platform(platform, expected):
+    assert default_model(platform) == expected
+    assert (expected in CPU_PRESETS) == (platform == "cpu") and expected in PRESETS
+
+
+def test_kv_sizings_are_one_at_a_time():
+    for kw in ({"num_blocks": 8, "kv_cache_bytes": GiB}, {"num_blocks": 8, "gpu_memory_utilization": 0.5},
+               {"kv_cache_bytes": GiB, "gpu_memory_utilization": 0.5}):
+        with pytest.raises(ValueError, match="each size the KV cache: give one of them"):
+            EngineConfig(**kw)
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+            EngineConfig(gpu_memory_utilization=bad)
+
+
+def _stats(limit: int, in_use: int) -> dict:
+    return {"bytes_limit": limit, "bytes_in_use": in_use, "peak_bytes_in_use": in_use}
+
+
+def test_kv_budget_from_mocked_gpu_memory():
+    mc = get_preset("mistral-7b")
+    config = EngineConfig(model="mistral-7b")
+    act = activation_bytes_estimate(config, mc)
+    # An 80 GiB GPU under JAX's default allocator (75%: a 60 GiB bytes_limit), 14 GiB of bf16 weights in use.
+    gpu = [_stats(60 * GiB, 14 * GiB)]
+    budget = kv_cache_budget(config, mc, gpu, mem_fraction=0.75)
+    # The default 0.9 is lowered to the allocator's 0.75: 60 GiB usable, not 72.
+    assert budget.gpu_memory_utilization == 0.75
+    assert budget.kv_cache_bytes == 60 * GiB - 14 * GiB - act and budget.activation_bytes == act
+    half = kv_cache_budget(EngineConfig(gpu_memory_utilization=0.5), mc, gpu, mem_fraction=0.75)
+    assert half.kv_cache_bytes == 40 * GiB - 14 * GiB - act  # half of the device's 80 GiB
+    # Under XLA_CLIENT_MEM_FRACTION=0.95 (a 76 GiB limit) the default 0.9 holds: 72 GiB.
+    roomy = kv_cache_budget(config, mc, [_stats(76 * GiB, 14 * GiB)], mem_fraction=0.95)
+    assert roomy.gpu_memory_utilization == 0.9 and roomy.kv_cache_bytes == 72 * GiB - 14 * GiB - act
+    # Two devices (tensor parallel): each holds half of every block; the tighter device decides.
+    tp2 = EngineConfig(model="mistral-7b", tensor_parallel_size=2)
+    two = kv_cache_budget(tp2, mc, [_stats(60 * GiB, 7 * GiB), _stats(60 * GiB, 8 * GiB)], 0.75)
+    assert two.kv_cache_bytes == 2 * (60 * GiB - 8 * GiB - act)
+    # 16-way tensor parallel over 8 KV heads: each head is replicated on two devices, so 8 shares, not 16.
+    tp16 = EngineConfig(model="mistral-7b", tensor_parallel_size=16)
+    assert mc.num_key_value_heads == 8
+    assert kv_cache_budget(tp16, mc, [_stats(60 * GiB, 8 * GiB)] * 16, 0.75).kv_cache_bytes == 8 * (52 * GiB - act)
+    # Two pipeline stages of two devices: four shares.
+    pp2 = EngineConfig(model="mistral-7b", tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert kv_cache_budget(pp2, mc, [_stats(60 * GiB, 8 * GiB)] * 4, 0.75).kv_cache_bytes == 4 * (52 * GiB - act)
+    # The budget becomes blocks of bfloat16 KV (dtype "auto" on a GPU).
+    sized = size_engine(config, mc, budget.kv_cache_bytes, platform="gpu")
+    assert sized.num_blocks == budget.kv_cache_bytes // kv_bytes_per_block(mc, 16, "bfloat16")
+
+
+def test_kv_budget_explicit_values_and_refusals():
+    mc = get_preset("mistral-7b")
+    gpu = [_stats(60 * GiB, 14 * GiB)]
+    assert kv_cache_budget(EngineConfig(num_blocks=100), mc, gpu, 0.75) is None  # num_blocks: used as given
+    fixed = kv_cache_budget(EngineConfig(kv_cache_bytes=3 * GiB), mc, gpu, 0.75)
+    assert (fixed.kv_cache_bytes, fixed.gpu_memory_utilization) == (3 * GiB, None)
+    cpu = kv_cache_budget(EngineConfig(), mc, [None], 0.75)  # a CPU reports no memory: the fixed budget
+    assert (cpu.kv_cache_bytes, cpu.gpu_memory_utilization) == (DEFAULT_KV_CACHE_BYTES, None)
+    with pytest.raises(ValueError, match="do not report their memory"):
+        kv_cache_budget(EngineConfig(gpu_memory_utilization=0.5), mc, [None], 0.75)
+    with pytest.raises(ValueError, match="XLA_CLIENT_MEM_FRACTION=0.9"):  # more than JAX's allocator may use
+        kv_cache_budget(EngineConfig(gpu_memory_utilization=0.9), mc, gpu, 0.75)
+    with pytest.raises(ValueError, match="leaves no memory for the KV cache"):
+        kv_cache_budget(EngineConfig(gpu_memory_utilization=0.18), mc, gpu, 0.75)  # 14.4 GiB < 14 GiB + activations
+
+
+def test_activation_estimate_grows_with_the_batch():
+    mc = get_preset("mistral-7b")
+    small = activation_bytes_estimate(EngineConfig(token_budget=512), mc)
+    large = activation_bytes_estimate(EngineConfig(token_budget=2048), mc)
+    whole = activation_bytes_estimate(EngineConfig(scheduler="vllm", token_budget=512, max_model_len=4096), mc)
+    assert small < large < whole  # whole-prompt policies batch up to a full prompt
+
+
+def test_jax_mem_fraction_from_the_environment():
+    assert jax_mem_fraction({}) == 0.75
+    assert jax_mem_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}) == 0.9
+    assert jax_mem_fraction({"XLA_CLIENT_MEM_FRACTION": "0.5", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}) == 0.5
+
+
+def test_engine_sizes_its_kv_cache_from_mocked_device_memory(monkeypatch):
+    # The engine's wiring, on this CPU: pretend the device reports its memory.
+    mc = get_preset("tiny-llama")
+    per_block = kv_bytes_per_block(mc, 16, resolve_dtype("auto", jax.default_backend()))
+    fraction = jax_mem_fraction() if jax.default_backend() == "gpu" else 1.0
+    act = activation_bytes_estimate(EngineConfig(token_budget=64, max_model_len=128), mc)
+    limit = 2 * GiB
+    in_use = int(0.8 * limit / fraction) - act - (32 << 20)  # leaves 32 MiB for the KV cache
+    monkeypatch.setattr(engine_module, "_memory_stats", lambda n: [_stats(limit, in_use)] * n)
+    llm = LLM("tiny-llama", token_budget=64, max_model_len=128, gpu_memory_utilization=0.8, warmup=False)
+    engine = llm.engine
+    expected = (32 << 20) // per_block
+    assert engine.block_manager.num_total_blocks == expected > 0
+    stats = engine.startup_stats()
+    assert stats["num_kv_blocks"] == expected and stats["gpu_memory_utilization"] == 0.8
+    assert stats["peak_bytes_in_use"] == in_use and engine.config.gpu_memory_utilization == 0.8
+    assert "gpu_memory_utilization 0.8" in format_startup(stats)
+
+
+def test_cli_flags_reach_the_engine_config():
+    from sarathi_jax.bench.__main__ import build_parser as bench_parser
+    from sarathi_jax.bench.__main__ import engine_config_kwargs
+    from server.__main__ import build_parser as server_parser
+    from server.__main__ import engine_config_from_args
+
+    config = engine_config_from_args(server_parser().parse_args(["--dtype", "auto", "--gpu-memory-utilization", "0.5"]))
+    assert (config.dtype, config.gpu_memory_utilization, config.kv_cache_bytes) == ("auto", 0.5, None)
+    with pytest.raises(ValueError, match="give one of them"):
+        engine_config_from_args(server_parser().parse_args(["--kv-cache-bytes", "1000", "--gpu-memory-utilization", ".5"]))
+    args = bench_parser().parse_args(["--model", "llama-1b", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.6"])
+    kw = engine_config_kwargs(args, {"scheduler": "sarathi", "token_budget": 512})
+    assert (kw["dtype"], kw["gpu_memory_utilization"]) == ("bfloat16", 0.6) and "kv_cache_bytes" not in kw
+    assert bench_parser().parse_args([]).model is None  # chosen by platform at run time (default_model)
