@@ -73,18 +73,26 @@ def engine_logits(model_dir: str | os.PathLike[str], token_ids: list[int], dtype
     return np.asarray(logits, np.float64)
 
 
-def hf_logits(source: str | os.PathLike[str], token_ids: list[int]) -> np.ndarray | None:
-    """HF transformers' float32 eager logits, or None when torch / transformers are not installed. `source` is an
-    HF folder or a GGUF file (transformers' own GGUF loading: `from_pretrained(folder, gguf_file=name)`)."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
+def load_hf_model(source: str | os.PathLike[str]):
+    """HF transformers' float32 eager model from an HF folder or a GGUF file (transformers' own GGUF loading:
+    `from_pretrained(folder, gguf_file=name)`, which dequantizes the file independently of this project)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     source = Path(source)
     kwargs = {"gguf_file": source.name} if source.is_file() else {}
-    model = AutoModelForCausalLM.from_pretrained(source.parent if source.is_file() else source, dtype=torch.float32,
-                                                 attn_implementation="eager", **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(source.parent if source.is_file() else source, dtype=torch.float32,
+                                                attn_implementation="eager", **kwargs).eval()
+
+
+def hf_logits(source: str | os.PathLike[str], token_ids: list[int]) -> np.ndarray | None:
+    """`load_hf_model(source)`'s logits `[len, vocab]`, or None when torch / transformers are not installed."""
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    model = load_hf_model(source)
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].double().numpy()
 

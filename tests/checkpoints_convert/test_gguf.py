@@ -482,3 +482,22 @@ def test_grpc_messages_prompt(llm: LLM, hf, hf_greedy) -> None:
             assert "no chat template" in err.value.details()
     finally:
         srv.stop(grace=0, timeout=60)
+
+
+def test_real_model_bench_against_hf_generate(smollm2_dir: Path, smollm2_gguf: Path, tmp_path: Path, capsys) -> None:
+    """`python -m sarathi_jax.bench.real_model`: chat prompts through this engine and HF's padded `generate`;
+    the first completion is printed, greedy sequences agree, and the floor is below the measured time."""
+    from sarathi_jax.bench.real_model import main as real_model_main
+
+    questions = tmp_path / "questions.txt"
+    questions.write_text("What is the capital of France?\n\nList three fruits.\n")
+    out = tmp_path / "figures.json"
+    assert real_model_main(["--model", str(smollm2_dir), "--reference", str(smollm2_gguf), "--max-tokens", "8",
+                            "--prompts-file", str(questions), "--max-model-len", "1024",
+                            "--json-out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["num_prompts"] == 2 and figures["identical_sequences"] == 2
+    assert figures["engine_output_tokens"] == figures["hf_output_tokens"] == 16
+    assert 0 < figures["engine_floor_s"] < figures["engine_s"]
+    assert figures["first_completion"].startswith("The capital of France is")
+    assert "first completion ('What is the capital of France?')" in capsys.readouterr().out
