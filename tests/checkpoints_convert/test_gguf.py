@@ -497,7 +497,7 @@ def test_real_model_bench_against_hf_generate(smollm2_dir: Path, smollm2_gguf: P
                             "--json-out", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["num_prompts"] == 2 and figures["identical_sequences"] == 2
-    assert figures["engine_output_tokens"] == figures["hf_output_tokens"] == 16
+    assert figures["engine_output_tokens"] == figures["hf_output_tokens"] <= 16
     assert 0 < figures["engine_floor_s"] < figures["engine_s"]
     assert figures["first_completion"].startswith("The capital of France is")
     assert "first completion ('What is the capital of France?')" in capsys.readouterr().out
