@@ -1,7 +1,8 @@
 """Ragged paged attention as a Pallas kernel (GPU / Triton backend, or interpret mode anywhere).
 
 Same arguments, shapes and semantics as `ragged_paged_attention_xla` (see that module and
-`docs/design.md`), so the engine can swap one for the other:
+`docs/design.md`), so the engine can swap one for the other; the float64 numpy reference of those semantics is
+`pallas_kernels/reference.py` (`ragged_paged_attention_reference`):
 
   q:            [T, num_q_heads, head_dim]            T = padded token count (the bucket)
   k_pages:      [num_blocks, block_size, num_kv_heads, head_dim]   one layer's cache

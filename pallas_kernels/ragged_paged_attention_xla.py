@@ -1,4 +1,5 @@
-"""Ragged paged attention in plain jnp: the portable reference path and the engine's `"xla"` backend.
+"""Ragged paged attention in plain jnp: the portable path and the engine's `"xla"` backend (its float64
+oracle is `pallas_kernels/reference.py`).
 
 Shapes and semantics (shared with the Pallas kernel in `ragged_paged_attention.py`):
 

@@ -1,5 +1,6 @@
 """The jnp ragged paged attention (`ragged_paged_attention_xla`) on the batch shapes its work split is built
-for, against a float64 numpy reference written here.
+for, against the float64 numpy reference beside the kernels
+(`pallas_kernels/reference.py`).
 
 The xla path splits the work (see its module docstring): decode rows and rows of short prefills go through a
 per-row path (rows sorted by how far they look back, processed in groups, each group looping to its own
@@ -30,6 +31,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import ragged_paged_attention_xla
 from pallas_kernels.ragged_paged_attention_xla import _ragged_paged_attention_xla
+from pallas_kernels.reference import ragged_paged_attention_reference as reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
@@ -53,30 +55,6 @@ class Shape:
     def num_blocks(self):
         # Every sequence can be full, and a few pages nobody owns stay NaN.
         return self.max_num_seqs * self.max_blocks + 5
-
-
-def reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale):
-    """float64 numpy, one sequence at a time, K/V gathered token by token."""
-    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
-    num_q_heads = q.shape[1]
-    block_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    group = num_q_heads // num_kv_heads
-    out = np.zeros_like(q)
-    for i in range(int(np.asarray(num_seqs).reshape(()))):
-        start, end = int(cu_q_lens[i]), int(cu_q_lens[i + 1])
-        kv_len, q_len = int(kv_lens[i]), end - start
-        if q_len == 0:
-            continue
-        positions = np.arange(kv_len)
-        pages = block_tables[i][positions // block_size]
-        k = np.repeat(k_pages[pages, positions % block_size], group, axis=1)  # [kv, Hq, D]
-        v = np.repeat(v_pages[pages, positions % block_size], group, axis=1)
-        s = np.einsum("qhd,khd->hqk", q[start:end], k) * sm_scale
-        row_pos = kv_len - q_len + np.arange(q_len)
-        s = np.where(positions[None, None, :] <= row_pos[None, :, None], s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        out[start:end] = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
-    return out
 
 
 def make_inputs(shape: Shape, q_lens, ctx_lens, seed):
