@@ -33,6 +33,7 @@ import torch
 from checkpoints_convert.__main__ import main
 from checkpoints_convert.gguf_source import GGUFCheckpoint, _reverse_permute, convert_gguf
 from sarathi_jax import LLM, SamplingParams
+from sarathi_jax.admission import Admission
 from sarathi_jax.chat_template import ChatTemplate, ChatTemplateError
 from sarathi_jax.models import ModelConfig
 
@@ -334,9 +335,10 @@ def test_chat_without_template_is_a_clear_error(smollm2_dir: Path, tmp_path: Pat
     tok_config = json.loads((folder / "tokenizer_config.json").read_text())
     del tok_config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    llm = LLM.__new__(LLM)  # no engine needed to look the template up
-    llm._chat_template = ChatTemplate.from_folder(folder)
-    llm.engine = type("E", (), {"config": type("C", (), {"model": str(folder)})(), "tokenizer": object()})()
+    llm = LLM.__new__(LLM)  # no engine needed: admission alone refuses the conversation
+    admission = Admission(vocab_size=49152, max_model_len=1024, tokenizer=object(), eos_token_ids=(),
+                          chat_template=ChatTemplate.from_folder(folder), never_fits=lambda n, m: None)
+    llm.engine = type("E", (), {"admission": admission})()
     with pytest.raises(ValueError, match="has no chat template"):
         llm.chat([{"role": "user", "content": "hi"}])
 
@@ -360,9 +362,12 @@ def test_grpc_messages_prompt(llm: LLM, hf, hf_greedy) -> None:
             assert [t for m in msgs for t in m.token_ids] == hf_greedy[0]
             assert "".join(m.text for m in msgs) == hf[1].decode(hf_greedy[0], skip_special_tokens=True)
             assert msgs[-1].finish_reason == 1  # FINISH_REASON_STOP
-            srv._chat_template = None  # as for a model without a template
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(make_request(CHAT_PROMPTS[0], max_tokens=4), timeout=60))
+            template, llm.engine.admission.chat_template = llm.engine.admission.chat_template, None
+            try:  # as for a model without a template
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(make_request(CHAT_PROMPTS[0], max_tokens=4), timeout=60))
+            finally:
+                llm.engine.admission.chat_template = template
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "no chat template" in err.value.details()
     finally:
