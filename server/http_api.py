@@ -248,9 +248,11 @@ def build_app(server: GenerationServer) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {err.get('msg', 'invalid request')}" if param else err.get("msg", "invalid request")
+        if err.get("type") == "json_invalid":  # loc is ("body", character position)
+            param, message = None, f"the body is not valid JSON: {err.get('msg')} at character {err['loc'][-1]}"
+        else:
+            param = ".".join(str(part) for part in err.get("loc", ()) if part != "body") or None
+            message = f"{param}: {err.get('msg', 'invalid request')}" if param else err.get("msg", "invalid request")
         server.metrics.request_rejected("invalid_argument")
         return JSONResponse(error_body(message, "invalid_request_error", param, err.get("type")), status_code=400)
 
@@ -312,6 +314,7 @@ class HttpFrontEnd:
         """Stop accepting; requests in flight get `grace` seconds (None: none), then are cancelled."""
         if self._uvicorn is None or self._task is None:
             return
-        self._uvicorn.config.timeout_graceful_shutdown = grace or 0
+        # A moment even without grace: uvicorn's wait for its tasks would time out (and log it) at 0.
+        self._uvicorn.config.timeout_graceful_shutdown = grace or 0.05
         self._uvicorn.should_exit = True
         await self._task

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from sarathi_jax.admission import AdmissionError
 from sarathi_jax.sampling_params import SamplingParams
 
 
@@ -81,12 +82,12 @@ class CompletionRequest(_SamplingFields):
         return super().unsupported()
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt (ValueError for a batch)."""
+        """The one prompt (AdmissionError for a batch)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"prompt: batches of prompts are not supported (got {len(prompt)}); "
-                                 "send one request per prompt")
+                raise AdmissionError("prompt", f"batches of prompts are not supported (got {len(prompt)}); "
+                                               "send one request per prompt")
             return prompt[0]
         return prompt  # type: ignore[return-value]
 

@@ -414,6 +414,7 @@ class GenerationServer:
         if not state.finished:
             # Cancelled, disconnected or past its deadline (or failed): free its KV blocks in the engine.
             self.worker.abort(state.request_id)
+            self.metrics.request_finished("abort")  # as vLLM counts it; the engine's abort output has no reader
             log.debug("request %s ended early: aborted", state.request_id)
         if not self._active and self._idle is not None:
             self._idle.set()

@@ -237,6 +237,7 @@ def test_100_streams_20_percent_disconnected(server, http, base_url):
     n, rng = 100, random.Random(15)
     dropped = set(rng.sample(range(n), n // 5))
     aborts_before = metric(http, "sarathi:request_success_total", finished_reason="abort")
+    first_iteration = len(server.worker.call(lambda e: e.iteration_log).result(timeout=10))
 
     async def one(client, i):
         long = i in dropped  # long enough to be mid-stream when its client leaves
@@ -269,6 +270,10 @@ def test_100_streams_20_percent_disconnected(server, http, base_url):
 
     wait_until(idle, timeout=30, interval=0.05, what="no running requests and no used KV blocks on /metrics")
     assert metric(http, "sarathi:request_success_total", finished_reason="abort") - aborts_before == len(dropped)
+    # ... aborted at once, not served to the end: the engine decoded far fewer than their 200 tokens each.
+    log = server.worker.call(lambda e: list(e.iteration_log[first_iteration:])).result(timeout=10)
+    num_decoded = sum(it.num_decode_tokens for it in log)
+    assert num_decoded < (n - len(dropped)) * 6 + len(dropped) * 50, num_decoded
 
 
 # --------------------------------------------------------------------------------------------- bench
@@ -297,6 +302,6 @@ def test_draining_refuses_with_503_and_health_turns_unhealthy(llama_engine, serv
         server.resume_engine()
         lines = [line for line in running.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
     drain.join(60)
     assert not drain.is_alive() and not server.worker.alive
