@@ -1,9 +1,9 @@
 """The real engine: request validation at the edge, the engine core, and the model runner as its executor.
 
 A request's path: `add_request` validates it through `self.admission` (sarathi_jax/admission.py, the one
-admission path, which servers call themselves) and `add_admitted` makes a `Sequence`; `step` runs one iteration of `EngineCore` (sarathi_jax/engine_core.py), which asks the scheduler
-for a batch, dispatches it on the model runner, and postprocesses sampled tokens (append, stop checks,
-finish, KV blocks freed). By default the loop is overlapped (`EngineConfig.async_scheduling`): the host
+admission path, which servers call themselves) and `add_admitted` makes a `Sequence`; `step` runs one
+iteration of `EngineCore` (sarathi_jax/engine_core.py), which asks the scheduler for a batch, dispatches it
+on the model runner, and postprocesses sampled tokens (append, stop checks, finish, KV blocks freed). By default the loop is overlapped (`EngineConfig.async_scheduling`): the host
 schedules and dispatches batch N+1 before fetching batch N's tokens. The engine is driven by one thread;
 servers hand it work through a queue.
 """

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sarathi_jax.admission import Admission, AdmittedRequest
+from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.outputs import RequestOutput, TokenLogprob
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.service import ActiveRequest, GenerationServer, RequestError
@@ -52,10 +52,6 @@ def _error_json(exc: RequestError) -> dict[str, Any]:
 
 def error_response(exc: RequestError) -> JSONResponse:
     return JSONResponse(_error_json(exc), status_code=_HTTP_STATUS.get(exc.code, (500, ""))[0])
-
-
-def _refuse(message: str, param: str | None, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> RequestError:
-    return RequestError(code, message, param)
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -88,13 +84,13 @@ class _Renderer:
         if self.body.requested_logprobs() is None:
             return None
         if self.chat:
-            content = []
-            for lp in entries:
-                token = self._token(lp.token_id)
-                content.append({"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
-                                "top_logprobs": [{"token": (t := self._token(i)), "logprob": v, "bytes": list(t.encode())}
-                                                 for i, v in zip(lp.top_token_ids, lp.top_logprobs)]})
-            return {"content": content}
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                token = self._token(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+                                for lp in entries]}
         tokens = [self._token(lp.token_id) for lp in entries]
         offsets = []
         for token in tokens:
@@ -139,29 +135,29 @@ class _Api:
         self.server = server
 
     def _check_body(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What admission cannot know: fields this server does not honour, and the model name."""
         field = body.unsupported()
         if field is not None:
-            raise _refuse(f"{field}: not supported by this server", field, grpc.StatusCode.INVALID_ARGUMENT)
+            raise AdmissionError(field, "not supported by this server")
         if body.model and body.model != self.server.model_name:
-            raise _refuse(f"model: the model `{body.model}` does not exist; this server serves "
-                          f"`{self.server.model_name}`", "model")
+            raise AdmissionError("model", f"the model `{body.model}` does not exist; this server serves "
+                                          f"`{self.server.model_name}`")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_body(body)
-
         def build(admission: Admission) -> AdmittedRequest:
+            self._check_body(body)
             params = body.sampling_params(body.logprobs, body.max_tokens)
             return admission.admit(body.single_prompt(), params)
 
         return await self._serve(body, build, request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_body(body)
-
         def build(admission: Admission) -> AdmittedRequest:
+            self._check_body(body)
             ids = admission.chat_prompt_ids([m.as_template_message() for m in body.messages])
-            # OpenAI's default for chat: as much as the context leaves.
-            max_tokens = body.requested_max_tokens() or admission.max_model_len - len(ids)
+            max_tokens = body.requested_max_tokens()
+            if max_tokens is None:  # OpenAI's default for chat: as much as the context leaves
+                max_tokens = admission.max_model_len - len(ids)
             return admission.check(ids, body.sampling_params(body.requested_logprobs(), max_tokens))
 
         return await self._serve(body, build, request)

@@ -75,14 +75,6 @@ def http(base_url):
         yield c
 
 
-@pytest.fixture
-def engine_resumed(server):
-    limits = (server.max_waiting_requests, server.max_waiting_prompt_tokens)
-    yield server
-    server.resume_engine()
-    server.max_waiting_requests, server.max_waiting_prompt_tokens = limits
-
-
 def metric_values(http) -> dict[tuple[str, tuple], float]:
     text = http.get("/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
