@@ -111,14 +111,11 @@ def is_http(target: str) -> bool:
     return target.startswith(("http://", "https://"))
 
 
-def completion_body(prompt: Any, params: Any, model: str | None = None) -> dict[str, Any]:
+def completion_body(prompt: Any, params: Any) -> dict[str, Any]:
     """A streamed /v1/completions body for (prompt, SamplingParams): the engine's fields are vLLM's names."""
     fields = {k: v for k, v in dataclasses.asdict(params).items() if v is not None and v != ()}
-    body = {**fields, "prompt": prompt if isinstance(prompt, str) else list(prompt), "stream": True,
+    return {**fields, "prompt": prompt if isinstance(prompt, str) else list(prompt), "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True}
-    if model is not None:
-        body["model"] = model
-    return body
 
 
 async def _one_http(client: Any, index: int, arrival: float, prompt: Any, params: Any, t0: float,

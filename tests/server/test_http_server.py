@@ -268,6 +268,18 @@ def test_100_streams_20_percent_disconnected(server, http, base_url):
     assert num_decoded < (n - len(dropped)) * 6 + len(dropped) * 50, num_decoded
 
 
+def test_non_streamed_request_is_aborted_when_its_client_leaves(server, http, base_url, engine_resumed):
+    server.pause_engine()  # it cannot finish: only the disconnect can end it
+    aborts_before = metric(http, "sarathi:request_success_total", finished_reason="abort")
+    with httpx2.Client(base_url=base_url, timeout=httpx2.Timeout(60, read=0.5)) as impatient:
+        with pytest.raises(httpx2.ReadTimeout):
+            impatient.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 50})
+    wait_until(lambda: server.num_active_requests == 0, what="the abandoned request to be aborted")
+    assert metric(http, "sarathi:request_success_total", finished_reason="abort") - aborts_before == 1
+    server.resume_engine()
+    wait_until(lambda: metric(http, "sarathi:kv_cache_usage_perc") == 0, what="its KV blocks to be free")
+
+
 # --------------------------------------------------------------------------------------------- bench
 def test_bench_endpoint_over_http(server, base_url, tmp_path, capsys):
     from sarathi_jax.bench.__main__ import main
