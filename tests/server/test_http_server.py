@@ -280,6 +280,21 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(server, http, ba
     wait_until(lambda: metric(http, "sarathi:kv_cache_usage_perc") == 0, what="its KV blocks to be free")
 
 
+def test_engine_step_failure_is_500_and_server_recovers(server, http):
+    engine = server.engine
+
+    def failing_step():
+        del engine.step  # fail once, then the class's step is back
+        raise RuntimeError("injected step failure")
+
+    server.worker.call(lambda e: setattr(e, "step", failing_step)).result(timeout=10)
+    resp = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3})
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
+    assert "injected step failure" in resp.json()["error"]["message"]
+    ok = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
 # --------------------------------------------------------------------------------------------- bench
 def test_bench_endpoint_over_http(server, base_url, tmp_path, capsys):
     from sarathi_jax.bench.__main__ import main
