@@ -1,9 +1,9 @@
 """The real engine: request validation at the edge, the engine core, and the model runner as its executor.
 
-A request's path: `add_request` validates it and makes a `Sequence` (this is the only place a request is
-validated); `step` runs one iteration of `EngineCore` (sarathi_jax/engine_core.py), which asks the scheduler
-for a batch, dispatches it on the model runner, and postprocesses sampled tokens (append, stop checks,
-finish, KV blocks freed). By default the loop is overlapped (`EngineConfig.async_scheduling`): the host
+A request's path: `add_request` validates it through `self.admission` (sarathi_jax/admission.py, the one
+admission path, which servers call themselves) and `add_admitted` makes a `Sequence`; `step` runs one
+iteration of `EngineCore` (sarathi_jax/engine_core.py), which asks the scheduler for a batch, dispatches it
+on the model runner, and postprocesses sampled tokens (append, stop checks, finish, KV blocks freed). By default the loop is overlapped (`EngineConfig.async_scheduling`): the host
 schedules and dispatches batch N+1 before fetching batch N's tokens. The engine is driven by one thread;
 servers hand it work through a queue.
 """
@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import get_attention_fn
+from sarathi_jax.admission import Admission, AdmittedRequest
 from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.compile_cache import PhaseTimer, enable_compilation_cache, record_compiles
 from sarathi_jax.config import (
     GPU_PLATFORMS,
@@ -32,7 +34,6 @@ from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
 from sarathi_jax.outputs import IterationRecord, RequestOutput
-from sarathi_jax.sampling import MAX_BANNED
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.sequence import Sequence
@@ -117,6 +118,15 @@ class LLMEngine:
             loop=LoopConfig(config.async_scheduling, config.pipeline_parallel_size),
             eos_token_ids=mc.eos_token_ids,
         )
+        is_folder = Path(config.model).is_dir()
+        self.admission = Admission(
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+            eos_token_ids=mc.eos_token_ids,
+            chat_template=ChatTemplate.from_folder(config.model) if is_folder else None,
+            never_fits=self.scheduler.never_fits,
+        )
         num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
         peak = [(m or {}).get("peak_bytes_in_use") for m in _memory_stats(num_devices)]
         self._startup_stats = {
@@ -162,47 +172,21 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request. Raises ValueError naming the bad field; the engine is unchanged then."""
-        params = params or SamplingParams()
         if request_id in self.core:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_token_ids = self._prompt_to_ids(prompt)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer, and this model has none (use stop_token_ids)")
-        vocab_size = self.model_config.vocab_size
-        bad_stop_ids = [t for t in params.stop_token_ids if t >= vocab_size]
-        if bad_stop_ids:
-            raise ValueError(f"stop_token_ids: {bad_stop_ids} outside the vocabulary of size {vocab_size}")
-        banned = () if params.min_tokens == 0 else tuple(dict.fromkeys(
-            (() if params.ignore_eos else self.core.eos_token_ids) + params.stop_token_ids
-        ))
-        if len(banned) > MAX_BANNED:
-            raise ValueError(f"stop_token_ids: with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
+        self.add_admitted(request_id, self.admission.admit(prompt, params), arrival_time)
 
-        seq = Sequence(request_id, prompt_token_ids, params, time.monotonic() if arrival_time is None else arrival_time)
+    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
+        """Queue a request that `self.admission` admitted, under a new id. The contract is asserted, not
+        re-checked: servers admit in their own thread and hand this the result."""
+        ids, params = list(request.prompt_token_ids), request.params
+        assert request_id not in self.core, request_id
+        assert 0 < len(ids) < self.max_model_len and len(ids) + params.max_tokens <= self.max_model_len, len(ids)
+        seq = Sequence(request_id, ids, params, time.monotonic() if arrival_time is None else arrival_time)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        banned = self.admission.banned_until_min_tokens(params)
         self.core.add(RequestState(seq, seed, banned, detokenizer, StopStringChecker(params.stop)))
-
-    def _prompt_to_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer; this model has none, pass token ids")
-            if not prompt:
-                raise ValueError("prompt: empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt: empty")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-        return ids
 
     def abort(self, request_id: str) -> bool:
         """Abort a request now: its KV blocks are freed at once and its last output says finish_reason='abort'."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from sarathi_jax.chat_template import ChatTemplate
@@ -47,28 +46,18 @@ class LLM:
         )
         self.engine = LLMEngine(config, warmup=warmup)
         self._next_id = 0
-        self._chat_template: ChatTemplate | None | bool = False  # False: not looked up yet
 
     @property
     def chat_template(self) -> ChatTemplate | None:
         """The model folder's chat template (tokenizer_config.json / chat_template.jinja), or None."""
-        if self._chat_template is False:
-            model = self.engine.config.model
-            self._chat_template = ChatTemplate.from_folder(model) if Path(model).is_dir() else None
-        return self._chat_template  # type: ignore[return-value]
+        return self.engine.admission.chat_template
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                         **template_kwargs: Any) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (no special tokens added on top:
-        the template writes them, as HF's `apply_chat_template(..., tokenize=True)`)."""
-        template = self.chat_template
-        if template is None or self.engine.tokenizer is None:
-            raise ValueError(
-                f"chat: model {self.engine.config.model!r} has no chat template (tokenizer_config.json "
-                "'chat_template' or chat_template.jinja) and tokenizer.json; use generate() with a plain prompt"
-            )
-        text = template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        the template writes them, as HF's `apply_chat_template(..., tokenize=True)`). ValueError (naming
+        `messages`) when the model has no chat template."""
+        return self.engine.admission.chat_prompt_ids(messages, add_generation_prompt, **template_kwargs)
 
     def chat(
         self,

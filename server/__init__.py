@@ -1,6 +1,7 @@
-"""sarathi-jax gRPC generation service (`sarathi.v1.Generation`); see server/README.md.
+"""sarathi-jax gRPC generation service (`sarathi.v1.Generation`) and OpenAI-compatible HTTP API; see
+server/README.md.
 
-    python -m server --model tiny-llama --port 50051 --metrics-port 9090
+    python -m server --model tiny-llama --port 50051 --metrics-port 9090 [--http-port 8000]
     python -m server.client --token-ids 1,2,3 --max-tokens 16 --target 127.0.0.1:50051
 
 `GenerationServer` (server.service) and `run_load` (server.loadgen) resolve lazily, so importing the proto
@@ -15,6 +16,7 @@ from typing import Any
 _EXPORTS = {
     "GenerationServer": "server.service",
     "EngineWorker": "server.engine_worker",
+    "ServingEngine": "server.engine_worker",
     "run_load": "server.loadgen",
     "run_load_async": "server.loadgen",
     "ClientRequestResult": "server.loadgen",

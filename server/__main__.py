@@ -1,4 +1,5 @@
-"""`python -m server --model NAME_OR_DIR --port N [...]`: serve one engine over gRPC.
+"""`python -m server --model NAME_OR_DIR --port N [--http-port M] [...]`: serve one engine over gRPC and/or
+the OpenAI-compatible HTTP API (`--http-port`; `--no-grpc` for HTTP only).
 
 SIGTERM (and a first Ctrl-C) drains: health turns NOT_SERVING, new requests get UNAVAILABLE, running requests
 finish (for at most --drain-grace seconds), then the process exits. A second Ctrl-C stops at once.
@@ -22,6 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-llama", help="preset name or HF checkpoint folder")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    p.add_argument("--no-grpc", action="store_true", help="serve no gRPC (HTTP only: give --http-port)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP API port (off when unset; 0 picks a free one)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: --model)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off when unset)")
     p.add_argument("--token-budget", type=int, default=None)
     p.add_argument("--scheduler", default=None, help="sarathi, vllm, orca, ...")
@@ -78,12 +84,17 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
     print(format_startup(engine.startup_stats()), flush=True)
     # engine.config names what "auto" resolved to (attention backend, cache directory).
-    server = GenerationServer(engine, engine_config=engine.config, host=args.host, port=args.port,
-                              metrics_port=args.metrics_port, max_waiting_requests=args.max_waiting_requests,
+    server = GenerationServer(engine, engine_config=engine.config, model_name=args.served_model_name,
+                              host=args.host, port=None if args.no_grpc else args.port,
+                              metrics_port=args.metrics_port, http_port=args.http_port,
+                              max_waiting_requests=args.max_waiting_requests,
                               max_waiting_prompt_tokens=args.max_waiting_prompt_tokens)
     await server.start()
-    print(f"sarathi server listening on {server.host}:{server.port}"
-          + (f" (metrics on :{server.metrics_port})" if server.metrics_port is not None else ""), flush=True)
+    if server.port is not None:
+        print(f"sarathi server listening on {server.host}:{server.port}"
+              + (f" (metrics on :{server.metrics_port})" if server.metrics_port is not None else ""), flush=True)
+    if server.http_port is not None:
+        print(f"sarathi HTTP API on http://{server.http_host}:{server.http_port}/v1", flush=True)
 
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
@@ -103,7 +114,10 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.no_grpc and args.http_port is None:
+        parser.error("--no-grpc needs --http-port (nothing would be served)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_serve(args))
     return 0

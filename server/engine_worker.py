@@ -13,13 +13,41 @@ import logging
 import queue
 import threading
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+from sarathi_jax.admission import Admission, AdmittedRequest
+from sarathi_jax.config import EngineConfig
+from sarathi_jax.models import ModelConfig
+from sarathi_jax.outputs import IterationRecord, RequestOutput
 
 log = logging.getLogger(__name__)
 
-# A sink receives, in the engine thread, each RequestOutput of its request, or an exception: the ValueError that
-# add_request raised (bad input), or EngineError when an iteration failed. It must not block.
+# A sink receives, in the engine thread, each RequestOutput of its request, or an exception: what add_admitted
+# raised (a broken contract), or EngineError when an iteration failed. It must not block.
 Sink = Callable[[Any], None]
+
+
+class ServingEngine(Protocol):
+    """What the front ends need of an engine (`LLMEngine` is one). Requests are admitted by `admission` in the
+    front end's thread; everything else runs in the engine thread."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    max_model_len: int
+    admission: Admission
+
+    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> dict: ...
+
+    @property
+    def iteration_log(self) -> list[IterationRecord]: ...
 
 # Keep the engine's iteration_log bounded in a long-running server.
 _MAX_ITERATION_LOG = 100_000
@@ -31,7 +59,7 @@ class EngineError(RuntimeError):
 
 
 class EngineWorker:
-    def __init__(self, engine: Any, on_stats: Callable[[dict], None] | None = None,
+    def __init__(self, engine: ServingEngine, on_stats: Callable[[dict], None] | None = None,
                  name: str = "sarathi-engine") -> None:
         self.engine = engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -48,8 +76,8 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request_id: str, prompt: str | list[int], params: Any, arrival_time: float, sink: Sink) -> None:
-        self._queue.put(("add", request_id, prompt, params, arrival_time, sink))
+    def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float, sink: Sink) -> None:
+        self._queue.put(("add", request_id, request, arrival_time, sink))
 
     def abort(self, request_id: str) -> None:
         self._queue.put(("abort", request_id))
@@ -108,10 +136,10 @@ class EngineWorker:
     def _handle(self, cmd: tuple) -> bool:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, arrival, sink = cmd
+            _, rid, request, arrival, sink = cmd
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
-            except Exception as exc:  # ValueError = bad input; anything else is reported as is
+                self.engine.add_admitted(rid, request, arrival_time=arrival)
+            except Exception as exc:  # a broken contract: reported to the request, the engine is unchanged
                 self._deliver(sink, exc)
             else:
                 self._sinks[rid] = sink
@@ -153,8 +181,8 @@ class EngineWorker:
                 self._sinks.pop(out.request_id, None)
             if sink is not None:
                 self._deliver(sink, out)
-        log_ = getattr(self.engine, "iteration_log", None)
-        if isinstance(log_, list) and len(log_) > _MAX_ITERATION_LOG:
+        log_ = self.engine.iteration_log
+        if len(log_) > _MAX_ITERATION_LOG:
             del log_[:-_KEEP_ITERATION_LOG]
 
     def _publish_stats(self) -> None:

@@ -6,7 +6,9 @@
         r.ttft, r.tbts, r.num_tokens, r.finish_reason, r.error
 
 Each request is sent at `start + arrival_time` (seconds, relative to when the driver starts; the list need not
-be sorted) over one shared gRPC channel, as a `Generate` stream. Times are measured at the client with
+be sorted) over one shared gRPC channel, as a `Generate` stream; or, when the target is a URL
+(`http://HOST:PORT`), to the OpenAI-compatible HTTP API as a streamed `POST /v1/completions` (with vLLM's
+`return_token_ids`, so each chunk says which tokens it carries). Times are measured at the client with
 `time.monotonic()`: `ttft` from the moment the request was sent to the first message carrying tokens, `tbts`
 between consecutive tokens. Tokens that arrive in the same message share that message's receipt time (so a
 message with k tokens contributes k-1 zero gaps). Failed requests (e.g. RESOURCE_EXHAUSTED) come back with
@@ -16,6 +18,8 @@ message with k tokens contributes k-1 zero gaps). Failed requests (e.g. RESOURCE
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -103,13 +107,72 @@ async def _one(stub: Any, index: int, arrival: float, prompt: Any, params: Any, 
     return res
 
 
+def is_http(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def completion_body(prompt: Any, params: Any) -> dict[str, Any]:
+    """A streamed /v1/completions body for (prompt, SamplingParams): the engine's fields are vLLM's names."""
+    fields = {k: v for k, v in dataclasses.asdict(params).items() if v is not None and v != ()}
+    return {**fields, "prompt": prompt if isinstance(prompt, str) else list(prompt), "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+
+
+async def _one_http(client: Any, index: int, arrival: float, prompt: Any, params: Any, t0: float,
+                    prefix: str) -> ClientRequestResult:
+    delay = t0 + arrival - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    res = ClientRequestResult(index=index, request_id=f"{prefix}-{index}", arrival_time=arrival,
+                              send_time=time.monotonic() - t0, num_prompt_tokens=0)
+    try:
+        async with client.stream("POST", "/v1/completions", json=completion_body(prompt, params)) as resp:
+            if resp.status_code != 200:
+                detail = json.loads(await resp.aread() or b"{}").get("error", {}).get("message", "")
+                res.error = f"HTTP {resp.status_code}: {detail}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    now = time.monotonic() - t0
+                    if "error" in chunk:
+                        res.error = f"ENGINE_ERROR: {chunk['error'].get('message')}"
+                    for choice in chunk.get("choices", ()):
+                        ids = choice.get("token_ids") or []
+                        res.token_ids.extend(ids)
+                        res.token_times.extend([now] * len(ids))
+                        res.finish_reason = choice.get("finish_reason") or res.finish_reason
+                    if chunk.get("usage"):
+                        res.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
+    except Exception as err:  # noqa: BLE001 - connection errors: reported per request, like gRPC's
+        res.error = f"{type(err).__name__}: {err}"
+    res.end_time = time.monotonic() - t0
+    return res
+
+
+async def _run_load_http(target: str, requests: Sequence[LoadRequest], request_timeout: float | None,
+                         prefix: str) -> list[ClientRequestResult]:
+    import httpx2
+
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx2.AsyncClient(base_url=target, timeout=request_timeout, limits=limits) as client:
+        t0 = time.monotonic()
+        return list(await asyncio.gather(*(
+            _one_http(client, i, float(arrival), prompt, params, t0, prefix)
+            for i, (arrival, prompt, params) in enumerate(requests))))
+
+
 async def run_load_async(target: str, requests: Sequence[LoadRequest], *, request_timeout: float | None = None,
                          channel_options: Sequence[tuple[str, Any]] | None = None,
                          request_id_prefix: str | None = None) -> list[ClientRequestResult]:
     """Send `requests` = [(arrival_time_s, prompt_token_ids_or_text, SamplingParams), ...] to `target`
     ("host:port") concurrently, each at its arrival time; return one ClientRequestResult per request, in input
-    order. `request_timeout` is each RPC's deadline in seconds (None: none)."""
+    order. `request_timeout` is each RPC's deadline in seconds (None: none). A target `http://HOST:PORT` is
+    driven over the OpenAI-compatible HTTP API instead (channel_options do not apply)."""
     prefix = request_id_prefix or f"load-{uuid.uuid4().hex[:8]}"
+    if is_http(target):
+        return await _run_load_http(target, requests, request_timeout, prefix)
     async with grpc.aio.insecure_channel(target, options=list(channel_options or [])) as channel:
         await channel.channel_ready()
         stub = pb_grpc.GenerationStub(channel)
@@ -132,7 +195,20 @@ def run_load(target: str, requests: Sequence[LoadRequest], **kwargs: Any) -> lis
 
 # ------------------------------------------------------------------------------------ bench harness hook
 def _server_info(target: str) -> tuple[Any, Any]:
+    """(model info, stats) with the fields the bench reads: GetModelInfo / GetStats over gRPC; over HTTP the
+    /v1/models card's `sarathi` info and /metrics (no block count there: num_total_blocks is 0)."""
     from server.proto.sarathi.v1 import generation_pb2 as pb
+
+    if is_http(target):
+        import httpx2
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with httpx2.Client(base_url=target, timeout=30) as client:
+            card = client.get("/v1/models").raise_for_status().json()["data"][0]
+            metrics = client.get("/metrics").raise_for_status().text
+        preemptions = sum(s.value for family in text_string_to_metric_families(metrics)
+                          for s in family.samples if s.name == "sarathi:num_preemptions_total")
+        return pb.ModelInfo(**card["sarathi"]), pb.Stats(num_preemptions=int(preemptions))
 
     with grpc.insecure_channel(target) as channel:
         grpc.channel_ready_future(channel).result(timeout=30)
@@ -143,7 +219,8 @@ def _server_info(target: str) -> tuple[Any, Any]:
 
 def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[int]], *, temperature: float = 0.0,
                        progress: bool = False, request_timeout: float | None = None) -> Any:
-    """`python -m sarathi_jax.bench --endpoint HOST:PORT`: replay a bench Workload against a running server.
+    """`python -m sarathi_jax.bench --endpoint HOST:PORT` (gRPC) or `--endpoint http://HOST:PORT` (the
+    OpenAI-compatible HTTP API): replay a bench Workload against a running server.
 
     Request i is sent at workload.arrivals[i] with prompts[i], max_tokens = workload.output_lens[i],
     ignore_eos, `temperature`. Returns a `sarathi_jax.bench.driver.RunResult` whose RequestRecords hold

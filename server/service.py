@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,9 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_reflection.v1alpha import reflection
 
-from sarathi_jax.chat_template import ChatTemplate
+from sarathi_jax.admission import Admission, AdmittedRequest, param_of
+from sarathi_jax.outputs import RequestOutput
 from sarathi_jax.sampling_params import SamplingParams
-from server.engine_worker import EngineError, EngineWorker
+from server.engine_worker import EngineError, EngineWorker, ServingEngine
 from server.metrics import ServerMetrics
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
@@ -48,12 +49,14 @@ _INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
 
 
 class RequestError(Exception):
-    """A request refused before it reached the engine: carries the gRPC status code."""
+    """A request refused or failed: the gRPC status code (the HTTP front end maps it to an HTTP status) and,
+    for bad input, the request field at fault."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
@@ -77,16 +80,26 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def _count_tokens(tokenizer: Any, text: str) -> int:
-    try:
-        enc = tokenizer.encode(text)
-        return len(getattr(enc, "ids", enc))
-    except Exception:  # only used for back-pressure accounting: a rough count will do
-        return max(1, len(text.encode("utf-8")) // 4)
+def admission_from_proto(request: pb.GenerateRequest) -> Callable[[Admission], AdmittedRequest]:
+    """The request's prompt and sampling fields as a `GenerationServer.admit` builder."""
+    which = request.WhichOneof("prompt")
+
+    def build(admission: Admission) -> AdmittedRequest:
+        if which is None:
+            raise ValueError("prompt: must be set (text, token_ids or messages)")
+        params = sampling_params_from_proto(request)
+        if which == "messages":
+            return admission.admit_chat([{"role": m.role, "content": m.content} for m in request.messages.messages],
+                                        params)
+        return admission.admit(request.text if which == "text" else list(request.token_ids.ids), params)
+
+    return build
 
 
 @dataclass
-class _Request:
+class ActiveRequest:
+    """A request between `admit` and `release`: the front end reads its outputs with `next_output`."""
+
     request_id: str
     arrival_time: float
     num_prompt_tokens: int
@@ -99,7 +112,10 @@ class _Request:
 
 
 class GenerationServer:
-    """One engine behind a gRPC `sarathi.v1.Generation` service, health checking and reflection.
+    """One engine behind a gRPC `sarathi.v1.Generation` service, health checking and reflection, and (with
+    `http_port`) the OpenAI-compatible HTTP API of server/http_api.py. Both front ends go through `admit`,
+    `next_output` and `release`: one admission path, one back-pressure rule, one set of metrics. `port=None`
+    serves HTTP only.
 
     Use from asyncio (`await start()`, `await wait_stopped()`, `await drain_async()`), or from plain threads
     (`start_in_thread()`, `drain()`, `stop()`), as the tests and `python -m server` do.
@@ -112,36 +128,40 @@ class GenerationServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: ServingEngine,
         *,
         engine_config: Any = None,
         model_name: str | None = None,
         host: str = "127.0.0.1",
-        port: int = 0,
+        port: int | None = 0,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        http_port: int | None = None,
+        http_host: str | None = None,
         max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
         max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
     ) -> None:
         self.engine = engine
-        self.engine_config = engine_config if engine_config is not None else getattr(engine, "config", None)
-        self.model_name = model_name or str(getattr(self.engine_config, "model", "") or "unknown")
+        self.engine_config = engine_config if engine_config is not None else engine.config
+        self.model_name = model_name or str(self.engine_config.model or "unknown")
         self.host = host
         self.port = port
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host or host
+        self.http_port = http_port
+        self.http_host = http_host or host
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
         self.metrics = ServerMetrics(self.model_name)
         self.worker = EngineWorker(engine, on_stats=self.metrics.update_engine_stats)
-        self._vocab_size = getattr(getattr(engine, "model_config", None), "vocab_size", None)
-        self._active: dict[str, _Request] = {}
+        self._active: dict[str, ActiveRequest] = {}
         self._pending_requests = 0
         self._pending_tokens = 0
         self._draining = False
         self._drain_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._http: Any = None  # server.http_api.HttpFrontEnd
         self._health: Any = None
         self._idle: asyncio.Event | None = None
         self._stopped: asyncio.Event | None = None
@@ -150,12 +170,34 @@ class GenerationServer:
 
     # ----------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Start the engine thread, the gRPC server and the metrics endpoint; SERVING once all are up."""
+        """Start the engine thread, the gRPC and HTTP servers and the metrics endpoint; SERVING once all are up."""
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopped = asyncio.Event()
         self._stop_lock = asyncio.Lock()
+        if self.port is not None:
+            await self._start_grpc()
+        self.worker.start()
+        if self._grpc is not None:
+            await self._grpc.start()
+        if self.http_port is not None:
+            from server.http_api import HttpFrontEnd  # FastAPI and uvicorn load only when HTTP is served
+
+            self._http = HttpFrontEnd(self)
+            self.http_port = await self._http.start(self.http_host, self.http_port)
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
+        # The engine compiles and warms up in its constructor, so it is ready as soon as its thread runs.
+        if self._health is not None:
+            await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s%s%s%s", self.model_name,
+                 f", gRPC on {self.host}:{self.port}" if self.port is not None else "",
+                 f", HTTP on {self.http_host}:{self.http_port}" if self.http_port is not None else "",
+                 f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "")
+
+    async def _start_grpc(self) -> None:
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(_Servicer(self), self._grpc)
         self._health = grpc_health.aio.HealthServicer()
@@ -170,15 +212,6 @@ class GenerationServer:
         if bound == 0:
             raise RuntimeError(f"could not bind {self.host}:{self.port}")
         self.port = bound
-        self.worker.start()
-        await self._grpc.start()
-        if self.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
-        # The engine compiles and warms up in its constructor, so it is ready as soon as its thread runs.
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d%s", self.model_name, self.host, self.port,
-                 f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "")
 
     async def wait_stopped(self) -> None:
         assert self._stopped is not None
@@ -206,14 +239,17 @@ class GenerationServer:
         await self.stop_async(grace=0 if self._active else 1.0)
 
     async def stop_async(self, grace: float | None = None) -> None:
-        """Stop now: in-flight RPCs get `grace` seconds, then are cancelled; the engine thread ends."""
+        """Stop now: in-flight RPCs and HTTP requests get `grace` seconds (None: none), then are cancelled; the
+        engine thread ends."""
         assert self._stop_lock is not None and self._stopped is not None
         async with self._stop_lock:
             if self._stopped.is_set():
                 return
             await self._begin_shutdown()
-            assert self._grpc is not None
-            await self._grpc.stop(grace)
+            stops = [] if self._grpc is None else [self._grpc.stop(grace)]
+            if self._http is not None:
+                stops.append(self._http.stop(grace))
+            await asyncio.gather(*stops)
             await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
             self.metrics.close()
             self._stopped.set()
@@ -300,77 +336,15 @@ class GenerationServer:
         return len(self._active)
 
     # ----------------------------------------------------------------------------------------- requests
-    def _prepare(self, request: pb.GenerateRequest) -> tuple[str, str | list[int], SamplingParams, int]:
-        if self._draining:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        if not self.worker.alive:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
-        which = request.WhichOneof("prompt")
-        if which is None:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must be set (text, token_ids or messages)")
-        prompt: str | list[int]
-        if which == "text":
-            prompt = request.text
-            if not prompt:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
-            tokenizer = getattr(self.engine, "tokenizer", None)
-            if tokenizer is None:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   "prompt: the model has no tokenizer; send token_ids instead of text")
-            num_tokens = _count_tokens(tokenizer, prompt)
-        elif which == "messages":
-            prompt = self._chat_prompt_ids(request.messages)
-            num_tokens = len(prompt)
-        else:
-            prompt = [int(t) for t in request.token_ids.ids]
-            if not prompt:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
-            vocab = self._vocab_size
-            for t in prompt:
-                if t < 0 or (vocab is not None and t >= vocab):
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"prompt.token_ids: token id {t} is outside the vocabulary [0, {vocab})")
-            num_tokens = len(prompt)
-        try:
-            params = sampling_params_from_proto(request)
-        except (ValueError, TypeError) as exc:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling params: {exc}") from None
-        max_len = getattr(self.engine, "max_model_len", None)
-        if max_len and num_tokens < max_len and num_tokens + params.max_tokens > max_len:
-            # The scheduler would refuse it (finish_reason "error"); say so up front, like vLLM's 400.
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_tokens: prompt ({num_tokens} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{num_tokens + params.max_tokens} exceeds max_model_len ({max_len})")
-        if request.HasField("request_id"):
-            rid = request.request_id
-            if not rid:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty when set")
-            if rid in self._active:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
-        else:
-            rid = uuid.uuid4().hex
-        return rid, prompt, params, num_tokens
-
-    def _chat_prompt_ids(self, messages: pb.ChatMessages) -> list[int]:
-        """A `messages` prompt as token ids: the model's chat template, with an assistant turn opened."""
-        conversation = [{"role": m.role, "content": m.content} for m in messages.messages]
-        if not conversation:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt.messages: must not be empty")
-        if not hasattr(self, "_chat_template"):
-            model = getattr(self.engine_config, "model", None)
-            self._chat_template = (ChatTemplate.from_folder(model)
-                                   if isinstance(model, str) and Path(model).is_dir() else None)
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        if self._chat_template is None or tokenizer is None:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "prompt.messages: the model has no chat template (tokenizer_config.json "
-                               "'chat_template' or chat_template.jinja) or no tokenizer; send text or token_ids")
-        try:
-            text = self._chat_template.render(conversation, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template error (raise_exception, sandbox) is the request's fault
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.messages: {exc}") from None
-        return list(tokenizer.encode(text, add_special_tokens=False))
+    def _request_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            return uuid.uuid4().hex
+        if not request_id:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty when set", "request_id")
+        if request_id in self._active:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in flight",
+                               "request_id")
+        return request_id
 
     def _check_capacity(self, num_tokens: int) -> None:
         if self._pending_requests == 0:
@@ -389,11 +363,21 @@ class GenerationServer:
                 f"server overloaded: {self._pending_tokens} prompt tokens waiting, this request adds {num_tokens} "
                 f"(limit max_waiting_prompt_tokens={self.max_waiting_prompt_tokens}); retry later")
 
-    def _admit(self, request: pb.GenerateRequest) -> _Request:
-        """Validate, apply back-pressure and hand the request to the engine thread. Raises RequestError."""
+    def admit(self, build: Callable[[Admission], AdmittedRequest], request_id: str | None = None) -> ActiveRequest:
+        """Validate (`build` calls the engine's admission: tokenisation and chat rendering happen there, once),
+        apply back-pressure and hand the request to the engine thread. Raises RequestError."""
         arrival = time.monotonic()
         try:
-            rid, prompt, params, num_tokens = self._prepare(request)
+            if self._draining:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            if not self.worker.alive:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
+            try:
+                admitted = build(self.engine.admission)
+            except ValueError as exc:  # AdmissionError, SamplingParams' own checks
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param_of(exc)) from None
+            rid = self._request_id(request_id)
+            num_tokens = len(admitted.prompt_token_ids)
             self._check_capacity(num_tokens)
         except RequestError as exc:
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -404,7 +388,7 @@ class GenerationServer:
         loop = self._loop
         assert loop is not None and self._idle is not None
         q: asyncio.Queue = asyncio.Queue()
-        state = _Request(rid, arrival, num_tokens, q)
+        state = ActiveRequest(rid, arrival, num_tokens, q)
         self._active[rid] = state
         self._idle.clear()
         self._pending_requests += 1
@@ -413,27 +397,29 @@ class GenerationServer:
         def sink(item: Any, _put=q.put_nowait) -> None:  # engine thread
             loop.call_soon_threadsafe(_put, item)
 
-        self.worker.submit(rid, prompt, params, arrival, sink)
+        self.worker.submit(rid, admitted, arrival, sink)
         return state
 
-    def _unpend(self, state: _Request) -> None:
+    def _unpend(self, state: ActiveRequest) -> None:
         if state.pending:
             state.pending = False
             self._pending_requests -= 1
             self._pending_tokens -= state.num_prompt_tokens
 
-    def _release(self, state: _Request) -> None:
+    def release(self, state: ActiveRequest) -> None:
+        """The front end is done with the request: abort it in the engine unless it finished."""
         self._unpend(state)
         if self._active.get(state.request_id) is state:
             del self._active[state.request_id]
         if not state.finished:
             # Cancelled, disconnected or past its deadline (or failed): free its KV blocks in the engine.
             self.worker.abort(state.request_id)
+            self.metrics.request_finished("abort")  # as vLLM counts it; the engine's abort output has no reader
             log.debug("request %s ended early: aborted", state.request_id)
         if not self._active and self._idle is not None:
             self._idle.set()
 
-    async def _next_output(self, state: _Request) -> Any:
+    async def next_output(self, state: ActiveRequest) -> RequestOutput:
         """The request's next RequestOutput; raises RequestError for an engine-side error."""
         item = await state.queue.get()
         self._unpend(state)
@@ -451,7 +437,7 @@ class GenerationServer:
             state.finished = True
         return item
 
-    def _observe(self, state: _Request, out: Any) -> None:
+    def _observe(self, state: ActiveRequest, out: Any) -> None:
         m = self.metrics
         rm = out.metrics
         if not state.queue_time_observed and rm.first_scheduled_time is not None:
@@ -475,7 +461,7 @@ class GenerationServer:
             m.e2e.observe(max(0.0, end - state.arrival_time))
             m.request_finished(out.finish_reason or "stop")
 
-    def _timings(self, state: _Request, out: Any, msg: pb.Timings) -> None:
+    def _timings(self, state: ActiveRequest, out: Any, msg: pb.Timings) -> None:
         rm = out.metrics
         if rm.first_scheduled_time is not None:
             msg.queue_time_s = max(0.0, rm.first_scheduled_time - state.arrival_time)
@@ -485,7 +471,7 @@ class GenerationServer:
             end = rm.finished_time if rm.finished_time is not None else time.monotonic()
             msg.e2e_s = max(0.0, end - state.arrival_time)
 
-    def _to_response(self, state: _Request, out: Any) -> pb.GenerateResponse:
+    def _to_response(self, state: ActiveRequest, out: Any) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=state.request_id, token_ids=out.new_token_ids,
                                    text=out.text_delta or "")
         for lp in out.new_logprobs or ():
@@ -511,31 +497,33 @@ class GenerationServer:
         # Writes with context.write() rather than being an async generator, so that a cancellation (client
         # cancel, disconnect, deadline) always lands inside this coroutine and its `finally` aborts the request.
         try:
-            state = self._admit(request)
+            state = self.admit(admission_from_proto(request),
+                               request.request_id if request.HasField("request_id") else None)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         try:
             while True:
                 try:
-                    out = await self._next_output(state)
+                    out = await self.next_output(state)
                 except RequestError as exc:
                     await context.abort(exc.code, exc.message)
                 await context.write(self._to_response(state, out))
                 if out.finished:
                     return
         finally:
-            self._release(state)
+            self.release(state)
 
     async def complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
-            state = self._admit(request)
+            state = self.admit(admission_from_proto(request),
+                               request.request_id if request.HasField("request_id") else None)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         resp = pb.GenerateResponse(request_id=state.request_id)
         try:
             while True:
                 try:
-                    out = await self._next_output(state)
+                    out = await self.next_output(state)
                 except RequestError as exc:
                     await context.abort(exc.code, exc.message)
                 resp.token_ids.extend(out.new_token_ids)
@@ -548,51 +536,37 @@ class GenerationServer:
                     self._finish_fields(out, resp)
                     return resp
         finally:
-            self._release(state)
+            self.release(state)
 
-    def model_info(self) -> pb.ModelInfo:
-        cfg = self.engine_config
-        mc = getattr(self.engine, "model_config", None)
-        arch = ""
-        for name in ("architecture", "arch", "model_type"):
-            value = getattr(mc, name, None)
-            if value:
-                arch = value[0] if isinstance(value, (list, tuple)) else str(value)
-                break
-        if not arch and mc is not None:
-            arch = type(mc).__name__
-        block_size = getattr(cfg, "block_size", None) or getattr(self.engine, "block_size", 0)
-        return pb.ModelInfo(
+    def model_info(self) -> dict[str, Any]:
+        """What GetModelInfo answers (and the HTTP /v1/models card carries)."""
+        cfg, mc = self.engine_config, self.engine.model_config
+        return dict(
             model_name=self.model_name,
-            architecture=arch,
-            max_model_len=int(getattr(self.engine, "max_model_len", 0) or 0),
-            vocab_size=int(getattr(mc, "vocab_size", 0) or 0),
-            scheduler=str(getattr(cfg, "scheduler", "") or ""),
-            token_budget=int(getattr(cfg, "token_budget", 0) or 0),
-            max_num_seqs=int(getattr(cfg, "max_num_seqs", 0) or 0),
-            block_size=int(block_size or 0),
-            has_tokenizer=getattr(self.engine, "tokenizer", None) is not None,
-            dtype=str(getattr(cfg, "dtype", "") or ""),
-            attention_backend=str(getattr(cfg, "attention_backend", "") or ""),
+            architecture=mc.architecture,
+            max_model_len=int(self.engine.max_model_len),
+            vocab_size=int(mc.vocab_size),
+            scheduler=str(cfg.scheduler or ""),
+            token_budget=int(cfg.token_budget or 0),
+            max_num_seqs=int(cfg.max_num_seqs or 0),
+            block_size=int(cfg.block_size or 0),
+            has_tokenizer=self.engine.admission.tokenizer is not None,
+            dtype=str(cfg.dtype or ""),
+            attention_backend=str(cfg.attention_backend or ""),
         )
+
+    async def engine_stats(self) -> dict[str, Any]:
+        """The engine's `stats()`, read between iterations, plus the server's counters."""
+        s = await asyncio.wrap_future(self.worker.call(lambda engine: engine.stats()))
+        return dict(s, num_active_requests=len(self._active), num_pending_requests=self._pending_requests,
+                    num_pending_prompt_tokens=self._pending_tokens, num_iterations=self.worker.num_iterations,
+                    draining=self._draining)
 
     async def stats(self, context: grpc.aio.ServicerContext) -> pb.Stats:
         if not self.worker.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine stopped")
-        s = await asyncio.wrap_future(self.worker.call(lambda engine: engine.stats()))
-        return pb.Stats(
-            num_running=int(s.get("num_running", 0)),
-            num_waiting=int(s.get("num_waiting", 0)),
-            num_free_blocks=int(s.get("num_free_blocks", 0)),
-            num_total_blocks=int(s.get("num_total_blocks", 0)),
-            kv_cache_usage=float(s.get("kv_cache_usage", 0.0)),
-            num_preemptions=int(s.get("num_preemptions", 0)),
-            num_active_requests=len(self._active),
-            num_pending_requests=self._pending_requests,
-            num_pending_prompt_tokens=self._pending_tokens,
-            num_iterations=self.worker.num_iterations,
-            draining=self._draining,
-        )
+        s = await self.engine_stats()
+        return pb.Stats(**{name: s.get(name, 0) for name in pb.Stats.DESCRIPTOR.fields_by_name})
 
 
 class _Servicer(pb_grpc.GenerationServicer):
@@ -606,7 +580,7 @@ class _Servicer(pb_grpc.GenerationServicer):
         return await self._server.complete(request, context)
 
     async def GetModelInfo(self, request, context):
-        return self._server.model_info()
+        return pb.ModelInfo(**self._server.model_info())
 
     async def GetStats(self, request, context):
         return await self._server.stats(context)

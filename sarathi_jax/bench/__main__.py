@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "`python -m sarathi_jax.bench.step_cost --mode calibrate --cost-model-out PATH`) "
                         "instead of the simulator's default")
     g.add_argument("--endpoint", default=None, metavar="HOST:PORT",
-                   help="drive a running server through server/loadgen.py instead of an in-process engine")
+                   help="drive a running server through server/loadgen.py instead of an in-process engine: "
+                        "HOST:PORT (gRPC) or http://HOST:PORT (the OpenAI-compatible HTTP API)")
 
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None, metavar="PATH",

@@ -328,8 +328,12 @@ class Scheduler:
 
     def _never_fits(self, seq: Sequence) -> str | None:
         """Why `seq` can never run under this config and cache, or None."""
+        return self.never_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+
+    def never_fits(self, n: int, m: int) -> str | None:
+        """Why a request of `n` prompt tokens and max_tokens `m` can never run here, or None. Reads only
+        fixed sizes, so admission (sarathi_jax/admission.py) calls it from any thread."""
         cfg, bm = self.config, self.block_manager
-        n, m = seq.num_prompt_tokens, seq.sampling_params.max_tokens
         if n == 0:
             return "prompt is empty"
         if n + m > cfg.max_model_len:

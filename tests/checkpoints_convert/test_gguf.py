@@ -10,7 +10,7 @@ the same `gguf` library and undoes the same Q/K permutation):
 - greedy tokens identical to HF `generate` at token budgets 32 and 256 (group size 3: 9 query heads over 3
   KV heads; budget 32 splits every prompt into chunked prefills), MAX_TOKENS new tokens;
 - generation stops at the end-of-turn token `<|im_end|>` with finish_reason "stop";
-- `LLM.chat` text equals HF's decoded text.
+- `LLM.chat` text equals HF's decoded text, and so does the server's (gRPC `messages`, OpenAI HTTP chat).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from checkpoints_convert.__main__ import main
 from checkpoints_convert.gguf_source import GGUFCheckpoint, _reverse_permute, convert_gguf
 from sarathi_jax import LLM, SamplingParams
+from sarathi_jax.admission import Admission
 from sarathi_jax.chat_template import ChatTemplate, ChatTemplateError
 from sarathi_jax.models import ModelConfig
 
@@ -449,25 +450,40 @@ def test_chat_without_template_is_a_clear_error(smollm2_dir: Path, tmp_path: Pat
     tok_config = json.loads((folder / "tokenizer_config.json").read_text())
     del tok_config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    llm = LLM.__new__(LLM)  # no engine needed to look the template up
-    llm._chat_template = ChatTemplate.from_folder(folder)
-    llm.engine = type("E", (), {"config": type("C", (), {"model": str(folder)})(), "tokenizer": object()})()
+    llm = LLM.__new__(LLM)  # no engine needed: admission alone refuses the conversation
+    admission = Admission(vocab_size=49152, max_model_len=1024, tokenizer=object(), eos_token_ids=(),
+                          chat_template=ChatTemplate.from_folder(folder), never_fits=lambda n, m: None)
+    llm.engine = type("E", (), {"admission": admission})()
     with pytest.raises(ValueError, match="has no chat template"):
         llm.chat([{"role": "user", "content": "hi"}])
 
 
-def test_grpc_messages_prompt(llm: LLM, hf, hf_greedy) -> None:
-    """The gRPC `messages` prompt renders the chat template like `LLM.chat` (last: the server takes the engine
-    over and hands it back idle when stopped)."""
+def test_server_chat_grpc_messages_and_openai_http(llm: LLM, hf, hf_greedy) -> None:
+    """The gRPC `messages` prompt and the HTTP API's /v1/chat/completions (official `openai` client, streamed and
+    not) render the chat template like `LLM.chat` (last: the server takes the engine over and hands it back idle
+    when stopped)."""
     import grpc
+    import openai
 
     from server.client import make_request
     from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
     from server.service import GenerationServer
 
-    srv = GenerationServer(llm.engine, engine_config=llm.engine.config, host="127.0.0.1", port=0)
+    srv = GenerationServer(llm.engine, engine_config=llm.engine.config, host="127.0.0.1", port=0, http_port=0,
+                           model_name="smollm2")
     srv.start_in_thread()
     try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        expected = hf[1].decode(hf_greedy[0], skip_special_tokens=True)
+        reply = client.chat.completions.create(model="smollm2", messages=CHAT_PROMPTS[0], temperature=0.0,
+                                               max_tokens=MAX_TOKENS)
+        assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens == len(hf_greedy[0])
+        chunks = list(client.chat.completions.create(model="smollm2", messages=CHAT_PROMPTS[0], temperature=0.0,
+                                                     max_tokens=MAX_TOKENS, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "stop"
         with grpc.insecure_channel(srv.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             msgs = list(stub.Generate(make_request(CHAT_PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS),
@@ -475,9 +491,12 @@ def test_grpc_messages_prompt(llm: LLM, hf, hf_greedy) -> None:
             assert [t for m in msgs for t in m.token_ids] == hf_greedy[0]
             assert "".join(m.text for m in msgs) == hf[1].decode(hf_greedy[0], skip_special_tokens=True)
             assert msgs[-1].finish_reason == 1  # FINISH_REASON_STOP
-            srv._chat_template = None  # as for a model without a template
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(make_request(CHAT_PROMPTS[0], max_tokens=4), timeout=60))
+            template, llm.engine.admission.chat_template = llm.engine.admission.chat_template, None
+            try:  # as for a model without a template
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(make_request(CHAT_PROMPTS[0], max_tokens=4), timeout=60))
+            finally:
+                llm.engine.admission.chat_template = template
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "no chat template" in err.value.details()
     finally:

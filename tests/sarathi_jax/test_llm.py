@@ -104,9 +104,10 @@ def test_generate_rejects_bad_batch_and_keeps_serving(llm):
     assert len(out.token_ids) == 2
 
 
-def test_request_too_long_for_max_model_len_finishes_with_error(llm):
-    [out] = llm.generate([[1, 2, 3] * 40], SamplingParams(max_tokens=200))  # 120 + 200 > 256
-    assert out.finish_reason == "error" and "max_model_len" in out.error
+def test_request_too_long_for_max_model_len_is_refused_at_admission(llm):
+    with pytest.raises(ValueError, match="max_tokens: .*max_model_len"):
+        llm.generate([[1, 2, 3] * 40], SamplingParams(max_tokens=200))  # 120 + 200 > 256
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks
 
 
 def test_streamed_text_deltas_add_up_and_never_show_the_stop_string(llm):

@@ -23,3 +23,13 @@ def llama_engine(hf_checkpoint):
     from grpc_test_utils import make_engine
 
     return make_engine(hf_checkpoint("llama"))
+
+
+@pytest.fixture
+def engine_resumed(server):
+    """Tests that pause the engine of their module's `server` get it resumed (and the back-pressure limits
+    restored) whatever happens."""
+    limits = (server.max_waiting_requests, server.max_waiting_prompt_tokens)
+    yield server
+    server.resume_engine()
+    server.max_waiting_requests, server.max_waiting_prompt_tokens = limits

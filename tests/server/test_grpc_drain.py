@@ -1,11 +1,13 @@
 """Draining (the SIGTERM path): no new requests, in-flight streams complete, then the server exits.
 
-In-process through `GenerationServer.drain()`, and end to end with `python -m server` and a real SIGTERM.
+In-process through `GenerationServer.drain()`, and end to end with `python -m server` (gRPC and HTTP) and a real
+SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import signal
@@ -15,6 +17,7 @@ import threading
 import time
 
 import grpc
+import httpx2
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -90,9 +93,10 @@ def _read_lines(stream, out: queue.Queue) -> None:
 
 
 def test_sigterm_drains_then_exits(hf_checkpoint):
+    """gRPC and the HTTP API (`--http-port`) drain together: both refuse new requests, both finish their stream."""
     model_dir = hf_checkpoint("llama")
     cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-           "--metrics-port", "0", "--token-budget", str(ENGINE_KW["token_budget"]),
+           "--metrics-port", "0", "--http-port", "0", "--token-budget", str(ENGINE_KW["token_budget"]),
            "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]), "--num-blocks", str(ENGINE_KW["num_blocks"]),
            "--max-model-len", "1024", "--scheduler", "sarathi", "--dtype", "float32",
            "--attention-backend", "xla", "--log-level", "WARNING"]
@@ -101,9 +105,9 @@ def test_sigterm_drains_then_exits(hf_checkpoint):
     threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
     log: list[str] = []
     try:
-        target = None
+        target = url = None
         deadline = time.monotonic() + 120
-        while target is None and time.monotonic() < deadline:
+        while (target is None or url is None) and time.monotonic() < deadline:
             try:
                 line = lines.get(timeout=1)
             except queue.Empty:
@@ -113,10 +117,16 @@ def test_sigterm_drains_then_exits(hf_checkpoint):
             log.append(line)
             if "listening on" in line:
                 target = line.split("listening on", 1)[1].split()[0]
-        assert target, "server did not start:\n" + "".join(log)
+            if "HTTP API on" in line:
+                url = line.split("HTTP API on", 1)[1].split()[0].removesuffix("/v1")
+        assert target and url, "server did not start:\n" + "".join(log)
         assert _health(target) == health_pb2.HealthCheckResponse.SERVING
 
-        with grpc.insecure_channel(target) as channel:
+        body = {"prompt": [5, 6, 8], "max_tokens": LONG_MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        with grpc.insecure_channel(target) as channel, httpx2.Client(base_url=url, timeout=120) as http, \
+                http.stream("POST", "/v1/completions", json=body) as http_stream:
+            assert http_stream.status_code == 200
             stub = pb_grpc.GenerationStub(channel)
             # Long enough (~1000 steps) to still be running while the checks below happen.
             call = stub.Generate(make_request([5, 6, 7], max_tokens=LONG_MAX_TOKENS, temperature=0.0,
@@ -128,11 +138,17 @@ def test_sigterm_drains_then_exits(hf_checkpoint):
             with pytest.raises(grpc.RpcError) as info:  # no new requests while draining
                 stub.Complete(make_request([1, 2], max_tokens=2), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert http.get("/health").status_code == 503
+            assert http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}).status_code == 503
             for msg in call:  # ... but the in-flight stream runs to the end
                 tokens.extend(msg.token_ids)
                 last = msg
             assert len(tokens) == LONG_MAX_TOKENS and last.finished
             assert finish_reason_name(last.finish_reason) == "length"
+            chunks = [json.loads(line[6:]) for line in http_stream.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == LONG_MAX_TOKENS
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

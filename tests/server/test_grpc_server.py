@@ -78,15 +78,6 @@ def stub(server):
     channel.close()
 
 
-@pytest.fixture
-def engine_resumed(server):
-    """Tests that pause the engine get it resumed (and the back-pressure limits restored) whatever happens."""
-    limits = (server.max_waiting_requests, server.max_waiting_prompt_tokens)
-    yield server
-    server.resume_engine()
-    server.max_waiting_requests, server.max_waiting_prompt_tokens = limits
-
-
 def greedy(**kw):
     return dict(temperature=0.0, ignore_eos=True, **kw)
 

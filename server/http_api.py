@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP front end: FastAPI on uvicorn, in the gRPC server's event loop.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both streamed with server-sent
+events when `stream` is true, ending `data: [DONE]`), GET /health, GET /metrics (the server's Prometheus
+registry). Requests go through `GenerationServer.admit` / `next_output` / `release`, as gRPC's do: same
+admission, back-pressure (429, gRPC's RESOURCE_EXHAUSTED), cancellation (a client that disconnects aborts its
+request, which frees its KV blocks at once) and metrics. Errors use OpenAI's JSON shape
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
+from sarathi_jax.outputs import RequestOutput, TokenLogprob
+from server.openai_schema import ChatCompletionRequest, CompletionRequest
+from server.service import ActiveRequest, GenerationServer, RequestError
+
+# gRPC status (the servers' shared vocabulary) -> HTTP status and OpenAI error type.
+_HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error_json(exc: RequestError) -> dict[str, Any]:
+    _, type_ = _HTTP_STATUS.get(exc.code, (500, "server_error"))
+    return error_body(exc.message, type_, exc.param, exc.code.name.lower())
+
+
+def error_response(exc: RequestError) -> JSONResponse:
+    return JSONResponse(_error_json(exc), status_code=_HTTP_STATUS.get(exc.code, (500, ""))[0])
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+class _Renderer:
+    """Turns one request's engine outputs into OpenAI response objects (completion or chat flavour)."""
+
+    def __init__(self, server: GenerationServer, body: CompletionRequest | ChatCompletionRequest) -> None:
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.body = body
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = server.model_name
+        self.tokenizer = server.engine.admission.tokenizer
+        self.text_offset = 0
+
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"  # vLLM's spelling for a model without a tokenizer
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        if self.body.requested_logprobs() is None:
+            return None
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                token = self._token(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+                                for lp in entries]}
+        tokens = [self._token(lp.token_id) for lp in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
+                "top_logprobs": [{self._token(i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
+                                 for lp in entries],
+                "text_offset": offsets}
+
+    def choice(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
+               finish_reason: str | None, *, stream: bool, first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            if stream:
+                choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(logprobs)
+        choice["finish_reason"] = finish_reason
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    if out.finish_reason == "error":
+        raise RequestError(grpc.StatusCode.INTERNAL, out.error or "the engine could not serve this request")
+    return out.finish_reason
+
+
+class _Api:
+    def __init__(self, server: GenerationServer) -> None:
+        self.server = server
+
+    def _check_body(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What admission cannot know: fields this server does not honour, and the model name."""
+        field = body.unsupported()
+        if field is not None:
+            raise AdmissionError(field, "not supported by this server")
+        if body.model and body.model != self.server.model_name:
+            raise AdmissionError("model", f"the model `{body.model}` does not exist; this server serves "
+                                          f"`{self.server.model_name}`")
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        def build(admission: Admission) -> AdmittedRequest:
+            self._check_body(body)
+            params = body.sampling_params(body.logprobs, body.max_tokens)
+            return admission.admit(body.single_prompt(), params)
+
+        return await self._serve(body, build, request)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        def build(admission: Admission) -> AdmittedRequest:
+            self._check_body(body)
+            ids = admission.chat_prompt_ids([m.as_template_message() for m in body.messages])
+            max_tokens = body.requested_max_tokens()
+            if max_tokens is None:  # OpenAI's default for chat: as much as the context leaves
+                max_tokens = admission.max_model_len - len(ids)
+            return admission.check(ids, body.sampling_params(body.requested_logprobs(), max_tokens))
+
+        return await self._serve(body, build, request)
+
+    async def _serve(self, body: CompletionRequest | ChatCompletionRequest,
+                     build: Callable[[Admission], AdmittedRequest], request: Request) -> Response:
+        state = self.server.admit(build)  # RequestError -> the exception handler
+        renderer = _Renderer(self.server, body)
+        if body.stream:
+            return StreamingResponse(self._stream(state, renderer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            result = await _until_disconnect(self._complete(state, renderer), request)
+        finally:
+            self.server.release(state)
+        # None: the client left (nobody reads this answer; 499 is nginx's "client closed request").
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    async def _complete(self, state: ActiveRequest, r: _Renderer) -> dict[str, Any]:
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        while True:
+            out = await self.server.next_output(state)
+            token_ids.extend(out.new_token_ids)
+            logprobs.extend(out.new_logprobs)
+            if out.finished:
+                choice = r.choice(out.text, tuple(token_ids), tuple(logprobs), _finish_reason(out), stream=False)
+                return {**r.envelope([choice], stream=False), "usage": _usage(out)}
+
+    async def _stream(self, state: ActiveRequest, r: _Renderer) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client disconnects: `finally` aborts the request.
+        usage: dict[str, Any] = {"usage": None} if r.body.include_usage else {}
+        try:
+            first = True
+            while True:
+                try:
+                    out = await self.server.next_output(state)
+                    finish = _finish_reason(out)
+                except RequestError as exc:  # the status line is sent: report it in-band, as vLLM does
+                    yield _sse(_error_json(exc))
+                    break
+                if out.new_token_ids or out.text_delta or out.finished:
+                    choice = r.choice(out.text_delta, out.new_token_ids, out.new_logprobs, finish, stream=True,
+                                      first=first)
+                    first = False
+                    yield _sse({**r.envelope([choice], stream=True), **usage})
+                if out.finished:
+                    if usage:
+                        yield _sse({**r.envelope([], stream=True), "usage": _usage(out)})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            self.server.release(state)
+
+
+async def _until_disconnect(work: Any, request: Request) -> Any:
+    """Await `work`; if the client disconnects first, cancel it and return None (the caller's `finally`
+    aborts the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
+def build_app(server: GenerationServer) -> FastAPI:
+    api = _Api(server)
+    app = FastAPI(title="sarathi-jax", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":  # loc is ("body", character position)
+            param, message = None, f"the body is not valid JSON: {err.get('msg')} at character {err['loc'][-1]}"
+        else:
+            param = ".".join(str(part) for part in err.get("loc", ()) if part != "body") or None
+            message = f"{param}: {err.get('msg', 'invalid request')}" if param else err.get("msg", "invalid request")
+        server.metrics.request_rejected("invalid_argument")
+        return JSONResponse(error_body(message, "invalid_request_error", param, err.get("type")), status_code=400)
+
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = server.model_info()
+        card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "sarathi-jax",
+                "root": str(server.engine_config.model), "max_model_len": info["max_model_len"], "sarathi": info}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = not server.draining and server.worker.alive
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: the process's SIGTERM handler drains both front ends."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class HttpFrontEnd:
+    """The app on uvicorn, in the running event loop."""
+
+    def __init__(self, server: GenerationServer) -> None:
+        self.app = build_app(server)
+        self._uvicorn: _EmbeddedUvicorn | None = None
+        self._task: asyncio.Future | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve on host:port (0 picks a free port); returns the bound port once accepting connections."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False)
+        self._uvicorn = _EmbeddedUvicorn(config)
+        self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:  # uvicorn sets a flag, no event: poll the loop briefly
+            if self._task.done():
+                self._task.result()  # raises the start-up error
+                raise RuntimeError("HTTP server exited during start-up")
+            await asyncio.sleep(0.01)
+        return sock.getsockname()[1]
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop accepting; requests in flight get `grace` seconds (None: none), then are cancelled."""
+        if self._uvicorn is None or self._task is None:
+            return
+        # A moment even without grace: uvicorn's wait for its tasks would time out (and log it) at 0.
+        self._uvicorn.config.timeout_graceful_shutdown = grace or 0.05
+        self._uvicorn.should_exit = True
+        await self._task

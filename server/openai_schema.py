@@ -1,0 +1,140 @@
+"""Request bodies of the OpenAI-compatible HTTP API (pydantic), and their mapping onto `SamplingParams`.
+
+Unknown fields are ignored, as OpenAI's API does. Fields this engine cannot honour (`n > 1`, `best_of > 1`,
+`echo`, `suffix`, `tools`, a non-text `response_format`) are refused by `unsupported()`, naming the field.
+vLLM's extra sampling fields are accepted as vLLM accepts them: `top_k`, `min_p`, `min_tokens`,
+`stop_token_ids`, `ignore_eos`, and `return_token_ids` (each choice then carries its new `token_ids`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from sarathi_jax.admission import AdmissionError
+from sarathi_jax.sampling_params import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this engine cannot honour, or None."""
+        return "n" if self.n != 1 else None
+
+    def sampling_params(self, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams of this body (ValueError naming the field); unset fields keep its defaults."""
+        fields: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                      top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens,
+                                      max_tokens=max_tokens, logprobs=logprobs)
+        kwargs = {k: v for k, v in fields.items() if v is not None}
+        return SamplingParams(stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+                              ignore_eos=self.ignore_eos, **kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt`: text or token ids (a batch of one is taken as that one prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        return super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (AdmissionError for a batch)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise AdmissionError("prompt", f"batches of prompts are not supported (got {len(prompt)}); "
+                                               "send one request per prompt")
+            return prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it: content parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return super().unsupported()
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "TextPart"]
