@@ -11,7 +11,6 @@ from typing import Any
 _EXPORTS = {
     "LLM": "sarathi_jax.llm",
     "LLMEngine": "sarathi_jax.engine",
-    "Engine": "sarathi_jax.engine",
     "EngineConfig": "sarathi_jax.config",
     "SamplingParams": "sarathi_jax.sampling_params",
     "RequestOutput": "sarathi_jax.outputs",
@@ -27,4 +26,4 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'sarathi_jax' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
-    return getattr(module, "LLMEngine" if name == "Engine" else name)
+    return getattr(module, name)

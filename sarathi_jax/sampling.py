@@ -108,12 +108,6 @@ class SamplerOutput(NamedTuple):
 SamplingRow = tuple[SamplingParams, int, int, Sequence[int]]  # (params, seed, step, banned ids)
 
 
-def seed_to_key_data(seed: int) -> tuple[int, int]:
-    """Raw threefry key data equal to `jax.random.PRNGKey(seed)` (x64 semantics), seed taken modulo 2**64."""
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return (seed >> 32) & _U32_MASK, seed & _U32_MASK
-
-
 def make_sampling_arrays(rows: Sequence[SamplingRow], max_num_seqs: int) -> SamplingArrays:
     """Host-side numpy arrays for `sample`; rows past len(rows) are padding (temperature -1: no work, ignored).
 

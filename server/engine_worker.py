@@ -69,7 +69,6 @@ class EngineWorker:
         self._stopped = threading.Event()
         self.num_iterations = 0  # engine steps taken
         self.num_wakeups = 0  # passes through the loop: stays put while idle (the thread blocks, no spin)
-        self.last_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --- called from any thread --------------------------------------------------------------------------
@@ -170,7 +169,6 @@ class EngineWorker:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            self.last_error = exc
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_all(EngineError(f"engine step failed: {exc!r}"))
             return

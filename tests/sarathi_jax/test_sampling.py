@@ -29,7 +29,6 @@ from sarathi_jax.sampling import (
     sample,
     sample_jit,
     sampler_variant,
-    seed_to_key_data,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -173,13 +172,6 @@ def test_seed_and_step_drive_the_randomness() -> None:
     seeds = run(logits, [row(seed=1000 + i, step=3) for i in range(S)])
     assert len(set(steps.token_ids.tolist())) > S // 2
     assert len(set(seeds.token_ids.tolist())) > S // 2
-
-
-def test_seed_key_data_matches_prng_key() -> None:
-    for seed in (0, 1, 12345, 2**32 - 1):
-        assert seed_to_key_data(seed) == tuple(int(x) for x in jax.random.key_data(jax.random.PRNGKey(seed)))
-    assert seed_to_key_data(2**40 + 5) == (2**8, 5)
-    assert seed_to_key_data(2**64 + 5) == seed_to_key_data(5)  # reduced modulo 2**64
 
 
 # ----------------------------------------------------------------------------------------------- distributions
