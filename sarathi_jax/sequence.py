@@ -44,6 +44,10 @@ class Sequence:
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # owned by the BlockManager: only it grows or clears this
+        # Prefix caching, also the BlockManager's: content hashes of the leading full blocks of known tokens
+        # (kept across preemption: the tokens do not change), and how many table entries it has registered.
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
