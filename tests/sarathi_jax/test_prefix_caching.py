@@ -15,13 +15,7 @@ BLOCK = 16
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def llama_dir(hf_checkpoint):
-    return hf_checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def prompts():
+def shared_prefix_prompts() -> list[list[int]]:
     rng = np.random.default_rng(7)
     r = lambda n: rng.integers(3, 256, size=n).tolist()  # noqa: E731
     system = r(50)
@@ -50,8 +44,10 @@ def hf_generate(model_dir, prompts, max_tokens: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(llama_dir, prompts):
-    return hf_generate(llama_dir, prompts, MAX_TOKENS)
+def case(hf_checkpoint) -> tuple:
+    """(tiny Llama folder, the prompts, HF's greedy continuations of them)."""
+    model_dir, prompts = hf_checkpoint("llama"), shared_prefix_prompts()
+    return model_dir, prompts, hf_generate(model_dir, prompts, MAX_TOKENS)
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
@@ -98,7 +94,8 @@ def hit_tokens(engine: LLMEngine) -> int:
 
 
 @pytest.mark.parametrize("token_budget", [16, 256])
-def test_greedy_and_seeded_samples_are_exact_with_prefix_caching(llama_dir, prompts, hf_greedy, token_budget):
+def test_greedy_and_seeded_samples_are_exact_with_prefix_caching(case, token_budget):
+    llama_dir, prompts, hf_greedy = case
     on = make_engine(llama_dir, token_budget=token_budget)
     assert on.config.enable_prefix_caching  # the default
     got = run(on, prompts, greedy, "g")
@@ -117,7 +114,8 @@ def test_greedy_and_seeded_samples_are_exact_with_prefix_caching(llama_dir, prom
     assert prefill(on) < 2 * prefill(off) - 2 * 150
 
 
-def test_preemption_and_aborts_while_prefix_blocks_are_shared(llama_dir, prompts):
+def test_preemption_and_aborts_while_prefix_blocks_are_shared(case):
+    llama_dir, prompts, _ = case
     # 12 blocks for 8 requests of up to 75 + 40 tokens: decodes outgrow memory and preempt later arrivals,
     # whose blocks are partly shared with running requests and come back from the cache when they resume.
     expected = hf_generate(llama_dir, prompts, 40)
@@ -131,7 +129,8 @@ def test_preemption_and_aborts_while_prefix_blocks_are_shared(llama_dir, prompts
     assert engine.stats()["num_free_blocks"] == 12
 
 
-def test_pipeline_parallel_with_prefix_caching(llama_dir, prompts, hf_greedy):
+def test_pipeline_parallel_with_prefix_caching(case):
+    llama_dir, prompts, hf_greedy = case
     engine = make_engine(llama_dir, pipeline_parallel_size=2)
     got = run(engine, prompts, greedy, "pp")
     assert [got[i] for i in range(len(prompts))] == hf_greedy and hit_tokens(engine) == 160
