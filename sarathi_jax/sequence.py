@@ -89,8 +89,9 @@ class Sequence:
 
     @property
     def is_decode(self) -> bool:
-        """Past its (re-)prefill: exactly the last sampled token still needs its K/V computed."""
-        return self.num_computed_tokens > 0 and self.num_uncomputed_tokens == 1
+        """Past its (re-)prefill: exactly the last sampled token still needs its K/V computed. (A prompt whose
+        last token alone is left, after chunks or a cached prefix, is still prefilling.)"""
+        return self.num_computed_tokens >= self.num_prompt_tokens and self.num_uncomputed_tokens == 1
 
     @property
     def is_finished(self) -> bool:
