@@ -86,6 +86,8 @@ class EngineConfig:
     scan_layers: run the decoder layers as one `nn.scan` over the stacked layer weights (compile time
         independent of depth) or unrolled (faster steps on GPU); None: unrolled on GPU, scanned elsewhere
         (see `resolve_scan_layers`). Weights are stored and loaded stacked either way.
+    enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (automatic prefix
+        caching, as vLLM V1: on by default); see sarathi_jax/block_manager.py.
     compilation_cache_dir: JAX's persistent compilation cache. "auto": $SARATHI_JAX_COMPILATION_CACHE (a
         directory, or "0"/"off"/"" for none), else ~/.cache/sarathi-jax/jax ($XDG_CACHE_HOME honoured); a
         path; None or "off": no cache. Process-wide; see sarathi_jax/compile_cache.py.
@@ -110,6 +112,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     async_scheduling: bool = True
     scan_layers: bool | None = None
+    enable_prefix_caching: bool = True
     compilation_cache_dir: str | None = "auto"
 
     def __post_init__(self) -> None:
@@ -120,8 +123,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.token_budget % 16:
             raise ValueError(f"token_budget must be a multiple of 16 (the smallest bucket), got {self.token_budget}")
         if self.num_blocks is not None and self.num_blocks < 1:

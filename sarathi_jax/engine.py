@@ -92,7 +92,8 @@ class LLMEngine:
                 num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
                 self.scheduler_config = sizing.scheduler_config
                 self.block_manager = BlockManager(
-                    num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks)
+                    num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks),
+                    enable_prefix_caching=config.enable_prefix_caching,
                 )
                 self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
                 self.runner = ModelRunner(
@@ -194,6 +195,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their requests; nothing is reused after)."""
+        self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         """One iteration of the engine core: schedule and dispatch a batch, retire the oldest in flight.

@@ -44,6 +44,10 @@ class Sequence:
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # owned by the BlockManager: only it grows or clears this
+        # Prefix caching, also the BlockManager's: content hashes of the leading full blocks of known tokens
+        # (kept across preemption: the tokens do not change), and how many table entries it has registered.
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -85,8 +89,9 @@ class Sequence:
 
     @property
     def is_decode(self) -> bool:
-        """Past its (re-)prefill: exactly the last sampled token still needs its K/V computed."""
-        return self.num_computed_tokens > 0 and self.num_uncomputed_tokens == 1
+        """Past its (re-)prefill: exactly the last sampled token still needs its K/V computed. (A prompt whose
+        last token alone is left, after chunks or a cached prefix, is still prefilling.)"""
+        return self.num_computed_tokens >= self.num_prompt_tokens and self.num_uncomputed_tokens == 1
 
     @property
     def is_finished(self) -> bool:

@@ -128,10 +128,13 @@ class SimulatedEngine:
         cost_model: IterationCost | None = None,
         *,
         async_scheduling: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cost_model = cost_model or CostModel()
-        self.block_manager = BlockManager(num_blocks, block_size)
+        # Off unless asked (unlike EngineConfig): prompts given as lengths are the same made-up ids, so every
+        # request would share its prefix with every other.
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = make_scheduler(scheduler_config, self.block_manager)
         self.max_model_len = scheduler_config.max_model_len
         self.model_config = None
@@ -183,6 +186,9 @@ class SimulatedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         return self.core.step()

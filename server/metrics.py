@@ -18,6 +18,8 @@ Names follow vLLM's (`vllm:` -> `sarathi:`), labelled with `model_name` like vLL
 | sarathi:generation_tokens_total | counter | generated tokens |
 | sarathi:request_success_total | counter | finished requests, label finished_reason |
 | sarathi:request_rejected_total | counter | requests refused, label reason (not in vLLM) |
+| sarathi:prefix_cache_queries_total | counter | prompt tokens looked up in the prefix cache at admission |
+| sarathi:prefix_cache_hits_total | counter | of those, tokens found cached (not recomputed) |
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished requests.", labels + ["finished_reason"],
                                 registry=r)
         self._rejected = Counter(PREFIX + "request_rejected", "Refused requests.", labels + ["reason"], registry=r)
-        self._last_preemptions = 0
+        self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries", "Prefix-cache queries, in tokens.",
+                                            labels, registry=r).labels(model_name)
+        self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits", "Prefix-cache hits, in tokens.", labels,
+                                         registry=r).labels(model_name)
+        self._last_totals: dict[str, int] = {}  # engine stat -> the cumulative total already counted
         self._http = None
 
     def request_finished(self, reason: str) -> None:
@@ -76,10 +82,12 @@ class ServerMetrics:
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
-        total = int(stats.get("num_preemptions", 0))
-        if total > self._last_preemptions:
-            self.preemptions.inc(total - self._last_preemptions)
-        self._last_preemptions = max(total, self._last_preemptions)
+        for key, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_cache_queries),
+                             ("prefix_cache_hits", self.prefix_cache_hits)):
+            total, last = int(stats.get(key, 0)), self._last_totals.get(key, 0)
+            if total > last:  # the engine's totals are cumulative; counters take the increase
+                counter.inc(total - last)
+            self._last_totals[key] = max(total, last)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Start the HTTP /metrics endpoint in a daemon thread; returns the bound port (port 0 picks one)."""

@@ -22,7 +22,8 @@ from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR, fmt_seconds, summarize
 from sarathi_jax.bench.plots import write_plots  # matplotlib itself loads only when plotting
 from sarathi_jax.bench.report import format_table, write_run, write_summary
-from sarathi_jax.bench.workload import ARRIVAL_PROCESSES, Workload, synthetic_workload, trace_workload
+from sarathi_jax.bench.workload import (ARRIVAL_PROCESSES, Workload, as_conversations, synthetic_workload,
+                                        trace_workload, with_shared_prefix)
 from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
 
 try:  # plain Python, no JAX
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EngineConfig.pipeline_parallel_size; the bubble fraction of each run is printed")
     g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="EngineConfig.async_scheduling: overlap host work with the device (default on)")
+    g.add_argument("--prefix-caching", default="off",
+                   help="EngineConfig.enable_prefix_caching: off, on, or off,on to compare both on the same "
+                        "requests (off by default here, as in the paper's systems; the engine's default is on)")
     g.add_argument("--simulate", action="store_true",
                    help="use SimulatedEngine (real schedulers, cost model, virtual clock) instead of LLMEngine")
     g.add_argument("--cost-model", default=None, metavar="PATH",
@@ -135,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     w.add_argument("--offline", action="store_true", help="all requests at t=0 (throughput)")
     w.add_argument("--seed", type=int, default=0, help="workload seed (lengths, arrivals, sampled rows, prompts)")
+    w.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a system prompt), then its own prompt length")
+    w.add_argument("--multi-turn", type=int, default=1, metavar="K",
+                   help="group requests into K-turn conversations: turn i re-sends turns 1..i-1 (prompts and "
+                        "replies as long as their outputs) before its own prompt")
     w.add_argument("--temperature", type=float, default=0.0)
 
     s = p.add_argument_group("SLOs and capacity")
@@ -177,18 +186,22 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
     for s_ in schedulers:
         if s_ not in SCHEDULER_POLICIES:
             raise BenchError(f"--scheduler: unknown policy {s_!r}; choose from {', '.join(SCHEDULER_POLICIES)}")
+    caching = _csv_list(args.prefix_caching, str, "--prefix-caching")
+    if any(c not in ("off", "on") for c in caching):
+        raise BenchError(f"--prefix-caching: expected off, on or off,on, got {args.prefix_caching!r}")
     configs = []
     for s_ in dict.fromkeys(schedulers):
-        if s_ in TOKEN_BUDGET_POLICIES:
-            for b in dict.fromkeys(budgets):
-                configs.append({"label": f"{s_}-{b}", "scheduler": s_, "token_budget": b})
-        else:
-            configs.append({"label": s_, "scheduler": s_, "token_budget": max(budgets)})
+        runs = [(f"{s_}-{b}", b) for b in dict.fromkeys(budgets)] if s_ in TOKEN_BUDGET_POLICIES else [(s_, max(budgets))]
+        for label, b in runs:
+            for c in dict.fromkeys(caching):
+                configs.append({"label": label + ("+prefix" if c == "on" else ""), "scheduler": s_,
+                                "token_budget": b, "prefix_caching": c == "on"})
     return configs
 
 
 def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
-    kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"]}
+    kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"],
+          "enable_prefix_caching": cfg.get("prefix_caching", False)}
     for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
                  "max_num_batched_tokens", "tile_size", "dtype", "attention_backend",
                  "tensor_parallel_size", "pipeline_parallel_size", "async_scheduling", "compilation_cache_dir"):
@@ -265,7 +278,8 @@ def _scale(wl: Workload, args: argparse.Namespace) -> Workload:
         if not math.isfinite(wl.mean_rate):
             raise BenchError("--rate-scale has no effect on an offline workload")
         wl = wl.scale_rate(args.rate_scale)
-    return wl
+    # After scaling: the lengths scaled are the requests' own; the shared parts are taken as given.
+    return with_shared_prefix(as_conversations(wl, args.multi_turn), args.shared_prefix_len)
 
 
 def engine_description(engine: Any, kwargs: dict, simulate: bool) -> dict:

@@ -96,6 +96,7 @@ class RunResult:
     config: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     pipeline: dict | None = None  # engine.pipeline_stats() of the run (bubble fraction) under pipeline parallelism
+    prefix_cache: dict | None = None  # this run's prefix-cache "queries" and "hits" (tokens), when the engine counts them
 
 
 @dataclass
@@ -121,9 +122,10 @@ def _iteration_dict(it: Any, t0: float) -> dict:
     return d
 
 
-def _num_preemptions(engine: Any) -> int | None:
+def _stat(engine: Any, key: str) -> int | None:
+    """A cumulative counter of `engine.stats()`, or None when the engine has none."""
     try:
-        return int(engine.stats()["num_preemptions"])
+        return int(engine.stats()[key])
     except Exception:  # noqa: BLE001 - stats() is optional for fakes
         return None
 
@@ -158,9 +160,12 @@ def run_workload(
     ids = [f"{id_prefix}{i}" for i in range(n)]
     log = getattr(engine, "iteration_log", [])
     log_start = len(log)
-    preempt_start = _num_preemptions(engine)
+    preempt_start = _stat(engine, "num_preemptions")
     if hasattr(engine, "reset_pipeline_stats"):
         engine.reset_pipeline_stats()  # count bubbles of this run only, not warm-up or earlier runs
+    if hasattr(engine, "reset_prefix_cache"):
+        engine.reset_prefix_cache()  # every run (and capacity probe) starts cold: no hits on earlier runs' prompts
+    prefix_start = {k: _stat(engine, f"prefix_cache_{k}") for k in ("queries", "hits")}
     latest: dict[str, Any] = {}
     finished: dict[str, Any] = {}
     add_errors: dict[str, str] = {}
@@ -246,7 +251,10 @@ def run_workload(
             rec.error = out.error
         records.append(rec)
     iterations = [_iteration_dict(it, t0) for it in list(getattr(engine, "iteration_log", []))[log_start:]]
-    preempt_end = _num_preemptions(engine)
+    preempt_end = _stat(engine, "num_preemptions")
+    prefix_cache = None
+    if None not in prefix_start.values():
+        prefix_cache = {k: _stat(engine, f"prefix_cache_{k}") - v for k, v in prefix_start.items()}
     if preempt_start is not None and preempt_end is not None:
         num_preemptions = preempt_end - preempt_start
     else:
@@ -259,6 +267,7 @@ def run_workload(
         wall_time=wall,
         stopped_early=stopped,
         pipeline=engine.pipeline_stats() if hasattr(engine, "pipeline_stats") else None,
+        prefix_cache=prefix_cache,
     )
 
 

@@ -35,4 +35,5 @@ def make_simulated_engine(config: Any, cost_model: Any = None) -> Any:
         from sarathi_jax.model_runner import token_buckets
 
         cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))
-    return SimulatedEngine(sizing.scheduler_config, sizing.num_blocks, config.block_size, cost_model=cost_model)
+    return SimulatedEngine(sizing.scheduler_config, sizing.num_blocks, config.block_size, cost_model=cost_model,
+                           enable_prefix_caching=config.enable_prefix_caching)

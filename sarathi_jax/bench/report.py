@@ -18,10 +18,19 @@ def _num(x: Any, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def prefix_hit_rate(run: RunResult) -> float | None:
+    """Prompt tokens found in the prefix cache / prompt tokens looked up (None: caching off or unknown)."""
+    pc = run.prefix_cache
+    return pc["hits"] / pc["queries"] if pc and pc["queries"] else None
+
+
 def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tuple[list[str], list[list[str]]]:
     show_goodput = any(r.summary.get("goodput") for r in runs)
+    show_prefix = any(prefix_hit_rate(r) is not None for r in runs)
     header = ["run", "done", "P50 TTFT", "P99 TTFT", "P50 TBT", "P99 TBT", "P50 sched", "req/s", "out tok/s",
               "preempt", "stalls"]
+    if show_prefix:
+        header += ["prefill tok", "prefix hit"]
     if show_goodput:
         header.append("goodput")
     if capacities:
@@ -42,6 +51,9 @@ def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tup
             str(s["num_preemptions"]),
             str(s["num_stalls"]),
         ]
+        if show_prefix:
+            rate = prefix_hit_rate(r)
+            row += [str(s["iterations"].get("num_prefill_tokens", "-")), "-" if rate is None else f"{rate:.0%}"]
         if show_goodput:
             g = s.get("goodput") or {}
             row.append("-" if g.get("goodput") is None else f"{g['goodput']:.2f}/s ({g['good_fraction']:.0%})")
@@ -116,6 +128,7 @@ def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any =
         "capacity": None if capacity is None else capacity.to_dict(),
         "requests": [r.to_dict() for r in run.records],
         "iterations": run.iterations,
+        "prefix_cache": run.prefix_cache,
     }
     write_json(base + ".json", doc, indent=None)  # large: one line
     with open(base + "_requests.csv", "w", newline="") as f:
@@ -157,6 +170,8 @@ SUMMARY_COLUMNS = (
     ("num_preemptions", lambda r, s: s["num_preemptions"]),
     ("num_stalls", lambda r, s: s["num_stalls"]),
     ("goodput", lambda r, s: (s.get("goodput") or {}).get("goodput")),
+    ("num_prefill_tokens", lambda r, s: s["iterations"].get("num_prefill_tokens")),
+    ("prefix_cache_hit_rate", lambda r, s: prefix_hit_rate(r)),
     ("num_iterations", lambda r, s: s["iterations"].get("num_iterations")),
     ("wall_time", lambda r, s: r.wall_time),
 )
@@ -177,7 +192,8 @@ def write_summary(out_dir: str, runs: Sequence[RunResult], capacities: dict | No
     json_path = os.path.join(out_dir, "summary.json")
     write_json(json_path, {
         **meta,
-        "runs": [{"label": r.label, "config": r.config, "summary": r.summary} for r in runs],
+        "runs": [{"label": r.label, "config": r.config, "summary": r.summary, "prefix_cache": r.prefix_cache}
+                 for r in runs],
         "capacity": {k: v.to_dict() for k, v in (capacities or {}).items()},
     })
     return [csv_path, json_path]

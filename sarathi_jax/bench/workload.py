@@ -11,6 +11,9 @@ Length specs (`--prompt-len`, `--output-len`):
   `trace:PATH`             values drawn (with replacement) from the matching column of a trace CSV
 Arrival processes: `poisson` (exponential gaps), `gamma` (gamma gaps with coefficient of variation `cv`; cv=1 is
 Poisson, larger is burstier), `constant` (evenly spaced), `trace` (the trace's `arrived_at`), `offline` (all at 0).
+Shared prefixes (prefix caching): `as_conversations` turns the requests into multi-turn conversations, each turn
+re-sending the ones before it, and `with_shared_prefix` starts every prompt with the same system prompt; both
+keep each request's own lengths and arrival, and describe the prompts' content as `Workload.segments`.
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ class Workload:
     output_lens: np.ndarray  # int64 >= 1
     info: dict = field(default_factory=dict)  # how it was made, for reports
     notes: list[str] = field(default_factory=list)  # clipping and other adjustments, human readable
+    # Prompt content: per request, the (key, length) pieces its prompt is made of, in order; pieces with one
+    # key are the same tokens in every prompt (a shared prefix). None: every prompt is its own random tokens.
+    # A prompt clipped by `fit` keeps its first prompt_len tokens, so shared prefixes stay shared.
+    segments: tuple[tuple[tuple[str, int], ...], ...] | None = None
 
     def __post_init__(self) -> None:
         self.arrivals = np.asarray(self.arrivals, dtype=np.float64)
@@ -209,18 +216,40 @@ class Workload:
     def prompts(self, vocab_size: int, seed: int = 0) -> list[list[int]]:
         """Random prompt token ids in [0, vocab_size), one list per request, reproducible from `seed`."""
         rng = np.random.default_rng([seed, 0x5EED])
-        return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in self.prompt_lens]
+        if self.segments is None:
+            return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in self.prompt_lens]
+        pieces: dict[str, list[int]] = {}
+        prompts = []
+        for segs, n in zip(self.segments, self.prompt_lens):
+            tokens: list[int] = []
+            for key, length in segs:
+                if key not in pieces:
+                    pieces[key] = rng.integers(0, vocab_size, size=length).tolist()
+                tokens += pieces[key]
+            prompts.append(tokens[: int(n)])
+        return prompts
 
     def describe(self) -> str:
         if not len(self):
             return "empty workload"
         rate = self.mean_rate
         rate_s = "offline (all at t=0)" if not math.isfinite(rate) else f"{rate:.3g} req/s over {self.arrivals[-1]:.1f} s"
+        shared = []
+        if self.info.get("multi_turn"):
+            shared.append(f"{self.info['multi_turn']}-turn conversations")
+        if self.info.get("shared_prefix_len"):
+            shared.append(f"a {self.info['shared_prefix_len']}-token shared prefix")
         return (
             f"{len(self)} requests, {self.info.get('source', '?')}, arrivals {self.info.get('arrival', '?')}: {rate_s}; "
             f"prompt mean {self.prompt_lens.mean():.0f} (max {self.prompt_lens.max()}), "
             f"output mean {self.output_lens.mean():.0f} (max {self.output_lens.max()}) tokens"
+            + (f"; {', '.join(shared)}" if shared else "")
         )
+
+    def _own_segments(self) -> list[tuple[tuple[str, int], ...]]:
+        if self.segments is not None:
+            return list(self.segments)
+        return [((f"r{j}", int(n)),) for j, n in enumerate(self.prompt_lens)]
 
     def summary(self) -> dict:
         return {
@@ -327,3 +356,40 @@ def trace_workload(
         "seed": seed,
     }
     return Workload(a, tr.prompt_lens[idx], tr.output_lens[idx], info=info)
+
+
+def with_shared_prefix(wl: Workload, length: int) -> Workload:
+    """Every prompt starts with the same `length` tokens (a system prompt), then its own; prompts grow by it."""
+    if length < 0:
+        raise ValueError(f"shared prefix length must be >= 0, got {length}")
+    if length == 0:
+        return wl
+    segments = tuple((("system", length),) + segs for segs in wl._own_segments())
+    return wl._replace(prompt_lens=wl.prompt_lens + length, segments=segments, info={"shared_prefix_len": length})
+
+
+def as_conversations(wl: Workload, turns: int) -> Workload:
+    """Group the requests into conversations of `turns` turns; a turn's prompt re-sends the earlier turns
+    (each one's prompt, then a reply as long as its output) before its own prompt. Request j is turn j // C of
+    conversation j % C (C = ceil(n / turns)), so a conversation's turns arrive spread over the run, in order.
+    The replies re-sent are made-up tokens (the requests are fixed before the run): a turn finds the earlier
+    turns' prompts in the prefix cache, not the K/V of the replies the engine really generated."""
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+    if turns == 1:
+        return wl
+    own = wl._own_segments()
+    n = len(wl)
+    convs = -(-n // turns)
+    segments, lens = [], []
+    for j in range(n):
+        c, t = j % convs, j // convs
+        segs: tuple[tuple[str, int], ...] = ()
+        for i in range(t):  # the earlier turns of conversation c: requests c, c + C, ...
+            k = i * convs + c
+            segs += own[k] + ((f"reply{k}", int(wl.output_lens[k])),)
+        segs += own[j]
+        segments.append(segs)
+        lens.append(sum(length for _, length in segs))
+    return wl._replace(prompt_lens=np.asarray(lens, dtype=np.int64), segments=tuple(segments),
+                       info={"multi_turn": turns})

@@ -19,6 +19,11 @@ Shared rules (every policy):
   again at once: its next decode reads that token on the device. A sequence whose outputs, pending ones
   included, already reach max_tokens is not scheduled again.
 - Requests that can never run are rejected at `add_sequence` and reported in the next output's `rejected`.
+- Prefix caching (when the block manager has it on): a request admitted, or re-admitted after a preemption,
+  takes the leading full blocks already cached (shared, reference counted) and starts computing after them,
+  so every policy simply prefills less. Admission counts the blocks past that prefix, plus the cached ones it
+  takes from the evictable pool (free until taken). A computed full block is registered in `on_step_done`
+  (at dispatch in the overlapped loop: the device runs batches in order) or when its sequence is freed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import itertools
 from collections import deque
 from typing import ClassVar
 
-from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
 from sarathi_jax.scheduler.config import SchedulerConfig
 from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
 from sarathi_jax.sequence import Sequence, SequenceStatus
@@ -132,7 +137,7 @@ class Scheduler:
         self._preempted = []
         rejected, self._rejected = tuple(self._rejected), []
         batch = self._schedule()
-        chunks = tuple(ScheduledChunk(seq, n, seq.num_computed_tokens) for seq, n, _ in batch.items)
+        chunks = tuple(ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill) for seq, n, prefill in batch.items)
         self._in_flight.update(c.seq.seq_id for c in chunks)
         return SchedulerOutput.of(chunks, preempted=tuple(self._preempted), rejected=rejected)
 
@@ -144,6 +149,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:  # skip sequences aborted while in flight
                 assert seq.num_computed_tokens == chunk.start_position, (seq, chunk.start_position)
                 seq.num_computed_tokens += chunk.num_new_tokens
+                self.block_manager.cache_full_blocks(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._rejected)
@@ -170,6 +176,8 @@ class Scheduler:
             "num_total_blocks": bm.num_total_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_total_blocks,
             "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": bm.num_prefix_queries,  # tokens, cumulative (vLLM's counters)
+            "prefix_cache_hits": bm.num_prefix_hits,
         }
 
     @property
@@ -244,7 +252,8 @@ class Scheduler:
         "request": prompt + max_tokens) are free above the watermark. Under "chunk", blocks are allocated
         chunk by chunk, but admission still counts the whole prefill, plus what the running sequences still
         need to finish theirs, so that admitted prompts can complete their prefill without evicting each
-        other (admission never over-commits memory; only decode growth can force a preemption).
+        other (admission never over-commits memory; only decode growth can force a preemption). A cached
+        prefix (prefix caching) is neither computed nor counted, except cached blocks nobody holds now.
         """
         bm = self.block_manager
         committed = 0
@@ -253,26 +262,35 @@ class Scheduler:
         admitted = 0
         while self._waiting and batch.has_seq_room and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
-            tokens = seq.num_uncomputed_tokens  # a waiting sequence has nothing computed
+            hit = bm.match_prefix(seq)  # a waiting sequence has nothing computed: it starts after its cached prefix
+            tokens = seq.num_tokens - hit.num_tokens
             n = min(tokens, batch.room) if chunked else tokens
             if n < 1 or n > batch.room:
                 break
-            reserve = seq.max_total_tokens if self.admission == "request" else tokens
-            need = bm.blocks_for_tokens(reserve)
+            reserve = seq.max_total_tokens if self.admission == "request" else seq.num_tokens
+            need = self._admission_blocks(reserve, hit)
             if need > bm.num_free_blocks - bm.watermark_blocks - committed:
                 break
             if self.admission == "chunk":
-                reserve = n  # allocate just this chunk; the rest of its prefill stays committed
-                committed += need - bm.blocks_for_tokens(n)
-            self._admit_seq(seq, reserve)
+                reserve = hit.num_tokens + n  # allocate just this chunk; the rest of its prefill stays committed
+                committed += bm.blocks_for_tokens(tokens) - bm.blocks_for_tokens(n)
+            self._admit_seq(seq, reserve, hit)
             batch.add(seq, n, is_prefill=True)
             admitted += 1
         return admitted
 
-    def _admit_seq(self, seq: Sequence, reserve_tokens: int) -> None:
-        """Move the head of `waiting` to running with blocks for `reserve_tokens` (caller checked memory)."""
+    def _admission_blocks(self, reserve_tokens: int, hit: PrefixHit) -> int:
+        """Free blocks that admitting a sequence for `reserve_tokens` takes: new blocks past its cached
+        prefix, plus the cached blocks it revives from the evictable pool (those count as free until taken)."""
+        return self.block_manager.blocks_for_tokens(reserve_tokens - hit.num_tokens) + hit.num_evictable
+
+    def _admit_seq(self, seq: Sequence, reserve_tokens: int, hit: PrefixHit = NO_HIT) -> None:
+        """Move the head of `waiting` to running with its cached prefix `hit` and blocks for `reserve_tokens`
+        (caller checked memory); its computation starts after the prefix."""
         assert self._waiting[0] is seq
         self._waiting.popleft()
+        self.block_manager.acquire_prefix(seq, hit)
+        seq.num_computed_tokens = hit.num_tokens
         self.block_manager.allocate(seq, reserve_tokens)
         seq.status = SequenceStatus.RUNNING
         self._insert_by_order(self._running, seq)

@@ -22,9 +22,10 @@ class FasterTransformerScheduler(Scheduler):
         if not self._running:
             while self._waiting and len(self._running) < self.config.max_num_seqs:
                 seq = self._waiting[0]
-                if not bm.can_allocate(bm.blocks_for_tokens(seq.max_total_tokens)):
+                hit = bm.match_prefix(seq)
+                if not bm.can_allocate(self._admission_blocks(seq.max_total_tokens, hit)):
                     break
-                self._admit_seq(seq, seq.max_total_tokens)
+                self._admit_seq(seq, seq.max_total_tokens, hit)
         batch = self._new_batch()
         self._schedule_running_prefills(batch, chunked=False)
         if batch or any(s.status is SequenceStatus.RUNNING and not s.is_decode for s in self._running):

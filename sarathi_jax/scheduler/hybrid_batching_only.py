@@ -17,8 +17,9 @@ class HybridBatchingOnlyScheduler(Scheduler):
 
     def _schedule(self) -> Batch:
         head = self._waiting[0] if self._waiting else None
-        if head is not None and head.num_uncomputed_tokens > self.config.token_budget:
-            alone = self._new_batch(token_limit=head.num_uncomputed_tokens)
+        head_tokens = head.num_tokens - self.block_manager.match_prefix(head).num_tokens if head else 0
+        if head_tokens > self.config.token_budget:  # what it prefills past its cached prefix
+            alone = self._new_batch(token_limit=head_tokens)
             alone.max_seqs = 1
             if self._admit(alone, chunked=False):
                 return alone

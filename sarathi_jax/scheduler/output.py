@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from sarathi_jax.sequence import Sequence
 
@@ -12,20 +12,25 @@ class ScheduledChunk:
     """`num_new_tokens` query tokens of `seq`, at positions start_position .. start_position+num_new_tokens-1.
 
     `needs_sample` and `is_decode` are fixed at schedule time (the sequence keeps changing afterwards).
+    `decode`: whether the scheduler ran it as a decode; None derives it from the shape (one sampled token
+    after others), which a prompt's last token after a cached prefix also has.
     """
 
     seq: Sequence
     num_new_tokens: int
     start_position: int
+    decode: InitVar[bool | None] = None
     needs_sample: bool = field(init=False)
     is_decode: bool = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, decode: bool | None) -> None:
         end = self.start_position + self.num_new_tokens
         if self.num_new_tokens < 1 or end > self.seq.num_tokens:
             raise ValueError(f"bad chunk for {self.seq!r}: {self.num_new_tokens} tokens at {self.start_position}")
         object.__setattr__(self, "needs_sample", end == self.seq.num_tokens)
-        object.__setattr__(self, "is_decode", self.start_position > 0 and self.num_new_tokens == 1 and self.needs_sample)
+        if decode is None:
+            decode = self.start_position > 0 and self.num_new_tokens == 1 and self.needs_sample
+        object.__setattr__(self, "is_decode", decode)
 
 
 @dataclass(frozen=True)

@@ -381,6 +381,8 @@ def test_prometheus_metrics(server, stub):
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"sarathi:{gauge}" in samples
     assert "sarathi:num_preemptions_total" in samples
+    assert samples["sarathi:prefix_cache_queries_total"] >= 4  # prefix caching is on by default
+    assert "sarathi:prefix_cache_hits_total" in samples
     assert samples["sarathi:prompt_tokens_total"] >= 4
     assert samples["sarathi:generation_tokens_total"] >= 5
     assert samples["sarathi:request_success_total"] >= 1

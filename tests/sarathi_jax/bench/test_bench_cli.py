@@ -164,3 +164,18 @@ def test_real_engine_tiny_model(tmp_path, capsys):
     assert doc["config"]["engine"] == "LLMEngine"
     assert all(r["num_output_tokens"] == 4 and r["finish_reason"] == "length" for r in doc["requests"])
     assert all(len(r["token_times"]) == 4 and r["ttft"] > 0 for r in doc["requests"])
+
+
+def test_simulate_shared_prefix_with_and_without_prefix_caching(tmp_path, capsys):
+    rc = main(["--simulate", "--scheduler", "sarathi", "--token-budget", "256", "--num-requests", "30",
+               "--qps", "4", "--prompt-len", "uniform:16:64", "--output-len", "uniform:8:32",
+               "--shared-prefix-len", "512", "--multi-turn", "2", "--prefix-caching", "off,on",
+               "--out", str(tmp_path), "--quiet", "--no-plots"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "prefix hit" in out and "512-token shared prefix" in out
+    summary = {r["run"]: r for r in csv.DictReader(open(tmp_path / "summary.csv"))}
+    off, on = summary["sarathi-256"], summary["sarathi-256+prefix"]
+    assert off["prefix_cache_hit_rate"] == "" and float(on["prefix_cache_hit_rate"]) > 0.5
+    assert int(on["num_prefill_tokens"]) < int(off["num_prefill_tokens"]) / 2
+    assert float(on["ttft_p50"]) < float(off["ttft_p50"])

@@ -143,3 +143,28 @@ def test_fit_always_fits(lengths, max_len):
             assert (p1, o1) == (max(p0, 1), max(o0, 1))
         else:
             assert p1 <= max(p0, 1) and o1 <= max(o0, 1)
+
+
+def test_shared_prefix_and_multi_turn_prompts():
+    from sarathi_jax.bench.workload import as_conversations, with_shared_prefix
+
+    base = synthetic_workload(6, qps=2.0, prompt_len="uniform:3:9", output_len="uniform:2:5", seed=1)
+    wl = with_shared_prefix(as_conversations(base, 3), 7)
+    assert wl.info["multi_turn"] == 3 and wl.info["shared_prefix_len"] == 7 and "3-turn" in wl.describe()
+    np.testing.assert_array_equal(wl.arrivals, base.arrivals)
+    np.testing.assert_array_equal(wl.output_lens, base.output_lens)
+    ps = wl.prompts(1000, 0)
+    assert [len(p) for p in ps] == wl.prompt_lens.tolist()
+    assert len({tuple(p[:7]) for p in ps}) == 1  # one system prompt
+    # 2 conversations: requests 0, 2, 4 and 1, 3, 5. Turn i re-sends turn i-1's prompt and a reply as long as
+    # its output, then its own prompt (as long as the base request's).
+    own = [int(n) for n in base.prompt_lens]
+    for j in (2, 3, 4, 5):
+        prev = ps[j - 2]
+        assert ps[j][: len(prev)] == prev
+        assert len(ps[j]) == len(prev) + int(base.output_lens[j - 2]) + own[j]
+    assert ps[0][7:] != ps[1][7:]
+    # clipping keeps the prefixes shared
+    clipped = wl.fit(12).prompts(1000, 0)
+    assert all(c == p[: len(c)] for c, p in zip(clipped, ps))
+    assert with_shared_prefix(as_conversations(base, 1), 0) is base

@@ -30,6 +30,7 @@ class Req:
     arrival_step: int
     prompt_len: int
     max_tokens: int
+    family: int = 0  # prompts of one family share their tokens up to the shorter one's length (prefix caching)
 
 
 @dataclass
@@ -114,18 +115,26 @@ def check_output(out: SchedulerOutput, cfg: SchedulerConfig, sched: Scheduler, i
     if cfg.policy in TOKEN_BUDGET_POLICIES:
         lone_big_prompt = (
             cfg.policy == "hybrid_batching_only" and len(out.chunks) == 1 and n > cfg.token_budget
-            and out.chunks[0].start_position == 0 and out.chunks[0].needs_sample
+            and out.chunks[0].needs_sample
         )
         assert n <= cfg.token_budget or lone_big_prompt, (cfg.policy, n)
     else:
         assert n <= cfg.max_num_batched_tokens, (cfg.policy, n)
+    bm = sched.block_manager
+    bs = bm.block_size
     for c in out.chunks:
         seq = c.seq
         assert seq.status is SequenceStatus.RUNNING
         assert c.start_position == seq.num_computed_tokens
-        assert len(seq.block_table) * sched.block_manager.block_size >= c.start_position + c.num_new_tokens
+        assert len(seq.block_table) * bs >= c.start_position + c.num_new_tokens
         if cfg.policy not in CHUNKING_POLICIES and not c.is_decode:  # whole-prompt policies never split
-            assert c.start_position == 0 and c.needs_sample, (cfg.policy, c)
+            # ... but start after a cached prefix (whole blocks, which prefix caching alone gives)
+            prefix_ok = c.start_position == 0 or (bm.enable_prefix_caching and c.start_position % bs == 0)
+            assert prefix_ok and c.needs_sample, (cfg.policy, c)
+        # The blocks a chunk writes belong to it alone and hold no cached prefix: a shared or registered
+        # block is never rewritten.
+        for block in {seq.block_table[p // bs] for p in range(c.start_position, c.start_position + c.num_new_tokens)}:
+            assert bm.ref_count(block) == 1 and not bm.is_cached(block), (seq, block, bm.ref_count(block))
     kinds = {c.is_decode for c in out.chunks}
     if cfg.policy in ("vllm", "simple_chunking", "chunked_prefills_only", "faster_transformer"):
         assert len(kinds) <= 1, f"{cfg.policy} mixed prefills and decodes in one batch"
@@ -139,6 +148,22 @@ class CheckedScheduler:
                  result: RunResult) -> None:
         self.inner, self.cfg, self.loop, self.executor, self.result = inner, cfg, loop, executor, result
         self.step = 0
+        self.slots: dict[int, tuple[Sequence, int]] = {}  # KV slot -> (sequence, position) whose K/V it holds
+
+    def _check_and_record_kv(self, out: SchedulerOutput) -> None:
+        """What each chunk reads (its positions before start_position) is what its own tokens there would
+        write, whoever wrote it (a cached prefix); then record what it writes."""
+        bs = self.inner.block_manager.block_size
+        for c in out.chunks:
+            seq = c.seq
+            for p in range(c.start_position + c.num_new_tokens):
+                slot = seq.block_table[p // bs] * bs + p % bs
+                if p >= c.start_position:
+                    self.slots[slot] = (seq, p)
+                    continue
+                writer, q = self.slots[slot]
+                mine, theirs = seq.token_ids[p], writer.token_ids[q] if q < writer.num_tokens else None
+                assert q == p and (PENDING_TOKEN in (mine, theirs) or mine == theirs), (seq, p, writer, q)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -172,6 +197,7 @@ class CheckedScheduler:
         # Depth 1 (overlapped loop): a sequence may run again while its previous batch is in flight; that is
         # the point. Depth > 1: never (its K/V are not written yet).
         check_output(out, cfg, sched, in_flight_ids if pipelined else set())
+        self._check_and_record_kv(out)
         res.outputs.append(out)
         for seq in out.rejected:
             assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "error" and seq.error
@@ -191,7 +217,10 @@ class CheckedScheduler:
             stalled = [s.seq_id for s in ready_decodes if s.seq_id not in scheduled | preempted]
             assert not stalled, f"decodes stalled: {stalled}"
         for s in out.preempted:
-            assert s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+            if s.status is SequenceStatus.RUNNING:  # re-admitted at once after its cached prefix (in the batch)
+                assert self.inner.block_manager.enable_prefix_caching and s.seq_id in scheduled, s
+            else:
+                assert s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
             assert not (pipelined and s.seq_id in in_flight_ids), f"{s!r} preempted while in flight"
         return out
 
@@ -207,16 +236,19 @@ def run_trace(
     *,
     pp_depth: int = 1,
     async_scheduling: bool = False,
+    prefix_caching: bool = False,
     max_steps: int | None = None,
 ) -> RunResult:
     """Run `reqs` (sorted by arrival_step) to completion on an `EngineCore`: request i is added before step
     `reqs[i].arrival_step`, and each step is one `core.step()` (one `schedule()` call). Loop mode: pipeline
-    depth `pp_depth`; at depth 1, `async_scheduling` picks the overlapped loop over the synchronous one."""
+    depth `pp_depth`; at depth 1, `async_scheduling` picks the overlapped loop over the synchronous one.
+    Prompts of one `Req.family` share their leading tokens, which `prefix_caching` reuses."""
     loop = LoopConfig(async_scheduling=async_scheduling, pipeline_depth=pp_depth)
-    bm = BlockManager(num_blocks, block_size)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     sched = make_scheduler(cfg, bm)
     executor = TrackingExecutor(CostModelExecutor(CostModel()))
-    seqs = [Sequence(f"s{i}", list(range(1, r.prompt_len + 1)), SamplingParams(max_tokens=r.max_tokens), float(r.arrival_step))
+    seqs = [Sequence(f"s{i}", [1000 * r.family + t for t in range(1, r.prompt_len + 1)],
+                     SamplingParams(max_tokens=r.max_tokens), float(r.arrival_step))
             for i, r in enumerate(reqs)]
     res = RunResult(seqs)
     checked = CheckedScheduler(sched, cfg, loop, executor, res)

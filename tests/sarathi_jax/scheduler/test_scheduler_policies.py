@@ -41,16 +41,17 @@ def scenarios(draw, policy: str):
     num_blocks = draw(st.one_of(st.integers(low, tight), st.integers(low, high)))
     arrivals = draw(st.lists(st.integers(0, 30), min_size=1, max_size=12))
     reqs = [
-        Req(a, draw(st.integers(1, 120)), draw(st.integers(1, 60)))
+        Req(a, draw(st.integers(1, 120)), draw(st.integers(1, 60)), draw(st.integers(0, 2)))
         for a in sorted(arrivals)
     ]
     mode = draw(st.sampled_from([SYNC, OVERLAPPED, OVERLAPPED, PP2, PP3]))
-    return cfg, num_blocks, block_size, reqs, mode
+    return cfg, num_blocks, block_size, reqs, mode, draw(st.booleans())
 
 
-def _check_run(cfg, num_blocks, block_size, reqs, mode=SYNC):
+def _check_run(cfg, num_blocks, block_size, reqs, mode=SYNC, prefix_caching=False):
     pp_depth, async_scheduling = mode
-    res = run_trace(cfg, num_blocks, block_size, reqs, pp_depth=pp_depth, async_scheduling=async_scheduling)
+    res = run_trace(cfg, num_blocks, block_size, reqs, pp_depth=pp_depth, async_scheduling=async_scheduling,
+                    prefix_caching=prefix_caching)
     usable = num_blocks - max(int(cfg.watermark * num_blocks), 0)
     for seq, req in zip(res.seqs, reqs):
         total = req.prompt_len + req.max_tokens
@@ -75,13 +76,15 @@ def test_random_traces(policy, data):
     _check_run(*data.draw(scenarios(policy)))
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["", "prefix"])
 @pytest.mark.parametrize("mode", LOOP_MODES.values(), ids=LOOP_MODES.keys())
 @pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
-def test_memory_pressure_preempts_and_still_finishes(policy, mode):
-    # 8 requests of 60 + 60 tokens, room for ~2.5 of them: decodes outgrow memory.
+def test_memory_pressure_preempts_and_still_finishes(policy, mode, prefix_caching):
+    # 8 requests of 60 + 60 tokens, room for ~2.5 of them: decodes outgrow memory. With prefix caching they
+    # share their prompts' first 3 blocks (one family), and preemption releases blocks others still hold.
     cfg = SchedulerConfig(policy=policy, token_budget=64, max_num_seqs=8, max_model_len=128, watermark=0.0)
     reqs = [Req(0, 60, 60) for _ in range(8)]
-    res = _check_run(cfg, 20, 16, reqs, mode)
+    res = _check_run(cfg, 20, 16, reqs, mode, prefix_caching)
     if policy in ("orca", "faster_transformer"):
         assert res.num_preemptions == 0  # they reserve prompt + max_tokens at admission
     else:
