@@ -14,7 +14,10 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY, CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
@@ -139,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     w.add_argument("--offline", action="store_true", help="all requests at t=0 (throughput)")
     w.add_argument("--seed", type=int, default=0, help="workload seed (lengths, arrivals, sampled rows, prompts)")
+    w.add_argument("--prompts-file", default=None, metavar="PATH",
+                   help="real text prompts, one per line (request i sends line i mod the line count), rendered "
+                        "with the model's chat template as a user turn when it has one; the model folder needs a "
+                        "tokenizer. Requests stop at EOS (at most the workload's output length) and the first "
+                        "completion is printed")
     w.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
                    help="every prompt starts with the same N tokens (a system prompt), then its own prompt length")
     w.add_argument("--multi-turn", type=int, default=1, metavar="K",
@@ -359,6 +367,30 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
         return 2
 
 
+def text_prompts(engine: Any, workload: Workload, path: str, max_model_len: int | None
+                 ) -> tuple[Workload, list[list[int]]]:
+    """`workload` with its prompts replaced by the lines of `path` (cycled), through the engine's own
+    admission: chat-rendered as a user turn when the model has a chat template, else tokenised as is. Output
+    lengths are capped so that prompt + output fits `max_model_len` (a prompt that alone does not fit is
+    refused at admission and reported as an error)."""
+    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise BenchError(f"--prompts-file {path}: no non-empty lines")
+    admission = engine.admission
+    if admission.tokenizer is None:
+        raise BenchError(f"--prompts-file needs a model folder with a tokenizer; {engine.config.model!r} has none")
+    if admission.chat_template is not None:
+        ids = [admission.chat_prompt_ids([{"role": "user", "content": line}]) for line in lines]
+    else:
+        ids = [admission.prompt_ids(line) for line in lines]
+    prompts = [ids[i % len(ids)] for i in range(len(workload))]
+    note = f"prompts: {len(lines)} text prompts from {path}, cycled; requests stop at EOS"
+    lens = np.array([len(p) for p in prompts])
+    outputs = workload.output_lens if max_model_len is None else np.clip(
+        np.minimum(workload.output_lens, max_model_len - lens), 1, None)
+    return dataclasses.replace(workload, prompt_lens=lens, output_lens=outputs, notes=[note], segments=None), prompts
+
+
 def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None) -> int:
     t_start = time.monotonic()
     if args.slo_tbt is not None and args.slo_tbt_multiple is not None:
@@ -376,6 +408,9 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
     configs = run_configs(args)
     if args.cost_model and not args.simulate:
         raise BenchError("--cost-model is for the simulator: add --simulate")
+    if args.prompts_file and (args.simulate or args.endpoint or args.capacity):
+        raise BenchError("--prompts-file runs text prompts on the real engine: not with --simulate, --endpoint "
+                         "or --capacity")
     factory = engine_factory or default_engine_factory(args.simulate, args.cost_model)
 
     runs: list[RunResult] = []
@@ -412,9 +447,12 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
             if fitted is not None:
                 _log(quiet, f"warning: [{cfg['label']}] has max_model_len={max_len} < {fitted_len}; "
                             "refitting the workload, so this run's requests differ from the previous runs'")
-            fitted = workload.fit(max_len) if max_len else workload
             fitted_len = max_len
-            prompts = fitted.prompts(engine_vocab_size(engine), args.seed)
+            if args.prompts_file:  # the text sets the prompt lengths; outputs are capped to fit
+                fitted, prompts = text_prompts(engine, workload, args.prompts_file, max_len)
+            else:
+                fitted = workload.fit(max_len) if max_len else workload
+                prompts = fitted.prompts(engine_vocab_size(engine), args.seed)
             if len(runs) == 0:
                 _log(quiet, f"workload: {fitted.describe()}")
                 for note in fitted.notes:
@@ -445,7 +483,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
             desc["capacity_probe_qps"] = shown.qps
         else:
             run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
-                               temperature=args.temperature, progress=progress)
+                               temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress)
             run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
             _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
                         f"in {run.wall_time:.1f} s wall")
@@ -466,6 +504,9 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
             p = run.pipeline
             print(f"[{run.label}] pipeline: bubble fraction {p['bubble_fraction']:.2f} over {p['num_stages']} stages, "
                   f"max micro-batches in flight {p['max_in_flight']}")
+    for run in runs:
+        if args.prompts_file and run.first_completion is not None:
+            print(f"[{run.label}] first completion: {run.first_completion!r}")
     print(f"stalls: TBTs above {args.stall_factor:g}x the run's median TBT"
           + ("; virtual time (simulator)" if args.simulate else ""))
 

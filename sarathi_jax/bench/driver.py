@@ -96,6 +96,7 @@ class RunResult:
     config: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     pipeline: dict | None = None  # engine.pipeline_stats() of the run (bubble fraction) under pipeline parallelism
+    first_completion: str | None = None  # the text of request 0's output, when the engine detokenizes
     prefix_cache: dict | None = None  # this run's prefix-cache "queries" and "hits" (tokens), when the engine counts them
 
 
@@ -108,8 +109,9 @@ class RunState:
     latest: dict  # request_id -> RequestOutput
 
 
-def sampling_params_for(output_len: int, temperature: float = 0.0) -> SamplingParams:
-    return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=int(output_len))
+def sampling_params_for(output_len: int, temperature: float = 0.0, stop_at_eos: bool = False) -> SamplingParams:
+    """The trace's output length exactly (EOS ignored), or at most that with `stop_at_eos` (real text prompts)."""
+    return SamplingParams(temperature=temperature, ignore_eos=not stop_at_eos, max_tokens=int(output_len))
 
 
 def _iteration_dict(it: Any, t0: float) -> dict:
@@ -138,6 +140,7 @@ def run_workload(
     label: str = "run",
     id_prefix: str = "",
     temperature: float = 0.0,
+    stop_at_eos: bool = False,
     progress: bool = False,
     early_stop: Callable[[RunState], bool] | None = None,
     early_stop_every: int = 8,
@@ -148,7 +151,8 @@ def run_workload(
 
     `early_stop(state)` is checked every `early_stop_every` steps; when it returns True the requests still
     in the engine are aborted, those not yet added are recorded as never run, and the run ends.
-    Request ids are `f"{id_prefix}{index}"`: use a fresh prefix when reusing an engine.
+    Request ids are `f"{id_prefix}{index}"`: use a fresh prefix when reusing an engine. `stop_at_eos`: requests
+    end at EOS (real text prompts) instead of running to their trace output length.
     """
     n = len(workload)
     if len(prompts) != n:
@@ -191,7 +195,8 @@ def run_workload(
                 now = t0 + arrivals[i]  # a virtual clock that cannot be advanced: hand the request over early
         while i < n and t0 + arrivals[i] <= now:
             try:
-                engine.add_request(ids[i], list(prompts[i]), sampling_params_for(workload.output_lens[i], temperature),
+                engine.add_request(ids[i], list(prompts[i]),
+                                   sampling_params_for(workload.output_lens[i], temperature, stop_at_eos),
                                    arrival_time=t0 + float(arrivals[i]))
             except ValueError as e:
                 add_errors[ids[i]] = str(e)
@@ -268,6 +273,7 @@ def run_workload(
         stopped_early=stopped,
         pipeline=engine.pipeline_stats() if hasattr(engine, "pipeline_stats") else None,
         prefix_cache=prefix_cache,
+        first_completion=(getattr(finished.get(ids[0]), "text", "") or None) if ids else None,
     )
 
 

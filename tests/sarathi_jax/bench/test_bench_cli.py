@@ -179,3 +179,27 @@ def test_simulate_shared_prefix_with_and_without_prefix_caching(tmp_path, capsys
     assert off["prefix_cache_hit_rate"] == "" and float(on["prefix_cache_hit_rate"]) > 0.5
     assert int(on["num_prefill_tokens"]) < int(off["num_prefill_tokens"]) / 2
     assert float(on["ttft_p50"]) < float(off["ttft_p50"])
+
+
+def test_text_prompts_file_prints_first_completion(hf_checkpoint, tmp_path, capsys):
+    """`--prompts-file` with a tokenizer model: the requests are the file's lines (cycled), they stop at EOS,
+    and the first completion printed is what `LLM.generate` gives for the same line."""
+    from sarathi_jax import LLM, SamplingParams
+
+    model = str(hf_checkpoint("llama"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\n\nHello world! How are you today?\n")
+    rc = main(["--model", model, "--scheduler", "sarathi", "--token-budget", "32", "--max-num-seqs", "4",
+               "--max-model-len", "64", "--num-blocks", "32", "--num-requests", "3", "--offline",
+               "--output-len", "12", "--prompts-file", str(prompts), "--out", str(tmp_path / "out"), "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    doc = json.load(open(tmp_path / "out" / "sarathi-32.json"))
+    llm = LLM(model, token_budget=32, max_num_seqs=4, max_model_len=64, num_blocks=32)
+    expected = llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert f"[sarathi-32] first completion: {expected.text!r}" in out
+    ids = llm.engine.admission.prompt_ids
+    assert [r["prompt_len"] for r in doc["requests"]] == [len(ids("The quick brown fox")),
+                                                          len(ids("Hello world! How are you today?")),
+                                                          len(ids("The quick brown fox"))]
+    assert doc["requests"][0]["num_output_tokens"] == len(expected.token_ids)
