@@ -74,7 +74,7 @@ from sarathi_jax.bench.loop_timing import (
     run_batch,
 )
 from sarathi_jax.bench.roofline import ModelShape, Rates, best_rates, floors, measure_rates, num_params, work
-from sarathi_jax.bench.step_cost import fmt_ms
+from sarathi_jax.bench.step_cost import fmt_ms, positive_ints
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -240,16 +240,6 @@ def format_table(doc: dict) -> str:
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in str(text).split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = LoopBenchConfig()
     p = argparse.ArgumentParser(
@@ -262,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"))
     p.add_argument("--token-budget", type=int, default=d.token_budget)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="raised to the largest batch + 2")
-    p.add_argument("--batch", type=_ints, default=d.batches, help="comma-separated decode batch sizes")
+    p.add_argument("--batch", type=positive_ints, default=d.batches, help="comma-separated decode batch sizes")
     p.add_argument("--workloads", default=",".join(d.workloads), help=f"comma-separated, from {', '.join(WORKLOADS)}")
     p.add_argument("--context", type=int, default=d.context, help="prompt tokens of each decode request")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="mixed workload: new prompts' length")

@@ -146,7 +146,8 @@ def write_plot(doc: dict, path: str) -> str:
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def _ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
     try:
         vals = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
@@ -177,19 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-seed", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="fake prompt token ids")
 
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32], help="decode mode")
+    p.add_argument("--batch-sizes", type=positive_ints, default=[1, 2, 4, 8, 16, 32], help="decode mode")
     p.add_argument("--context", type=int, default=512, help="decode and hybrid modes: tokens already cached per decode")
-    p.add_argument("--tokens", type=_ints, default=[16, 32, 64, 128], help="prefill mode")
+    p.add_argument("--tokens", type=positive_ints, default=[16, 32, 64, 128], help="prefill mode")
     p.add_argument("--decodes", type=int, default=32, help="hybrid mode: decode batch size")
-    p.add_argument("--chunks", type=_ints, default=None,
+    p.add_argument("--chunks", type=positive_ints, default=None,
                    help="hybrid (default 64,128,256,512) and chunking (default 64,128,256,512,1024) chunk sizes")
     p.add_argument("--whole-prompt", type=int, default=1024, help="hybrid mode")
     p.add_argument("--prompt-len", type=int, default=1024, help="chunking mode")
     p.add_argument("--tile-probe", type=int, default=256, help="chunking mode: also chunk N vs N+1 (0: off)")
 
-    p.add_argument("--calib-buckets", type=_ints, default=None,
+    p.add_argument("--calib-buckets", type=positive_ints, default=None,
                    help="calibrate mode: buckets to fill (default: every bucket up to the token budget)")
-    p.add_argument("--calib-contexts", type=_ints, default=[128, 512], help="calibrate mode: decode contexts")
+    p.add_argument("--calib-contexts", type=positive_ints, default=[128, 512], help="calibrate mode: decode contexts")
     p.add_argument("--calib-decodes", type=int, default=32, help="calibrate mode: most decodes in a batch")
     p.add_argument("--cost-model-out", default=None, metavar="PATH",
                    help="calibrate mode: write the fitted simulator cost model (JSON) here; "
