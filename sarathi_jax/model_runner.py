@@ -13,19 +13,18 @@ device, and `submit()` returns at once. A pending token (the overlapped loop: a 
 input token reached the host) is read on the device from the previous step's sampled tokens.
 
 Parallelism (`plan`, see `sarathi_jax.parallel`): the model is cut into `pp` pipeline stages (contiguous
-layer ranges), each one jitted function on its own sub-mesh of `tp` devices, with parameters and the paged KV
-cache sharded Megatron style (`NamedSharding`) and attention run per shard under `shard_map`. A step
-dispatches the stages one after the other without waiting (JAX dispatch is asynchronous), handing the
-activations to the next stage with `device_put`; `submit()` returns a `PendingStep` at once, so the engine
-can schedule and dispatch the next micro-batch while earlier ones are still running. Without a plan (or with
-tp = pp = 1) there is one stage on the default device, exactly the single-device runner.
+layer ranges), each one jitted function on its own sub-mesh of `tp` devices (`sarathi_jax.parallel.stages`
+builds them and owns everything that depends on where a stage lives). A step dispatches the stages one after
+the other without waiting (JAX dispatch is asynchronous), handing the activations to the next stage;
+`submit()` returns a `PendingStep` at once, so the engine can schedule and dispatch the next micro-batch
+while earlier ones are still running. Without a plan (or with tp = pp = 1) there is one stage on the default
+device, and the code below reads as the single-device runner it then is.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -34,6 +33,8 @@ import numpy as np
 
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
 from sarathi_jax.models.llama import unstack_layer_params
+from sarathi_jax.parallel.pipeline import PipelineTimeline
+from sarathi_jax.parallel.stages import Stage, build_stages, copy_to_every_process, local_copy
 from sarathi_jax.sampling import (
     SAMPLER_VARIANTS,
     SamplerOutput,
@@ -43,60 +44,13 @@ from sarathi_jax.sampling import (
     sampler_variant,
 )
 from sarathi_jax.scheduler import ScheduledChunk
+from sarathi_jax.sizing import bucket_for, token_buckets
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, unpack_sampling
-
-SMALLEST_BUCKET = 16
-
-
-def token_buckets(max_step_tokens: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
-    """Powers of two from `smallest`, then `max_step_tokens` rounded up to a multiple of `smallest`."""
-    top = -(-max_step_tokens // smallest) * smallest
-    buckets = []
-    size = smallest
-    while size < top:
-        buckets.append(size)
-        size *= 2
-    buckets.append(top)
-    return tuple(buckets)
 
 
 def _to_host(x: Any) -> np.ndarray:
-    if isinstance(x, _Copies):  # multi-process pipeline: the first copy this process can read
-        x = next(c for c in x.arrays if c.addressable_shards)
     # Explicit transfers (jax.device_get): the engine loop runs clean under jax.transfer_guard("disallow").
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    return np.asarray(jax.device_get(x.addressable_data(0)))  # replicated multi-process output: any local copy
-
-
-@dataclass
-class _Copies:
-    """Copies of one replicated array on several stages' meshes (multi-process pipelines: every process
-    runs the engine loop and needs the sampled tokens, but only the last stage's processes hold them).
-    Not a pytree node: `jax.tree.map(_to_host, ...)` sees it as one leaf."""
-
-    arrays: list
-
-
-@dataclass
-class _Stage:
-    """One pipeline stage: a layer range, its sub-mesh (None: the default device), params, its stacked KV
-    cache `(k_pages, v_pages)` (`[layers of the stage, blocks, block_size, kv_heads, head_dim]`), step."""
-
-    index: int
-    layer_range: tuple[int, int]
-    mesh: Any  # jax.sharding.Mesh | None
-    model: Any
-    params: Any
-    kv_cache: tuple
-    is_last: bool
-    step: Callable | None = None
-
-    def place(self, x: Any) -> Any:
-        """Host arrays (or the previous stage's activations) onto this stage's devices, replicated."""
-        if self.mesh is None or x is None:
-            return x
-        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    return np.asarray(jax.device_get(local_copy(x)))
 
 
 def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
@@ -166,12 +120,10 @@ class ModelRunner:
         if self.plan is None:
             self.model = get_model(model_config, dtype, attention_fn=attention_fn)
             kv_cache = init_kv_cache(model_config, num_blocks, block_size, dtype)
-            self.stages = [_Stage(0, (0, model_config.num_hidden_layers), None, self.model, params, kv_cache, True)]
+            self.stages = [Stage(0, (0, model_config.num_hidden_layers), None, self.model, params, kv_cache, True)]
         else:
-            self.stages = self._build_stages(params, dtype, attention_fn)
+            self.stages = build_stages(self.plan, model_config, params, dtype, attention_fn, num_blocks, block_size)
             if len(self.stages) > 1:
-                from sarathi_jax.parallel.pipeline import PipelineTimeline
-
                 self.timeline = PipelineTimeline(len(self.stages))
         if not scan_layers:  # unrolled layers: each stage's stacked weights become per-layer arrays, once
             for stage in self.stages:
@@ -193,32 +145,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------- building
 
-    def _build_stages(self, params: Any, dtype: jnp.dtype, attention_fn: Callable) -> list[_Stage]:
-        from sarathi_jax.parallel.sharding import init_stage_kv_cache, place_params, shard_attention
-
-        plan = self.plan
-        if self.model_config not in (plan.source_config, plan.model_config):
-            raise ValueError("model_config is not the model the parallel plan was made for")
-        config = plan.model_config  # KV heads expanded when they are replicated over TP devices
-        stage_params = place_params(params, plan)
-        stages = []
-        for s, layer_range in enumerate(plan.layer_ranges):
-            mesh = plan.stage_mesh(s)
-            attn = shard_attention(attention_fn, mesh) if plan.tensor_parallel_size > 1 else attention_fn
-            model = get_model(config, dtype, attention_fn=attn).clone(
-                layer_range=None if plan.num_stages == 1 else layer_range
-            )
-            kv = init_stage_kv_cache(plan, s, self.num_blocks, self.block_size, dtype)
-            stages.append(_Stage(s, layer_range, mesh, model, stage_params[s], kv, s == plan.num_stages - 1))
-        return stages
-
-    def _make_stage_step(self, stage: _Stage) -> Callable:
+    def _make_stage_step(self, stage: Stage) -> Callable:
         """The jitted model step of one stage: (params, kv_cache, x, batch, prev_tokens) -> (out, kv_cache),
         `batch` the packed batch part. Stage 0 takes x = None and reads token ids from `batch` (pending ones
         from `prev_tokens`); the last stage returns float32 logits [S, vocab], the others their activations."""
-        model, index, is_first, is_last, mesh = stage.model, stage.index, stage.index == 0, stage.is_last, stage.mesh
-        replicate_logits = mesh is not None and self.plan.tensor_parallel_size > 1
-        vocab_parallel = replicate_logits and self.plan.shard_vocab
+        model, index, is_first, is_last = stage.model, stage.index, stage.index == 0, stage.is_last
         s, b = self.max_num_seqs, self.max_blocks_per_seq
 
         def step_impl(params, kv_cache, x, batch, prev_tokens):
@@ -231,20 +162,11 @@ class ModelRunner:
                 {"params": params}, x, positions, kv_cache, metadata, logits_indices if is_last else None
             )
             if is_last:
-                P = jax.sharding.PartitionSpec
-                if vocab_parallel:  # logits computed vocab-sharded (else XLA may all-gather the LM head)...
-                    out = jax.lax.with_sharding_constraint(out, jax.sharding.NamedSharding(mesh, P(None, "tp")))
-                if replicate_logits:  # ...then one all-gather of [S, vocab] and an unsharded sampler
-                    out = jax.lax.with_sharding_constraint(out, jax.sharding.NamedSharding(mesh, P()))
-                out = out.astype(jnp.float32)
+                out = stage.gather_logits(out).astype(jnp.float32)
             return out, kv_cache
 
         # The KV cache is donated: XLA updates it in place instead of copying it every step.
-        if mesh is None:
-            return jax.jit(step_impl, donate_argnums=(1,))
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        kv_sharding = self.plan.kv_cache_sharding(index)
-        return jax.jit(step_impl, donate_argnums=(1,), out_shardings=(replicated, (kv_sharding, kv_sharding)))
+        return jax.jit(step_impl, donate_argnums=(1,), **stage.jit_shardings())
 
     # ------------------------------------------------------------------------------------- public API
 
@@ -275,9 +197,9 @@ class ModelRunner:
         return [stage.kv_cache for stage in self.stages]
 
     def bucket_for(self, num_tokens: int) -> int:
-        for bucket in self.buckets:
-            if num_tokens <= bucket:
-                return bucket
+        bucket = bucket_for(self.buckets, num_tokens)
+        if bucket is not None:
+            return bucket
         raise ValueError(f"a batch of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
     def warmup(self) -> None:
@@ -326,8 +248,7 @@ class ModelRunner:
         for stage in self.stages:
             # One upload (both arrays in one call) to the first stage; later stages get device-to-device copies.
             if on_device is None:
-                sharding = None if stage.mesh is None else jax.sharding.NamedSharding(stage.mesh, jax.sharding.PartitionSpec())
-                on_device = PackedStep(*jax.device_put(tuple(packed), sharding))
+                on_device = PackedStep(*stage.upload(tuple(packed)))
             else:
                 on_device = PackedStep(*stage.place(tuple(on_device)))
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
@@ -341,29 +262,8 @@ class ModelRunner:
                 timeline.dispatched(record, stage.index, x)
         if single:
             self._prev_tokens = x.token_ids
-        if len(self.stages) > 1 and jax.process_count() > 1:
-            x = self._copy_to_every_process(x)
+        x = copy_to_every_process(self.stages, x)  # multi-process pipelines only
         return PendingStep(x, variant.logprobs, logits if self._capture_logits else None, record, timeline)
-
-    def _copy_to_every_process(self, out: Any) -> Any:
-        """Multi-process pipelines: also put the (replicated) sampler output on the stages of the processes
-        that do not hold the last stage (a cross-host transfer; see docs/parallelism.md)."""
-        have = {d.process_index for d in self.stages[-1].mesh.devices.flat}
-        targets = []
-        for stage in self.stages[:-1]:
-            procs = {d.process_index for d in stage.mesh.devices.flat}
-            if not procs <= have:
-                targets.append(stage)
-                have |= procs
-        if not targets:
-            return out
-        leaves, treedef = jax.tree.flatten(out)
-        copies = [[leaf] for leaf in leaves]
-        for stage in targets:
-            moved = jax.device_put(leaves, jax.sharding.NamedSharding(stage.mesh, jax.sharding.PartitionSpec()))
-            for c, leaf in zip(copies, moved):
-                c.append(leaf)
-        return jax.tree.unflatten(treedef, [_Copies(c) for c in copies])
 
     def _pack(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> PackedStep:
         """The packed int32 inputs of one step (layout: `sarathi_jax.step_inputs`)."""

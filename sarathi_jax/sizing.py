@@ -1,6 +1,7 @@
 """How an `EngineConfig` sizes an engine for a model: KV blocks, max_model_len, scheduler limits, buckets.
 
-Plain Python (no JAX), so the real engine and the simulator size themselves by the same rules.
+Plain Python (no JAX: `ModelConfig` is only a type here), so the real engine, the simulator and its cost
+models size and pad batches by the same rules.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sarathi_jax.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -15,11 +17,14 @@ from sarathi_jax.config import (
     EngineConfig,
     resolve_dtype,
 )
-from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.scheduler import SchedulerConfig
 from sarathi_jax.scheduler.config import WHOLE_PROMPT_POLICIES
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+if TYPE_CHECKING:  # importing sarathi_jax.models would bring in JAX and Flax
+    from sarathi_jax.models.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per element of each concrete model dtype
+SMALLEST_BUCKET = 16
 # Policies that split prompts into chunks under the token budget; the others put whole prompts in a batch.
 CHUNKING_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only")
 
@@ -34,7 +39,29 @@ class EngineSizing:
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
     mc = model_config
-    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * _DTYPE_BYTES[dtype]
+    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * DTYPE_BYTES[dtype]
+
+
+def token_buckets(max_step_tokens: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
+    """The token counts a step is compiled for: powers of two from `smallest`, then `max_step_tokens` rounded
+    up to a multiple of `smallest`."""
+    top = -(-max_step_tokens // smallest) * smallest
+    buckets = []
+    size = smallest
+    while size < top:
+        buckets.append(size)
+        size *= 2
+    buckets.append(top)
+    return tuple(buckets)
+
+
+def bucket_for(buckets: Sequence[int], num_tokens: int) -> int | None:
+    """The bucket a batch of `num_tokens` is padded to: the smallest of the ascending `buckets` that holds
+    it; None past the largest."""
+    for bucket in buckets:
+        if num_tokens <= bucket:
+            return bucket
+    return None
 
 
 # JAX's GPU allocator may hand out this fraction of the device's memory unless the environment says otherwise

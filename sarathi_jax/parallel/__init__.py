@@ -1,4 +1,5 @@
-"""Tensor and pipeline parallelism: mesh and stage plan, sharding rules, sharded loading, stage timing.
+"""Tensor and pipeline parallelism: mesh and stage plan, sharding rules, sharded loading, the model runner's
+stages (`stages.py`), stage timing.
 
     plan = make_plan(model_config, tensor_parallel_size=2, pipeline_parallel_size=2)   # ValueError if impossible
     shardings = plan.param_shardings(for_loading=True)        # NamedSharding per parameter leaf

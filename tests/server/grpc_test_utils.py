@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from typing import Any, Callable
 
@@ -45,3 +47,46 @@ def get_stats(stub: pb_grpc.GenerationStub) -> pb.Stats:
 def all_blocks_free(stub: pb_grpc.GenerationStub) -> bool:
     s = get_stats(stub)
     return s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0
+
+
+class RecordingQueue:
+    """Stands in for an `EngineWorker`'s queue (`worker._queue = RecordingQueue(worker._queue)`): the same items,
+    plus a record of the thread's `get(block=...)` calls and an event set when it enters a blocking one, so a
+    test can wait for the idle engine thread to park on its queue instead of sleeping."""
+
+    def __init__(self, inner: queue.SimpleQueue) -> None:
+        self.inner = inner
+        self.gets: list[bool] = []  # the `block` argument of each get
+        self.parked = threading.Event()
+
+    def put(self, item: Any) -> None:
+        self.inner.put(item)
+
+    def get(self, block: bool = True) -> Any:
+        self.gets.append(block)
+        if block:
+            self.parked.set()
+        return self.inner.get(block)
+
+    def get_nowait(self) -> Any:
+        return self.inner.get_nowait()
+
+
+def assert_parks_when_idle(worker: Any, timeout: float = 10.0) -> None:
+    """Wake the idle engine thread once (a call) and check, without sleeping, that it goes straight back to a
+    blocking get on its queue: one more wakeup, no iteration, no polling get. The queue is restored."""
+    recording = RecordingQueue(worker._queue)
+    worker._queue = recording
+
+    def in_thread(engine: Any) -> tuple[int, int]:  # runs in the engine thread: earlier gets are forgotten
+        recording.gets.clear()
+        recording.parked.clear()
+        return worker.num_wakeups, worker.num_iterations
+
+    try:
+        wakeups, iterations = worker.call(in_thread).result(timeout=timeout)
+        assert recording.parked.wait(timeout), "the engine thread never went back to a blocking get"
+        assert recording.gets == [True], recording.gets  # idle: a blocking get, no polling
+        assert (worker.num_wakeups, worker.num_iterations) == (wakeups + 1, iterations)
+    finally:
+        worker._queue = recording.inner

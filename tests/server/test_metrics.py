@@ -1,8 +1,56 @@
-"""ServerMetrics turns the engine's cumulative totals into Prometheus counters (vLLM's names, `sarathi:`)."""
+"""`server.metrics.ServerMetrics` on its own registry: the engine's stats become gauges, its cumulative totals
+(preemptions, prefix-cache queries and hits) counters that never double-count, and requests are counted by reason. The /metrics
+endpoint of a running server is in test_grpc_server.py."""
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
+
 from server.metrics import ServerMetrics
+
+
+def _value(m: ServerMetrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value("sarathi:" + name, {"model_name": "tiny", **labels})
+
+
+def test_engine_stats_become_gauges_and_a_monotonic_counter():
+    m = ServerMetrics("tiny")
+    m.update_engine_stats({"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.25, "num_preemptions": 2})
+    assert (_value(m, "num_requests_running"), _value(m, "num_requests_waiting")) == (3, 2)
+    assert _value(m, "kv_cache_usage_perc") == 0.25
+    assert _value(m, "num_preemptions_total") == 2
+    m.update_engine_stats({"num_running": 1, "num_preemptions": 5})  # the engine's count is cumulative
+    assert _value(m, "num_preemptions_total") == 5 and _value(m, "num_requests_running") == 1
+    assert _value(m, "num_requests_waiting") == 0  # a missing figure reads 0
+    m.update_engine_stats({"num_preemptions": 5})
+    m.update_engine_stats({"num_preemptions": 4})  # never counted twice, never backwards
+    assert _value(m, "num_preemptions_total") == 5
+
+
+def test_requests_are_counted_by_reason():
+    m = ServerMetrics("tiny")
+    m.request_finished("length")
+    m.request_finished("length")
+    m.request_finished("stop")
+    m.request_rejected("queue_full")
+    assert _value(m, "request_success_total", finished_reason="length") == 2
+    assert _value(m, "request_success_total", finished_reason="stop") == 1
+    assert _value(m, "request_rejected_total", reason="queue_full") == 1
+    m.ttft.observe(0.03)
+    m.itl.observe(0.002)
+    assert _value(m, "time_to_first_token_seconds_count") == 1
+    assert _value(m, "time_to_first_token_seconds_bucket", le="0.04") == 1
+    assert _value(m, "time_to_first_token_seconds_bucket", le="0.02") == 0
+    assert _value(m, "inter_token_latency_seconds_sum") == 0.002
+
+
+def test_each_server_has_its_own_registry():
+    a, b = ServerMetrics("tiny"), ServerMetrics("tiny")  # two servers in one process: no duplicate names
+    a.request_finished("stop")
+    assert _value(a, "request_success_total", finished_reason="stop") == 1
+    assert _value(b, "request_success_total", finished_reason="stop") is None
+    shared = CollectorRegistry()
+    assert ServerMetrics("tiny", registry=shared).registry is shared
 
 
 def test_engine_totals_become_counters():

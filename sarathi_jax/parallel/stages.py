@@ -1,0 +1,139 @@
+"""The model runner's pipeline stages: building them from a parallel plan, and everything that depends on
+where a stage lives.
+
+A `Stage` is a contiguous layer range of the model with its parameters, its paged KV cache and its jitted
+step, on a sub-mesh of `tp` devices (`mesh`), or on the default device (`mesh` None: the single-device
+runner is one such stage). `build_stages` cuts a `ParallelPlan`'s model into its stages, with parameters and
+KV cache sharded Megatron style and attention run per shard under `shard_map`. The stage's methods place
+inputs on its devices, gather its logits (tensor parallelism) and give its jit the output shardings, so the
+runner's step reads the same with or without a mesh.
+
+Multi-process pipelines (see docs/parallelism.md): every process runs the engine loop and needs the sampled
+tokens, but only the last stage's processes hold them; `copy_to_every_process` also puts them on the other
+processes' stages (a cross-host transfer) and `local_copy` picks the copy this process can read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sarathi_jax.models import get_model
+from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
+from sarathi_jax.parallel.sharding import init_stage_kv_cache, place_params, shard_attention
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: a layer range, its sub-mesh (None: the default device), params, its stacked KV
+    cache `(k_pages, v_pages)` (`[layers of the stage, blocks, block_size, kv_heads, head_dim]`), step."""
+
+    index: int
+    layer_range: tuple[int, int]
+    mesh: Any  # jax.sharding.Mesh | None
+    model: Any
+    params: Any
+    kv_cache: tuple
+    is_last: bool
+    step: Callable | None = None
+    tensor_parallel_size: int = 1
+    shard_vocab: bool = False  # the LM head is vocab-sharded over the TP devices
+    kv_sharding: Any = None  # NamedSharding of each of k_pages, v_pages (with a mesh)
+
+    @property
+    def replicated(self) -> NamedSharding | None:
+        """Replicated over the stage's devices (None: the default device)."""
+        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def upload(self, host_arrays: Any) -> Any:
+        """Host arrays onto this stage's devices (replicated), in one call."""
+        return jax.device_put(host_arrays, self.replicated)
+
+    def place(self, x: Any) -> Any:
+        """Host arrays (or the previous stage's activations) onto this stage's devices, replicated."""
+        if self.mesh is None or x is None:
+            return x
+        return jax.device_put(x, self.replicated)
+
+    def gather_logits(self, logits: jax.Array) -> jax.Array:
+        """Inside the step: with tensor parallelism, the logits computed vocab-sharded (else XLA may
+        all-gather the LM head), then one all-gather of [S, vocab] for an unsharded sampler."""
+        if self.mesh is None or self.tensor_parallel_size == 1:
+            return logits
+        if self.shard_vocab:
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS)))
+        return jax.lax.with_sharding_constraint(logits, self.replicated)
+
+    def jit_shardings(self) -> dict[str, Any]:
+        """`jax.jit` keyword arguments for the step (params, kv_cache, ...) -> (out, kv_cache): on a mesh the
+        output is replicated and the KV cache keeps its sharding."""
+        if self.mesh is None:
+            return {}
+        return {"out_shardings": (self.replicated, (self.kv_sharding, self.kv_sharding))}
+
+
+def build_stages(plan: ParallelPlan, model_config: Any, params: Any, dtype: Any, attention_fn: Callable,
+                 num_blocks: int, block_size: int) -> list[Stage]:
+    """The stages of `plan`, each with its share of `params` and a fresh KV cache (steps not yet made)."""
+    if model_config not in (plan.source_config, plan.model_config):
+        raise ValueError("model_config is not the model the parallel plan was made for")
+    config = plan.model_config  # KV heads expanded when they are replicated over TP devices
+    stage_params = place_params(params, plan)
+    tp = plan.tensor_parallel_size
+    stages = []
+    for s, layer_range in enumerate(plan.layer_ranges):
+        mesh = plan.stage_mesh(s)
+        attn = shard_attention(attention_fn, mesh) if tp > 1 else attention_fn
+        model = get_model(config, dtype, attention_fn=attn).clone(
+            layer_range=None if plan.num_stages == 1 else layer_range
+        )
+        kv = init_stage_kv_cache(plan, s, num_blocks, block_size, dtype)
+        stages.append(Stage(s, layer_range, mesh, model, stage_params[s], kv, s == plan.num_stages - 1,
+                            tensor_parallel_size=tp, shard_vocab=plan.shard_vocab,
+                            kv_sharding=plan.kv_cache_sharding(s)))
+    return stages
+
+
+@dataclass
+class Copies:
+    """Copies of one replicated array on several stages' meshes (multi-process pipelines). Not a pytree
+    node: `jax.tree.map(f, ...)` sees it as one leaf."""
+
+    arrays: list
+
+
+def local_copy(x: Any) -> Any:
+    """An array this process can read: of `Copies`, the first with a local shard; of a replicated array
+    spanning processes, a local copy; anything else as it is."""
+    if isinstance(x, Copies):
+        x = next(c for c in x.arrays if c.addressable_shards)
+    if getattr(x, "is_fully_addressable", True):
+        return x
+    return x.addressable_data(0)
+
+
+def copy_to_every_process(stages: list[Stage], out: Any) -> Any:
+    """Multi-process pipelines: also put the (replicated) sampler output `out` on the stages of the processes
+    that do not hold the last stage; its leaves become `Copies`. Otherwise `out` as it is."""
+    if len(stages) == 1 or jax.process_count() == 1:
+        return out
+    have = {d.process_index for d in stages[-1].mesh.devices.flat}
+    targets = []
+    for stage in stages[:-1]:
+        procs = {d.process_index for d in stage.mesh.devices.flat}
+        if not procs <= have:
+            targets.append(stage)
+            have |= procs
+    if not targets:
+        return out
+    leaves, treedef = jax.tree.flatten(out)
+    copies = [[leaf] for leaf in leaves]
+    for stage in targets:
+        moved = jax.device_put(leaves, stage.replicated)
+        for c, leaf in zip(copies, moved):
+            c.append(leaf)
+    return jax.tree.unflatten(treedef, [Copies(c) for c in copies])

@@ -1,0 +1,49 @@
+"""`sarathi_jax.parallel.stages`: what a stage does with and without a mesh (placement, logits gathering, the
+step's output shardings), and the multi-process copies seen from one process. Whole parallel engines are in
+test_parallel.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sarathi_jax.parallel.plan import TP_AXIS
+from sarathi_jax.parallel.stages import Copies, Stage, copy_to_every_process, local_copy
+
+
+def _stage(mesh=None, tp: int = 1, shard_vocab: bool = False, kv_sharding=None) -> Stage:
+    return Stage(0, (0, 2), mesh, model=None, params={}, kv_cache=(), is_last=True, tensor_parallel_size=tp,
+                 shard_vocab=shard_vocab, kv_sharding=kv_sharding)
+
+
+def test_a_stage_without_a_mesh_is_the_default_device():
+    stage = _stage()
+    x = jnp.arange(4)
+    assert stage.replicated is None and stage.place(x) is x and stage.place(None) is None
+    up = stage.upload((np.arange(3, dtype=np.int32), np.ones(2, np.int32)))
+    assert all(isinstance(a, jax.Array) and a.devices() == {jax.devices()[0]} for a in up)
+    assert stage.gather_logits(x) is x and stage.jit_shardings() == {}
+
+
+def test_a_tensor_parallel_stage_replicates_its_inputs_and_gathers_its_logits():
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("pp", TP_AXIS))
+    kv = NamedSharding(mesh, PartitionSpec(None, None, None, TP_AXIS, None))
+    stage = _stage(mesh, tp=2, shard_vocab=True, kv_sharding=kv)
+    placed = stage.place(np.arange(6, dtype=np.float32))
+    assert placed.sharding.is_fully_replicated and len(placed.devices()) == 2
+    assert stage.jit_shardings() == {"out_shardings": (stage.replicated, (kv, kv))}
+    logits = jax.device_put(jnp.arange(8.0).reshape(2, 4), NamedSharding(mesh, PartitionSpec(None, TP_AXIS)))
+    out = jax.jit(stage.gather_logits)(logits)
+    assert out.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(out), np.arange(8.0).reshape(2, 4))
+
+
+def test_one_process_needs_no_copies():
+    stages = [_stage(), _stage()]
+    out = {"token_ids": jnp.arange(3)}
+    assert copy_to_every_process(stages, out) is out
+    a, b = jnp.arange(3), jnp.arange(3) + 1
+    assert local_copy(Copies([a, b])) is a  # the first copy with a shard in this process
+    assert local_copy(b) is b

@@ -1,0 +1,78 @@
+"""`ModelRunner`'s host batch building (`_pack`): a scheduled batch becomes the packed int32 step inputs of
+`sarathi_jax.step_inputs`, padded to its bucket. Checked field by field on a hand-made batch; nothing runs
+on the device (the runner's steps are exercised by the engine tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+from sarathi_jax.sampling import make_sampling_arrays
+from sarathi_jax.scheduler import ScheduledChunk
+from sarathi_jax.sequence import Sequence
+from sarathi_jax.step_inputs import BatchLayout, pack_sampling
+
+S, BLOCK = 4, 16
+
+
+@pytest.fixture(scope="module")
+def runner():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", token_budget=32, max_num_seqs=S,
+                                    block_size=BLOCK, num_blocks=16, max_model_len=64), warmup=False)
+    return engine.runner
+
+
+def _seq(seq_id: str, num_tokens: int, table: list[int]) -> Sequence:
+    seq = Sequence(seq_id, list(range(100, 100 + num_tokens)), SamplingParams(max_tokens=8), 0.0)
+    seq.block_table = list(table)  # the block manager's job; any blocks will do for packing
+    return seq
+
+
+def _views(runner, packed) -> dict[str, np.ndarray]:
+    return BatchLayout.of_packed(packed.batch.size, S, runner.max_blocks_per_seq).host_views(packed.batch)
+
+
+def test_a_decode_and_a_prompt_chunk(runner):
+    a = _seq("a", 21, [5, 7])  # a decode at position 20: block 7, offset 4
+    b = _seq("b", 12, [3])  # the first 10 tokens of a 12-token prompt (no sample)
+    chunks = [ScheduledChunk(a, 1, 20), ScheduledChunk(b, 10, 0)]
+    rows = [(SamplingParams(temperature=0.0), 0, 0, ()), (SamplingParams(temperature=0.7, top_k=5), 9, 0, ())]
+    packed = runner._pack(chunks, rows)
+    v = _views(runner, packed)
+    assert v["token_ids"].size == 16  # 11 tokens: the 16-token bucket
+    assert v["token_ids"][:11].tolist() == [120] + list(range(100, 110))
+    assert v["positions"][:11].tolist() == [20] + list(range(10))
+    assert v["slot_mapping"].tolist() == [7 * BLOCK + 4] + list(range(3 * BLOCK, 3 * BLOCK + 10)) + [-1] * 5
+    assert (v["src_rows"] == -1).all()  # every input token is on the host
+    assert v["kv_lens"][:2].tolist() == [21, 10]
+    assert v["cu_q_lens"].tolist() == [0, 1, 11, 11, 11]
+    assert v["num_seqs"].tolist() == [2]
+    assert v["logits_indices"][:2].tolist() == [0, 10]
+    assert v["block_tables"][0, :2].tolist() == [5, 7] and v["block_tables"][1, :1].tolist() == [3]
+    np.testing.assert_array_equal(packed.sampling, pack_sampling(make_sampling_arrays(rows, S)))
+
+
+def test_batches_pad_to_their_bucket(runner):
+    assert runner.buckets == (16, 32)
+    packed = runner._pack([ScheduledChunk(_seq("c", 17, [1, 2]), 17, 0)], [(SamplingParams(), 0, 0, ())])
+    assert _views(runner, packed)["token_ids"].size == 32
+    assert runner.bucket_for(32) == 32
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        runner.bucket_for(33)
+
+
+def test_a_pending_token_is_read_from_the_previous_step(runner):
+    a = _seq("a", 21, [5, 7])
+    a.append_pending_token()  # the token the previous step sampled in its row 2 is not on the host yet
+    rows = [(SamplingParams(temperature=0.0), 0, 0, ())]
+    runner._prev_rows = {"a": 2}
+    try:
+        v = _views(runner, runner._pack([ScheduledChunk(a, 1, 21)], rows))
+        assert (v["token_ids"][0], v["src_rows"][0], v["positions"][0]) == (0, 2, 21)
+        assert (v["src_rows"][1:] == -1).all()
+        runner._prev_rows = {}  # the previous step did not sample it
+        with pytest.raises(RuntimeError, match="previous step did not sample"):
+            runner._pack([ScheduledChunk(a, 1, 21)], rows)
+    finally:
+        runner._prev_rows = {}

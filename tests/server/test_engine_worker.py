@@ -1,0 +1,163 @@
+"""`server.engine_worker.EngineWorker` over a fake engine (no model): outputs reach their request's sink in the
+engine thread, adds/aborts/calls are applied between iterations, a failed iteration fails every request and
+the worker goes on, stop fails what is left, the iteration log stays bounded, and the idle thread blocks."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from grpc_test_utils import assert_parks_when_idle
+from sarathi_jax.outputs import RequestMetrics, RequestOutput
+from server import engine_worker
+from server.engine_worker import EngineError, EngineWorker
+
+TIMEOUT = 10.0
+
+
+class FakeEngine:
+    """Each request is a number of tokens; a step emits one token for every request."""
+
+    def __init__(self) -> None:
+        self.remaining: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.iteration_log: list[Any] = []
+        self.step_threads: set[int] = set()
+        self.fail_next_step = False
+
+    def add_admitted(self, request_id: str, request: int, arrival_time: float | None = None) -> None:
+        if request_id in self.remaining:
+            raise ValueError(f"duplicate request {request_id}")
+        self.remaining[request_id] = request
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return self.remaining.pop(request_id, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.remaining)
+
+    def step(self) -> list[RequestOutput]:
+        self.step_threads.add(threading.get_ident())
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected failure")
+        outputs = []
+        for rid in list(self.remaining):
+            self.remaining[rid] -= 1
+            done = self.remaining[rid] == 0
+            if done:
+                del self.remaining[rid]
+            outputs.append(RequestOutput(rid, (1,), (7,), (7,), "", "", (), done, "length" if done else None,
+                                         RequestMetrics(0.0)))
+        self.iteration_log.append(len(outputs))
+        return outputs
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.remaining)}
+
+
+class Sink:
+    """Collects what the worker delivers to one request; `done` is set on its last output or an error."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.done = threading.Event()
+
+    def __call__(self, item: Any) -> None:
+        self.items.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            self.done.set()
+
+    def wait(self) -> list[Any]:
+        assert self.done.wait(TIMEOUT), self.items
+        return self.items
+
+
+@pytest.fixture
+def worker():
+    stats: list[dict] = []
+    w = EngineWorker(FakeEngine(), on_stats=stats.append, name="test-engine")
+    w.published = stats
+    w.start()
+    yield w
+    w.stop()
+
+
+def test_outputs_reach_their_sink_from_the_engine_thread(worker):
+    a, b = Sink(), Sink()
+    worker.submit("a", 3, 0.0, a)
+    worker.submit("b", 1, 0.0, b)
+    assert [o.finished for o in a.wait()] == [False, False, True]
+    assert [o.request_id for o in b.wait()] == ["b"] and b.items[0].finished
+    engine_thread = worker.call(lambda engine: threading.get_ident()).result(TIMEOUT)
+    assert engine_thread != threading.get_ident() and worker.engine.step_threads == {engine_thread}
+    assert worker.num_iterations == 3
+    assert worker.published[-1] == {"num_running": 0}  # stats are published after every pass
+
+
+def test_a_refused_add_is_reported_to_its_request_only(worker):
+    worker.pause()
+    first, dup = Sink(), Sink()
+    worker.submit("a", 2, 0.0, first)
+    worker.submit("a", 5, 0.0, dup)  # the engine raises: the worker delivers the exception, nothing else changes
+    assert isinstance(dup.wait()[0], ValueError)
+    assert worker.call(lambda engine: dict(engine.remaining)).result(TIMEOUT) == {"a": 2}
+    worker.resume()
+    assert [o.finished for o in first.wait()] == [False, True]
+
+
+def test_pause_then_abort_frees_the_request_before_any_iteration(worker):
+    worker.pause()
+    sink = Sink()
+    worker.submit("a", 5, 0.0, sink)
+    assert worker.call(lambda engine: dict(engine.remaining)).result(TIMEOUT) == {"a": 5}
+    worker.abort("a")
+    assert worker.call(lambda engine: (dict(engine.remaining), engine.aborted)).result(TIMEOUT) == ({}, ["a"])
+    worker.resume()
+    assert worker.call(lambda engine: None).result(TIMEOUT) is None
+    assert worker.num_iterations == 0 and sink.items == []  # an aborted request's sink hears nothing more
+
+
+def test_a_failed_iteration_fails_every_request_and_the_worker_goes_on(worker):
+    worker.pause()
+    worker.call(lambda engine: setattr(engine, "fail_next_step", True)).result(TIMEOUT)
+    a, b = Sink(), Sink()
+    worker.submit("a", 3, 0.0, a)
+    worker.submit("b", 3, 0.0, b)
+    worker.resume()
+    for sink in (a, b):
+        (err,) = sink.wait()
+        assert isinstance(err, EngineError) and "injected failure" in str(err)
+    assert sorted(worker.engine.aborted) == ["a", "b"] and worker.alive
+    again = Sink()
+    worker.submit("c", 2, 0.0, again)
+    assert [o.finished for o in again.wait()] == [False, True]
+
+
+def test_stop_fails_what_is_left_and_ends_the_thread(worker):
+    worker.pause()
+    sink = Sink()
+    worker.submit("a", 4, 0.0, sink)
+    worker.stop()
+    (err,) = sink.wait()
+    assert isinstance(err, EngineError) and "stopped" in str(err)
+    assert not worker.alive and worker.engine.aborted == ["a"]
+
+
+def test_the_iteration_log_stays_bounded(worker, monkeypatch):
+    monkeypatch.setattr(engine_worker, "_MAX_ITERATION_LOG", 5)
+    monkeypatch.setattr(engine_worker, "_KEEP_ITERATION_LOG", 2)
+    sink = Sink()
+    worker.submit("a", 6, 0.0, sink)
+    sink.wait()
+    assert worker.call(lambda engine: len(engine.iteration_log)).result(TIMEOUT) == 2  # 6 steps: trimmed at the 6th
+
+
+def test_the_idle_thread_blocks_on_its_queue(worker):
+    sink = Sink()
+    worker.submit("a", 2, 0.0, sink)
+    sink.wait()
+    assert_parks_when_idle(worker)
