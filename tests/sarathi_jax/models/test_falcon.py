@@ -34,7 +34,7 @@ from sarathi_jax.models import (
     param_logical_axes,
     param_shapes,
 )
-from sarathi_jax.models.loader import falcon_qkv_rows
+from sarathi_jax.models.falcon import falcon_qkv_rows
 
 FALCONS = ("falcon-new", "falcon-7b", "falcon-seq")
 RTOL = 1e-4

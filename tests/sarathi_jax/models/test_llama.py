@@ -39,7 +39,7 @@ from sarathi_jax.models import (
     write_kv,
 )
 from sarathi_jax.models.presets import CPU_PRESETS
-from sarathi_jax.models.llama import unstack_layer_params
+from sarathi_jax.models.layers import unstack_layer_params
 
 ARCHITECTURES = ("llama", "llama3", "llama-mqa", "mistral", "qwen2", "qwen3")
 RTOL = 1e-4
