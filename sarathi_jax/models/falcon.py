@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from sarathi_jax.models.attention import AttentionMetadata, KVCache
 from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.layers import AttentionFn, PagedDecoderLM, PagedSelfAttention, Projection
+from sarathi_jax.models.layers import PagedDecoderLayer, PagedDecoderLM, PagedSelfAttention, Projection
 from sarathi_jax.models.param_source import ParamSource
 
 
@@ -88,20 +88,14 @@ class FalconMLP(nn.Module):
                           dtype=self.dtype, name="dense_4h_to_h")(h)
 
 
-class FalconDecoderLayer(nn.Module):
-    """One layer in scan form, as `llama.DecoderLayer`."""
+class FalconDecoderLayer(PagedDecoderLayer):
+    """Parallel (`x + (mlp + attn)`) or sequential pre-norm layer; see the module docstring."""
 
-    config: ModelConfig
-    attention_fn: AttentionFn
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(
-        self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
+    def block(
+        self, x: jax.Array, kv_cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
         metadata: AttentionMetadata,
-    ) -> tuple[tuple[jax.Array, KVCache], None]:
+    ) -> tuple[jax.Array, KVCache]:
         c = self.config
-        x, kv_cache = carry
 
         def norm(name: str) -> LayerNorm:
             return LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name=name)
@@ -116,10 +110,10 @@ class FalconDecoderLayer(nn.Module):
                 attn_in = mlp_in = norm("input_layernorm")(x)
             attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, layer, metadata)
             # HF: mlp_output += attention_output; output = residual + mlp_output.
-            return (x + (mlp(mlp_in) + attn_out), kv_cache), None
+            return x + (mlp(mlp_in) + attn_out), kv_cache
         attn_out, kv_cache = attention(norm("input_layernorm")(x), cos, sin, kv_cache, layer, metadata)
         x = x + attn_out
-        return (x + mlp(norm("post_attention_layernorm")(x)), kv_cache), None
+        return x + mlp(norm("post_attention_layernorm")(x)), kv_cache
 
 
 class FalconForCausalLM(PagedDecoderLM):
@@ -127,7 +121,7 @@ class FalconForCausalLM(PagedDecoderLM):
     (`layers.PagedDecoderLM`)."""
 
     embedding_name: ClassVar[str] = "word_embeddings"
-    layer_class: ClassVar[type[nn.Module]] = FalconDecoderLayer
+    layer_class: ClassVar[type[PagedDecoderLayer]] = FalconDecoderLayer
 
     def final_norm(self) -> nn.Module:
         return LayerNorm(self.config.hidden_size, self.config.rms_norm_eps, dtype=self.dtype, name="ln_f")

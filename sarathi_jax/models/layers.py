@@ -158,6 +158,30 @@ def paged_attention(attention_fn: AttentionFn, q: jax.Array, k_pages: jax.Array,
     )
 
 
+class PagedDecoderLayer(nn.Module):
+    """One decoder layer in scan form: `((x [T, embed], kv_cache), layer, cos, sin, metadata) -> ((x, kv_cache),
+    None)`, `layer` the index of this layer in the stacked KV cache. A subclass writes the layer, `block`."""
+
+    config: ModelConfig
+    attention_fn: AttentionFn
+    dtype: Any = jnp.float32
+
+    def block(
+        self, x: jax.Array, kv_cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:
+        """`x [T, embed]` through this layer (its submodules are created here): `(x, kv_cache)`."""
+        raise NotImplementedError
+
+    @nn.compact
+    def __call__(
+        self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[tuple[jax.Array, KVCache], None]:
+        x, kv_cache = carry
+        return self.block(x, kv_cache, layer, cos, sin, metadata), None
+
+
 class PagedDecoderLM(nn.Module):
     """The decoder every model here is: the model contract's fields and `__call__` (docs/design.md). A
     subclass names its token embedding (`embedding_name`), its layer (`layer_class`) and its final norm.
@@ -184,9 +208,8 @@ class PagedDecoderLM(nn.Module):
 
     # Name of the `[vocab, embed]` token embedding parameter (also the LM head when tied).
     embedding_name: ClassVar[str]
-    # One layer in scan form: `layer_class(config, attention_fn, dtype)((x, kv_cache), layer, cos, sin,
-    # metadata) -> ((x, kv_cache), None)`, `layer` the index of this layer in the stacked KV cache.
-    layer_class: ClassVar[type[nn.Module]]
+    # One layer, `layer_class(config, attention_fn, dtype)`.
+    layer_class: ClassVar[type[PagedDecoderLayer]]
 
     def final_norm(self) -> nn.Module:
         """The norm before the LM head (a submodule, created inside `__call__`)."""

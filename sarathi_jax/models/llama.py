@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from sarathi_jax.models.attention import AttentionMetadata, KVCache
 from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.layers import AttentionFn, PagedDecoderLM, PagedSelfAttention, Projection, RMSNorm
+from sarathi_jax.models.layers import PagedDecoderLayer, PagedDecoderLM, PagedSelfAttention, Projection, RMSNorm
 from sarathi_jax.models.param_source import ParamSource
 
 
@@ -59,21 +59,14 @@ class MLP(nn.Module):
         return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
-    """One layer, in scan form: `((x [T, embed], kv_cache), layer, cos, sin, metadata) -> ((x, kv_cache), None)`,
-    `layer` the index of this layer in the stacked KV cache."""
+class DecoderLayer(PagedDecoderLayer):
+    """Pre-norm layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
-    config: ModelConfig
-    attention_fn: AttentionFn
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(
-        self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
+    def block(
+        self, x: jax.Array, kv_cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
         metadata: AttentionMetadata,
-    ) -> tuple[tuple[jax.Array, KVCache], None]:
+    ) -> tuple[jax.Array, KVCache]:
         c = self.config
-        x, kv_cache = carry
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="input_layernorm")(x)
         attn_out, kv_cache = PagedSelfAttention(c, self.attention_fn, dtype=self.dtype, name="self_attn")(
             h, cos, sin, kv_cache, layer, metadata
@@ -81,7 +74,7 @@ class DecoderLayer(nn.Module):
         x = x + attn_out
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="post_attention_layernorm")(x)
         x = x + MLP(c, dtype=self.dtype, name="mlp")(h)
-        return (x, kv_cache), None
+        return x, kv_cache
 
 
 class LlamaForCausalLM(PagedDecoderLM):
@@ -89,7 +82,7 @@ class LlamaForCausalLM(PagedDecoderLM):
     rules) and docs/design.md (model contract)."""
 
     embedding_name: ClassVar[str] = "embed_tokens"
-    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+    layer_class: ClassVar[type[PagedDecoderLayer]] = DecoderLayer
 
     def final_norm(self) -> nn.Module:
         return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, "embed", dtype=self.dtype, name="norm")
