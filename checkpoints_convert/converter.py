@@ -45,17 +45,17 @@ import numpy as np
 
 from checkpoints_convert.safetensors_stream import SafetensorsCheckpoint
 from sarathi_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from sarathi_jax.models.families import param_plan
 from sarathi_jax.models.loader import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_FORMAT_VERSION,
     CHECKPOINT_MARKER,
     ORBAX_PARAMS_DIR,
     CheckpointError,
-    ParamSource,
     is_orbax_checkpoint,
     param_path_str,
-    param_plan,
 )
+from sarathi_jax.models.param_source import ParamSource
 
 DTYPES = ("bfloat16", "float32")
 # Copied next to the params when present: model config and everything `tokenizers` / HF tokenizers read.

@@ -105,7 +105,7 @@ def llama3_rope_parameters(factors: np.ndarray, rope_theta: float, head_dim: int
     through the model's own RoPE formula; a file that does not follow Llama 3's scheme is refused.
     """
     from sarathi_jax.models.config import RopeScaling
-    from sarathi_jax.models.llama import rope_inv_freq
+    from sarathi_jax.models.layers import rope_inv_freq
 
     factors = np.asarray(factors, np.float64)
     inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim)

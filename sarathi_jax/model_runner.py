@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
-from sarathi_jax.models.llama import unstack_layer_params
+from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
 from sarathi_jax.parallel.stages import Stage, build_stages, copy_to_every_process, local_copy
 from sarathi_jax.sampling import (

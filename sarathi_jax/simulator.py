@@ -18,13 +18,14 @@ from collections.abc import Sequence as Sequence_
 
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
+from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 from sarathi_jax.outputs import IterationRecord, RequestOutput
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_jax.sequence import Sequence
 from sarathi_jax.tokenizer import StopStringChecker
 
-DUMMY_VOCAB = 32000
+DUMMY_VOCAB = LLAMA2_VOCAB_SIZE  # dummy tokens are drawn below it
 
 
 class IterationCost(Protocol):

@@ -15,14 +15,15 @@ import json
 import os
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+# HF `architectures[0]` values per model family (`families.py` maps each to its implementation).
+LLAMA_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
-    "FalconForCausalLM",
 )
 FALCON_ARCHITECTURES: tuple[str, ...] = ("FalconForCausalLM",)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = LLAMA_ARCHITECTURES + FALCON_ARCHITECTURES
 # Falcon's `activation` values that the Falcon module implements: exact (erf) GELU and its tanh approximations.
 FALCON_ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")

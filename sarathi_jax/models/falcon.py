@@ -1,8 +1,9 @@
 """Falcon (`FalconForCausalLM`, the Falcon-7B/40B/180B family) as a Flax linen decoder over the paged KV cache.
 
-Same model contract as `llama.py` (see docs/design.md): the same `__call__` signature, K/V written with
-`write_kv` and read by the pluggable `attention_fn`, logits only for `logits_indices`, logical axis names on
-every parameter. Follows transformers' `modeling_falcon.py`:
+Same model contract as `llama.py` (see docs/design.md), built from the same shared layers (`layers.py`: the
+projections, RoPE, `PagedSelfAttention` over the paged KV cache with its pluggable `attention_fn`, and the
+decoder itself, `PagedDecoderLM`): the same `__call__` signature, logits only for `logits_indices`,
+logical axis names on every parameter. Follows transformers' `modeling_falcon.py`:
 
   * LayerNorm (scale and bias) everywhere, GELU MLP (`dense_h_to_4h` -> GELU -> `dense_4h_to_h`), optional
     bias on every matrix (`bias`), rotary embeddings in the rotate-half convention.
@@ -11,8 +12,8 @@ every parameter. Follows transformers' `modeling_falcon.py`:
     `num_ln_in_parallel_attn == 1`; the 7B style shares one `input_layernorm`. `parallel_attn=False` is the
     sequential pre-norm layer (`input_layernorm`, `post_attention_layernorm`).
   * Multi-query (7B: one K/V head) or grouped-query (40B/180B: `num_kv_heads`) attention. HF fuses q, k and v
-    in one `query_key_value` matrix whose row layout depends on the variant; the loader splits it into the
-    `q_proj` / `k_proj` / `v_proj` kernels below (see `loader.falcon_plan`), so the model itself is layout-free
+    in one `query_key_value` matrix whose row layout depends on the variant; `hf_param_plan` (at the end)
+    splits it into the `q_proj` / `k_proj` / `v_proj` kernels below (`falcon_qkv_rows`), so the model is layout-free
     and tensor parallelism can shard heads without reshapes.
   * ALiBi Falcon (`alibi=True`) is rejected when the config is parsed.
 
@@ -34,25 +35,17 @@ the layers are one `nn.scan`: every `layers/...` leaf has a leading `[layers]` a
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, ClassVar, Iterator
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import ragged_paged_attention_xla
-from sarathi_jax.models.attention import AttentionMetadata, KVCache, write_kv
-from sarathi_jax.models.config import FALCON_ARCHITECTURES, ModelConfig
-from sarathi_jax.models.llama import (
-    AttentionFn,
-    Projection,
-    apply_rope,
-    dummy_inputs,
-    paged_attention,
-    paged_decoder_forward,
-)
-
-ARCHITECTURES = FALCON_ARCHITECTURES
+from sarathi_jax.models.attention import AttentionMetadata, KVCache
+from sarathi_jax.models.config import ModelConfig
+from sarathi_jax.models.layers import PagedDecoderLayer, PagedDecoderLM, PagedSelfAttention, Projection
+from sarathi_jax.models.param_source import ParamSource
 
 
 class LayerNorm(nn.Module):
@@ -81,34 +74,6 @@ def gelu(x: jax.Array, hidden_act: str) -> jax.Array:
     return jax.nn.gelu(x, approximate=hidden_act != "gelu")
 
 
-class FalconAttention(nn.Module):
-    config: ModelConfig
-    attention_fn: AttentionFn
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, layer: jax.Array,
-        metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, KVCache]:
-        c = self.config
-        embed, heads, kv_heads, head_dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = Projection((embed, heads, head_dim), ("embed", "heads", "head_dim"),
-                       use_bias=c.attention_bias, dtype=self.dtype, name="q_proj")(x)
-        k = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
-                       use_bias=c.attention_bias, dtype=self.dtype, name="k_proj")(x)
-        v = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
-                       use_bias=c.attention_bias, dtype=self.dtype, name="v_proj")(x)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping, layer)
-        # Query head h reads K/V head h // (heads // kv_heads): HF's grouped layout (and MQA's single head).
-        out = paged_attention(self.attention_fn, q, k_pages, v_pages, layer, metadata)
-        out = Projection((heads, head_dim, embed), ("heads", "head_dim", "embed"), num_contracting=2,
-                         use_bias=c.attention_out_bias, dtype=self.dtype, name="dense")(out)
-        return out, (k_pages, v_pages)
-
-
 class FalconMLP(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -123,25 +88,20 @@ class FalconMLP(nn.Module):
                           dtype=self.dtype, name="dense_4h_to_h")(h)
 
 
-class FalconDecoderLayer(nn.Module):
-    """One layer in scan form, as `llama.DecoderLayer`."""
+class FalconDecoderLayer(PagedDecoderLayer):
+    """Parallel (`x + (mlp + attn)`) or sequential pre-norm layer; see the module docstring."""
 
-    config: ModelConfig
-    attention_fn: AttentionFn
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(
-        self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
+    def block(
+        self, x: jax.Array, kv_cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
         metadata: AttentionMetadata,
-    ) -> tuple[tuple[jax.Array, KVCache], None]:
+    ) -> tuple[jax.Array, KVCache]:
         c = self.config
-        x, kv_cache = carry
 
         def norm(name: str) -> LayerNorm:
             return LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name=name)
 
-        attention = FalconAttention(c, self.attention_fn, dtype=self.dtype, name="self_attention")
+        attention = PagedSelfAttention(c, self.attention_fn, dtype=self.dtype, out_proj_name="dense",
+                                       name="self_attention")
         mlp = FalconMLP(c, dtype=self.dtype, name="mlp")
         if c.parallel_attn:
             if c.num_ln_in_parallel_attn == 2:
@@ -150,56 +110,98 @@ class FalconDecoderLayer(nn.Module):
                 attn_in = mlp_in = norm("input_layernorm")(x)
             attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, layer, metadata)
             # HF: mlp_output += attention_output; output = residual + mlp_output.
-            return (x + (mlp(mlp_in) + attn_out), kv_cache), None
+            return x + (mlp(mlp_in) + attn_out), kv_cache
         attn_out, kv_cache = attention(norm("input_layernorm")(x), cos, sin, kv_cache, layer, metadata)
         x = x + attn_out
-        return (x + mlp(norm("post_attention_layernorm")(x)), kv_cache), None
+        return x + mlp(norm("post_attention_layernorm")(x)), kv_cache
 
 
-class FalconForCausalLM(nn.Module):
-    """Falcon decoder over a paged KV cache; same contract and dtype rules as `LlamaForCausalLM`."""
+class FalconForCausalLM(PagedDecoderLM):
+    """Falcon decoder over a paged KV cache; same contract, fields and dtype rules as `LlamaForCausalLM`
+    (`layers.PagedDecoderLM`)."""
 
-    config: ModelConfig
-    dtype: Any = jnp.float32
-    attention_fn: AttentionFn = ragged_paged_attention_xla
-    # Pipeline-stage hook and layer scan, as `LlamaForCausalLM.layer_range` / `scan_layers`.
-    layer_range: tuple[int, int] | None = None
-    scan_layers: bool = True
+    embedding_name: ClassVar[str] = "word_embeddings"
+    layer_class: ClassVar[type[PagedDecoderLayer]] = FalconDecoderLayer
 
-    @nn.compact
-    def __call__(
-        self,
-        token_ids: jax.Array,
-        positions: jax.Array,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        logits_indices: jax.Array,
-    ) -> tuple[jax.Array, KVCache]:
-        c = self.config
-        return paged_decoder_forward(
-            self, token_ids, positions, kv_cache, metadata, logits_indices,
-            embedding_name="word_embeddings",
-            layer_class=FalconDecoderLayer,
-            make_final_norm=lambda: LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name="ln_f"),
-        )
+    def final_norm(self) -> nn.Module:
+        return LayerNorm(self.config.hidden_size, self.config.rms_norm_eps, dtype=self.dtype, name="ln_f")
 
 
-def get_model(config: ModelConfig, dtype: Any = jnp.float32, attention_fn: AttentionFn | None = None) -> FalconForCausalLM:
-    return FalconForCausalLM(
-        config=config, dtype=jnp.dtype(dtype), attention_fn=attention_fn or ragged_paged_attention_xla
-    )
+# ---------------------------------------------------------------------------------------- HF checkpoints
 
 
-def _boxed_param_shapes(config: ModelConfig, dtype: Any) -> Any:
-    model = get_model(config, dtype)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), *dummy_inputs(config, dtype)))["params"]
+def falcon_qkv_rows(config: ModelConfig) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Row ranges of q, k and v in Falcon's fused `query_key_value` weight (and bias).
+
+    transformers' `FalconAttention._split_heads` views the fused output as `[kv_heads, q_per_kv + 2, head_dim]`
+    for the new decoder architecture (each K/V group: its q heads, then k, then v), as `[heads + 2, head_dim]`
+    for multi-query (all q heads, then the one k, then v) and as `[heads, 3, head_dim]` otherwise (q, k, v per
+    head). With `num_key_value_heads` = kv_heads, 1 and heads respectively, all three are the grouped layout.
+    """
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_kv = heads // kv_heads
+    group = (per_kv + 2) * head_dim
+    q, k, v = [], [], []
+    for g in range(kv_heads):
+        base = g * group
+        q.append((base, base + per_kv * head_dim))
+        k.append((base + per_kv * head_dim, base + (per_kv + 1) * head_dim))
+        v.append((base + (per_kv + 1) * head_dim, base + group))
+
+    def merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        out = [ranges[0]]
+        for start, stop in ranges[1:]:
+            if start == out[-1][1]:
+                out[-1] = (out[-1][0], stop)
+            else:
+                out.append((start, stop))
+        return tuple(out)
+
+    return merged(q), merged(k), merged(v)
 
 
-def param_logical_axes(config: ModelConfig) -> Any:
-    """Tree of logical `PartitionSpec`s, as `llama.param_logical_axes`."""
-    return nn.get_partition_spec(_boxed_param_shapes(config, jnp.float32))
+def hf_param_plan(config: ModelConfig) -> Iterator[ParamSource]:
+    """Where each parameter comes from in an HF Falcon checkpoint (`transformer.*`, `lm_head`), in load order."""
+    c = config
+    embed, vocab, mlp = c.hidden_size, c.vocab_size, c.intermediate_size
+    heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    P = ParamSource
+    qkv_rows = (heads + 2 * kv_heads) * head_dim
+    q_rows, k_rows, v_rows = falcon_qkv_rows(c)
 
-
-def param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
-    """Tree of `jax.ShapeDtypeStruct` of the (unboxed) params."""
-    return nn.meta.unbox(_boxed_param_shapes(config, jnp.dtype(dtype)))
+    yield P(("word_embeddings",), "transformer.word_embeddings.weight", (vocab, embed), (vocab, embed))
+    for i in range(c.num_hidden_layers):
+        hf, ours = f"transformer.h.{i}.", "layers"
+        P = functools.partial(ParamSource, layer=i)
+        if c.parallel_attn:
+            norms = ("ln_attn", "ln_mlp") if c.num_ln_in_parallel_attn == 2 else ("input_layernorm",)
+        else:
+            norms = ("input_layernorm", "post_attention_layernorm")
+        for norm in norms:
+            yield P((ours, norm, "scale"), f"{hf}{norm}.weight", (embed,), (embed,))
+            yield P((ours, norm, "bias"), f"{hf}{norm}.bias", (embed,), (embed,))
+        attn = hf + "self_attention."
+        for proj, rows, num_heads in (("q_proj", q_rows, heads), ("k_proj", k_rows, kv_heads),
+                                      ("v_proj", v_rows, kv_heads)):
+            yield P((ours, "self_attention", proj, "kernel"), attn + "query_key_value.weight", (qkv_rows, embed),
+                    (embed, num_heads, head_dim), transpose=True, rows=rows)
+            if c.attention_bias:
+                yield P((ours, "self_attention", proj, "bias"), attn + "query_key_value.bias", (qkv_rows,),
+                        (num_heads, head_dim), rows=rows)
+        yield P((ours, "self_attention", "dense", "kernel"), attn + "dense.weight", (embed, heads * head_dim),
+                (heads, head_dim, embed), transpose=True)
+        if c.attention_out_bias:
+            yield P((ours, "self_attention", "dense", "bias"), attn + "dense.bias", (embed,), (embed,))
+        yield P((ours, "mlp", "dense_h_to_4h", "kernel"), hf + "mlp.dense_h_to_4h.weight", (mlp, embed), (embed, mlp),
+                transpose=True)
+        if c.mlp_bias:
+            yield P((ours, "mlp", "dense_h_to_4h", "bias"), hf + "mlp.dense_h_to_4h.bias", (mlp,), (mlp,))
+        yield P((ours, "mlp", "dense_4h_to_h", "kernel"), hf + "mlp.dense_4h_to_h.weight", (embed, mlp), (mlp, embed),
+                transpose=True)
+        if c.mlp_bias:
+            yield P((ours, "mlp", "dense_4h_to_h", "bias"), hf + "mlp.dense_4h_to_h.bias", (embed,), (embed,))
+    P = ParamSource
+    yield P(("ln_f", "scale"), "transformer.ln_f.weight", (embed,), (embed,))
+    yield P(("ln_f", "bias"), "transformer.ln_f.bias", (embed,), (embed,))
+    if not c.tie_word_embeddings:
+        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)

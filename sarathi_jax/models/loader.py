@@ -1,8 +1,12 @@
 """Load checkpoints into the model parameter trees (`LlamaForCausalLM`, `FalconForCausalLM`).
 
+`load_model(name_or_path)` takes a preset name (seeded random weights), a Hugging Face folder or a converted
+one, and returns `(config, params)`.
+
 Hugging Face safetensors: tensors are streamed one at a time (`safetensors.safe_open`, memory-mapped),
 converted to the target dtype and moved to the device, so peak host memory is about one tensor.
-`param_plan` holds the whole name and layout mapping as data (`ParamSource` per parameter) and
+`param_plan(config)` (`families.py`) is the whole name and layout mapping as data (`ParamSource` per
+parameter), written beside each model (`llama.hf_param_plan`, `falcon.hf_param_plan`);
 `hf_to_params_items` applies it to any `get_tensor(name) -> np.ndarray`; converters reuse both.
 
 Orbax: folders written by `python -m checkpoints_convert` (the parameter tree as an Orbax PyTree checkpoint
@@ -14,7 +18,6 @@ shardings.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -25,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from sarathi_jax.models import falcon, llama
-from sarathi_jax.models.config import FALCON_ARCHITECTURES, ModelConfig
+from sarathi_jax.models.config import ModelConfig
+from sarathi_jax.models.families import param_plan, param_shapes
+from sarathi_jax.models.param_source import ParamPath, ParamSource
+from sarathi_jax.models.presets import PRESETS
+from sarathi_jax.models.random_init import init_random_params
 
-ParamPath = tuple[str, ...]
 # Returns the named tensor, raises KeyError if the checkpoint has no such tensor.
 GetTensor = Callable[[str], np.ndarray]
 
@@ -45,168 +50,6 @@ CHECKPOINT_FORMAT_VERSION = 2
 
 class CheckpointError(ValueError):
     """A checkpoint misses a tensor, has a mis-shaped one, is incomplete or corrupt, or cannot be found."""
-
-
-def param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
-    """Tree of `jax.ShapeDtypeStruct` of the params of `config`'s model family."""
-    module = falcon if config.architecture in FALCON_ARCHITECTURES else llama
-    return module.param_shapes(config, dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSource:
-    """Where one parameter comes from: HF tensor `name` (expected shape `hf_shape`), its first-axis row ranges
-    `rows` (all rows when None; Falcon's fused query_key_value is split this way), transposed when `transpose`
-    (HF linear weights are `[out, in]`, kernels here `[in..., out...]`), then reshaped to `shape`.
-
-    The plan is plain data so that a converter can execute it chunk by chunk (`checkpoints_convert`) instead of
-    materializing the HF tensor and its transposed copy at once; `apply` is the in-memory reference.
-
-    Decoder-layer parameters are stacked over a leading layers axis (the scanned model): their source has
-    `layer = i`, and `shape` is the shape of the one-layer slice `param[i]`.
-    """
-
-    param_path: ParamPath
-    name: str
-    hf_shape: tuple[int, ...]
-    shape: tuple[int, ...]
-    transpose: bool = False
-    rows: tuple[tuple[int, int], ...] | None = None
-    layer: int | None = None
-
-    def apply(self, tensor: np.ndarray) -> np.ndarray:
-        x = tensor
-        if self.rows is not None:
-            parts = [x[start:stop] for start, stop in self.rows]
-            x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-        if self.transpose:
-            x = x.T
-        return x.reshape(self.shape)
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of the HF tensor this parameter takes."""
-        if self.rows is None:
-            return self.hf_shape[0] if self.hf_shape else 1
-        return sum(stop - start for start, stop in self.rows)
-
-
-def _llama_plan(config: ModelConfig) -> Iterator[ParamSource]:
-    c = config
-    embed, vocab, mlp = c.hidden_size, c.vocab_size, c.intermediate_size
-    heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    P = ParamSource
-
-    yield P(("embed_tokens",), "model.embed_tokens.weight", (vocab, embed), (vocab, embed))
-    for i in range(c.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", "layers"
-        P = functools.partial(ParamSource, layer=i)
-        attn = hf + "self_attn."
-        yield P((ours, "input_layernorm", "scale"), hf + "input_layernorm.weight", (embed,), (embed,))
-        for proj, num_heads in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
-            yield P((ours, "self_attn", proj, "kernel"), f"{attn}{proj}.weight", (num_heads * head_dim, embed),
-                    (embed, num_heads, head_dim), transpose=True)
-            if c.attention_bias:
-                yield P((ours, "self_attn", proj, "bias"), f"{attn}{proj}.bias", (num_heads * head_dim,),
-                        (num_heads, head_dim))
-        yield P((ours, "self_attn", "o_proj", "kernel"), attn + "o_proj.weight", (embed, heads * head_dim),
-                (heads, head_dim, embed), transpose=True)
-        if c.attention_out_bias:
-            yield P((ours, "self_attn", "o_proj", "bias"), attn + "o_proj.bias", (embed,), (embed,))
-        if c.qk_norm:
-            yield P((ours, "self_attn", "q_norm", "scale"), attn + "q_norm.weight", (head_dim,), (head_dim,))
-            yield P((ours, "self_attn", "k_norm", "scale"), attn + "k_norm.weight", (head_dim,), (head_dim,))
-        yield P((ours, "post_attention_layernorm", "scale"), hf + "post_attention_layernorm.weight", (embed,), (embed,))
-        yield P((ours, "mlp", "gate_proj", "kernel"), hf + "mlp.gate_proj.weight", (mlp, embed), (embed, mlp), True)
-        yield P((ours, "mlp", "up_proj", "kernel"), hf + "mlp.up_proj.weight", (mlp, embed), (embed, mlp), True)
-        yield P((ours, "mlp", "down_proj", "kernel"), hf + "mlp.down_proj.weight", (embed, mlp), (mlp, embed), True)
-    P = ParamSource
-    yield P(("norm", "scale"), "model.norm.weight", (embed,), (embed,))
-    if not c.tie_word_embeddings:
-        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)
-
-
-def falcon_qkv_rows(config: ModelConfig) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Row ranges of q, k and v in Falcon's fused `query_key_value` weight (and bias).
-
-    transformers' `FalconAttention._split_heads` views the fused output as `[kv_heads, q_per_kv + 2, head_dim]`
-    for the new decoder architecture (each K/V group: its q heads, then k, then v), as `[heads + 2, head_dim]`
-    for multi-query (all q heads, then the one k, then v) and as `[heads, 3, head_dim]` otherwise (q, k, v per
-    head). With `num_key_value_heads` = kv_heads, 1 and heads respectively, all three are the grouped layout.
-    """
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_kv = heads // kv_heads
-    group = (per_kv + 2) * head_dim
-    q, k, v = [], [], []
-    for g in range(kv_heads):
-        base = g * group
-        q.append((base, base + per_kv * head_dim))
-        k.append((base + per_kv * head_dim, base + (per_kv + 1) * head_dim))
-        v.append((base + (per_kv + 1) * head_dim, base + group))
-
-    def merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-        out = [ranges[0]]
-        for start, stop in ranges[1:]:
-            if start == out[-1][1]:
-                out[-1] = (out[-1][0], stop)
-            else:
-                out.append((start, stop))
-        return tuple(out)
-
-    return merged(q), merged(k), merged(v)
-
-
-def _falcon_plan(config: ModelConfig) -> Iterator[ParamSource]:
-    c = config
-    embed, vocab, mlp = c.hidden_size, c.vocab_size, c.intermediate_size
-    heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    P = ParamSource
-    qkv_rows = (heads + 2 * kv_heads) * head_dim
-    q_rows, k_rows, v_rows = falcon_qkv_rows(c)
-
-    yield P(("word_embeddings",), "transformer.word_embeddings.weight", (vocab, embed), (vocab, embed))
-    for i in range(c.num_hidden_layers):
-        hf, ours = f"transformer.h.{i}.", "layers"
-        P = functools.partial(ParamSource, layer=i)
-        if c.parallel_attn:
-            norms = ("ln_attn", "ln_mlp") if c.num_ln_in_parallel_attn == 2 else ("input_layernorm",)
-        else:
-            norms = ("input_layernorm", "post_attention_layernorm")
-        for norm in norms:
-            yield P((ours, norm, "scale"), f"{hf}{norm}.weight", (embed,), (embed,))
-            yield P((ours, norm, "bias"), f"{hf}{norm}.bias", (embed,), (embed,))
-        attn = hf + "self_attention."
-        for proj, rows, num_heads in (("q_proj", q_rows, heads), ("k_proj", k_rows, kv_heads),
-                                      ("v_proj", v_rows, kv_heads)):
-            yield P((ours, "self_attention", proj, "kernel"), attn + "query_key_value.weight", (qkv_rows, embed),
-                    (embed, num_heads, head_dim), transpose=True, rows=rows)
-            if c.attention_bias:
-                yield P((ours, "self_attention", proj, "bias"), attn + "query_key_value.bias", (qkv_rows,),
-                        (num_heads, head_dim), rows=rows)
-        yield P((ours, "self_attention", "dense", "kernel"), attn + "dense.weight", (embed, heads * head_dim),
-                (heads, head_dim, embed), transpose=True)
-        if c.attention_out_bias:
-            yield P((ours, "self_attention", "dense", "bias"), attn + "dense.bias", (embed,), (embed,))
-        yield P((ours, "mlp", "dense_h_to_4h", "kernel"), hf + "mlp.dense_h_to_4h.weight", (mlp, embed), (embed, mlp),
-                transpose=True)
-        if c.mlp_bias:
-            yield P((ours, "mlp", "dense_h_to_4h", "bias"), hf + "mlp.dense_h_to_4h.bias", (mlp,), (mlp,))
-        yield P((ours, "mlp", "dense_4h_to_h", "kernel"), hf + "mlp.dense_4h_to_h.weight", (embed, mlp), (mlp, embed),
-                transpose=True)
-        if c.mlp_bias:
-            yield P((ours, "mlp", "dense_4h_to_h", "bias"), hf + "mlp.dense_4h_to_h.bias", (embed,), (embed,))
-    P = ParamSource
-    yield P(("ln_f", "scale"), "transformer.ln_f.weight", (embed,), (embed,))
-    yield P(("ln_f", "bias"), "transformer.ln_f.bias", (embed,), (embed,))
-    if not c.tie_word_embeddings:
-        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)
-
-
-def param_plan(config: ModelConfig) -> list[ParamSource]:
-    """Every parameter of `config`'s model and where it comes from in the HF checkpoint, in load order."""
-    if config.architecture in FALCON_ARCHITECTURES:
-        return list(_falcon_plan(config))
-    return list(_llama_plan(config))
 
 
 def hf_to_params_items(
@@ -445,3 +288,40 @@ def load_orbax_params(
     want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     _check_tree(got, want, f"restored params of {os.fspath(path)!r}")
     return params
+
+
+# ---------------------------------------------------------------------------------------------- any model
+
+
+def check_not_ambiguous(name: str) -> None:
+    """A bare preset name that is also a folder here could mean either: refuse it rather than guess."""
+    if name in PRESETS and os.path.isdir(name):
+        raise ValueError(
+            f"{name!r} is both a model preset and a folder in {os.getcwd()!r}; pass the folder as "
+            f"{os.path.join('.', name)!r} (or rename it) to load it, or run from elsewhere for the preset"
+        )
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str], dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None
+) -> tuple[ModelConfig, Any]:
+    """`(config, params)` for a preset name (seeded random weights), a Hugging Face checkpoint folder, or a
+    folder converted by `python -m checkpoints_convert` (Orbax params, restored directly).
+
+    `shardings`: optional tree (same structure as the params, e.g. from `nn.logical_to_mesh_sharding(
+    param_logical_axes(config), mesh, rules)`) of one `jax.sharding.Sharding` per leaf; default: the default
+    device. Converted checkpoints are restored into it shard by shard.
+    """
+    name = os.fspath(name_or_path)
+    check_not_ambiguous(name)
+    if name in PRESETS:
+        config = PRESETS[name]
+        return config, init_random_params(config, dtype, seed, shardings)  # each device draws its own shards
+    if os.path.isdir(name):
+        if is_orbax_checkpoint(name):
+            read_checkpoint_marker(name)  # an interrupted conversion fails here, before anything is parsed
+            config = ModelConfig.from_pretrained(name)
+            return config, load_orbax_params(config, name, dtype, shardings)
+        config = ModelConfig.from_pretrained(name)
+        return config, load_hf_params(config, name, dtype, shardings=shardings)
+    raise ValueError(f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")

@@ -10,9 +10,12 @@ from typing import Any
 
 from sarathi_jax.models.config import ModelConfig
 
+# The Llama 2 tokenizer's size: the small presets' vocabulary, and the token range of the simulator and bench.
+LLAMA2_VOCAB_SIZE = 32000
+
 _LLAMA_BASE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 32000,  # the Llama 2 tokenizer's size
+    "vocab_size": LLAMA2_VOCAB_SIZE,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 4096,

@@ -54,7 +54,8 @@ from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.llama import INIT_STD
+from sarathi_jax.models.families import param_shapes
+from sarathi_jax.models.layers import INIT_STD
 
 PRNG_IMPL = "threefry2x32"
 CHUNK = 1 << 20  # elements per chunk of the host method (a power of two: a chunk never straddles 2**32)
@@ -287,6 +288,4 @@ def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int 
     drawn on the device(s). `shardings`: optional tree (same structure as the params) of one `Sharding` per
     leaf, e.g. `nn.logical_to_mesh_sharding(param_logical_axes(config), mesh, rules)`; each device then draws
     only its own shards. The values depend on `seed` and the param paths only (see the module docstring)."""
-    from sarathi_jax.models import param_shapes  # sarathi_jax.models imports this module
-
     return init_random_tree(param_shapes(config, jnp.dtype(dtype)), seed, shardings)

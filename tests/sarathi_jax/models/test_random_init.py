@@ -25,7 +25,7 @@ from sarathi_jax.models import (
     param_shapes,
     random_init,
 )
-from sarathi_jax.models.llama import INIT_STD
+from sarathi_jax.models.layers import INIT_STD
 
 SDS = jax.ShapeDtypeStruct
 

@@ -21,7 +21,7 @@ from sarathi_jax.models import (
     init_random_params,
     param_shapes,
 )
-from sarathi_jax.models.llama import stack_layer_params, unstack_layer_params
+from sarathi_jax.models.layers import stack_layer_params, unstack_layer_params
 
 TINY = PRESETS["tiny-llama"]
 FALCON = ModelConfig.from_hf_config({

@@ -1,0 +1,299 @@
+"""The layers every decoder here shares: projections, RMSNorm, RoPE, paged self-attention and the paged
+decoder itself (`PagedDecoderLM`: embedding, the layer scan over the stacked KV cache, final norm, LM head).
+
+`llama.py` and `falcon.py` build their layers from these and differ only where the architectures do (norms,
+MLP, residual layout, parameter names). Every parameter carries logical axis names
+(`nn.with_logical_partitioning`); heads are an explicit kernel axis so tensor parallelism shards them without
+reshapes. Kernels are `[in..., out...]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ragged_paged_attention_xla
+from sarathi_jax.models.attention import AttentionMetadata, KVCache, layer_view, write_kv
+from sarathi_jax.models.config import ModelConfig, RopeScaling
+
+# Same signature as `ragged_paged_attention_xla` (see docs/design.md).
+AttentionFn = Callable[..., jax.Array]
+
+# Random-init scale of every matrix (HF `initializer_range`); gives logits of std ~0.3 at hidden 256.
+INIT_STD = 0.02
+
+
+def weight_init(axes: tuple[str, ...]) -> Callable[..., Any]:
+    """Normal(`INIT_STD`) initializer of a matrix whose axes have the logical names `axes`."""
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev=INIT_STD), axes)
+
+
+def matmul_precision(dtype: Any) -> jax.lax.Precision:
+    """float32 means float32: full-precision matmuls (a GPU's default for float32 is TF32, ~10 mantissa
+    bits). bfloat16 keeps the default, which is the point of choosing it."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse RoPE frequencies `[head_dim // 2]`, computed in float32 exactly as transformers does."""
+    dim = head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    # llama3 (Llama 3.1): leave high frequencies, divide low ones by `factor`, blend the band in between.
+    old_context_len = np.float32(scaling.original_max_position_embeddings)
+    low_freq_wavelen = old_context_len / np.float32(scaling.low_freq_factor)
+    high_freq_wavelen = old_context_len / np.float32(scaling.high_freq_factor)
+    factor = np.float32(scaling.factor)
+    wavelen = np.float32(2 * np.pi) / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - np.float32(scaling.low_freq_factor)) / np.float32(
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on `x [T, heads, head_dim]` with `cos`/`sin` `[T, head_dim // 2]`, in float32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float
+    axis_name: str  # logical name of the normalized axis: "embed", or "head_dim" for q/k norm
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)), (self.dim,), self.dtype
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class Projection(nn.Module):
+    """`tensordot(x, kernel)` over the last `num_contracting` axes of x, plus an optional bias."""
+
+    kernel_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    num_contracting: int = 1
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", weight_init(self.kernel_axes), self.kernel_shape, self.dtype)
+        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=self.num_contracting,
+                          precision=matmul_precision(self.dtype))
+        if self.use_bias:
+            out_shape = self.kernel_shape[self.num_contracting :]
+            out_axes = self.kernel_axes[self.num_contracting :]
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_axes), out_shape, self.dtype)
+            y = y + bias
+        return y
+
+
+class PagedSelfAttention(nn.Module):
+    """Self-attention over the paged KV cache: q/k/v projections (`q_proj`, `k_proj`, `v_proj`), the optional
+    per-head q/k RMSNorm (`q_norm`, `k_norm`, with `config.qk_norm`), RoPE, the cache write, `attention_fn`
+    and the output projection (named `out_proj_name`: Llama's `o_proj`, Falcon's `dense`).
+
+    `x [T, embed]` -> `[T, embed]`. Query head h reads K/V head h // (heads // kv_heads): HF's grouped layout
+    (and multi-query's single head)."""
+
+    config: ModelConfig
+    attention_fn: AttentionFn
+    dtype: Any = jnp.float32
+    out_proj_name: str = "o_proj"
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, layer: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:
+        c = self.config
+        embed, heads, kv_heads, head_dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = Projection((embed, heads, head_dim), ("embed", "heads", "head_dim"),
+                       use_bias=c.attention_bias, dtype=self.dtype, name="q_proj")(x)
+        k = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                       use_bias=c.attention_bias, dtype=self.dtype, name="k_proj")(x)
+        v = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                       use_bias=c.attention_bias, dtype=self.dtype, name="v_proj")(x)
+        if c.qk_norm:
+            q = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="q_norm")(q)
+            k = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="k_norm")(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping, layer)
+        out = paged_attention(self.attention_fn, q, k_pages, v_pages, layer, metadata)
+        out = Projection((heads, head_dim, embed), ("heads", "head_dim", "embed"), num_contracting=2,
+                         use_bias=c.attention_out_bias, dtype=self.dtype, name=self.out_proj_name)(out)
+        return out, (k_pages, v_pages)
+
+
+def paged_attention(attention_fn: AttentionFn, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    layer: jax.Array, metadata: AttentionMetadata) -> jax.Array:
+    """`attention_fn` over layer `layer` of the stacked cache (see `attention.layer_view`)."""
+    k_view, block_tables = layer_view(k_pages, metadata.block_tables, layer)
+    v_view, _ = layer_view(v_pages, metadata.block_tables, layer)
+    return attention_fn(
+        q, k_view, v_view, metadata.kv_lens, block_tables, metadata.cu_q_lens, metadata.num_seqs,
+        sm_scale=q.shape[-1] ** -0.5,
+    )
+
+
+class PagedDecoderLayer(nn.Module):
+    """One decoder layer in scan form: `((x [T, embed], kv_cache), layer, cos, sin, metadata) -> ((x, kv_cache),
+    None)`, `layer` the index of this layer in the stacked KV cache. A subclass writes the layer, `block`."""
+
+    config: ModelConfig
+    attention_fn: AttentionFn
+    dtype: Any = jnp.float32
+
+    def block(
+        self, x: jax.Array, kv_cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:
+        """`x [T, embed]` through this layer (its submodules are created here): `(x, kv_cache)`."""
+        raise NotImplementedError
+
+    @nn.compact
+    def __call__(
+        self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[tuple[jax.Array, KVCache], None]:
+        x, kv_cache = carry
+        return self.block(x, kv_cache, layer, cos, sin, metadata), None
+
+
+class PagedDecoderLM(nn.Module):
+    """The decoder every model here is: the model contract's fields and `__call__` (docs/design.md). A
+    subclass names its token embedding (`embedding_name`), its layer (`layer_class`) and its final norm.
+
+    `__call__(token_ids [T], positions [T], kv_cache, metadata, logits_indices [S]) -> (logits [S, vocab],
+    kv_cache)`: token embedding, the layers over the stacked paged KV cache, then the final norm and LM head
+    on the `logits_indices` rows only.
+
+    `dtype` is both the parameter and the activation dtype; norms, RoPE, attention softmax and the logits
+    are computed in float32 whatever it is, and float32 matmuls run at full precision (`matmul_precision`).
+    """
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    attention_fn: AttentionFn = ragged_paged_attention_xla
+    # Pipeline-stage hook (None: the whole model). `(start, end)` runs layers start..end-1 only: the stacked
+    # `layers` params and the KV cache then hold those layers only. A stage with start > 0 takes hidden
+    # states `[T, embed]` in place of `token_ids`; a stage with end < num_hidden_layers returns
+    # `(hidden states, kv_cache)` instead of logits.
+    layer_range: tuple[int, int] | None = None
+    # One `nn.scan` over parameters stacked on a leading "layers" axis (the serving default): the compiled
+    # step holds one layer body, so compile time does not grow with depth. False unrolls them (`layers_{i}`).
+    scan_layers: bool = True
+
+    # Name of the `[vocab, embed]` token embedding parameter (also the LM head when tied).
+    embedding_name: ClassVar[str]
+    # One layer, `layer_class(config, attention_fn, dtype)`.
+    layer_class: ClassVar[type[PagedDecoderLayer]]
+
+    def final_norm(self) -> nn.Module:
+        """The norm before the LM head (a submodule, created inside `__call__`)."""
+        raise NotImplementedError
+
+    @nn.compact
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        logits_indices: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        c: ModelConfig = self.config
+        start, end = self.layer_range or (0, c.num_hidden_layers)
+        if not 0 <= start < end <= c.num_hidden_layers:
+            raise ValueError(
+                f"layer_range {self.layer_range} is not a non-empty range of {c.num_hidden_layers} layers"
+            )
+        num_layers = end - start
+        if kv_cache[0].ndim != 5 or kv_cache[0].shape[0] != num_layers:
+            raise ValueError(f"KV cache of shape {kv_cache[0].shape} is not [{num_layers}, blocks, block_size, "
+                             "kv_heads, head_dim] for this model's layers")
+        is_last = end == c.num_hidden_layers
+        if start == 0 or (is_last and c.tie_word_embeddings):
+            embedding = self.param(
+                self.embedding_name, weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype
+            )
+        x = jnp.take(embedding, token_ids, axis=0) if start == 0 else token_ids  # [T, embed]
+
+        # RoPE angles once per step, shared by all layers.
+        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, head_dim // 2]
+
+        layer_args = (c, self.attention_fn, self.dtype)
+        if self.scan_layers:
+            layers = nn.scan(
+                self.layer_class,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},  # logical axis name of the stacked axis
+            )(*layer_args, name="layers")
+            (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(num_layers, dtype=jnp.int32), cos, sin, metadata)
+        else:
+            for i in range(num_layers):  # global layer names; layer i of this stage's KV cache
+                (x, kv_cache), _ = self.layer_class(*layer_args, name=f"layers_{start + i}")(
+                    (x, kv_cache), jnp.int32(i), cos, sin, metadata
+                )
+        if not is_last:
+            return x, kv_cache
+
+        # Only the rows that sample go through the final norm and the LM head.
+        h = self.final_norm()(x[logits_indices])  # [S, embed]
+        precision = matmul_precision(self.dtype)
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("se,ve->sv", h, embedding, precision=precision, preferred_element_type=jnp.float32)
+        else:
+            lm_head = self.param(
+                "lm_head", weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), self.dtype
+            )
+            logits = jnp.einsum("se,ev->sv", h, lm_head, precision=precision, preferred_element_type=jnp.float32)
+        return logits.astype(jnp.float32), kv_cache  # [S, vocab]
+
+
+def stack_layer_params(params: Any, num_layers: int, first_layer: int = 0) -> Any:
+    """Unrolled params (`layers_{i}` entries, i from `first_layer`) -> scanned params (one `layers` entry,
+    stacked on axis 0)."""
+    per_layer = [params[f"layers_{first_layer + i}"] for i in range(num_layers)]
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+    return out
+
+
+def unstack_layer_params(params: Any, first_layer: int = 0) -> Any:
+    """Scanned params -> unrolled params (`layers_{first_layer + i}` entries; a pipeline stage's layers keep
+    their global names), the inverse of `stack_layer_params`. Each layer's slice is a new array: the layer
+    weights are held twice until the stacked ones are dropped."""
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{first_layer + i}"] = jax.tree.map(lambda x: x[i], stacked)
+    return out
