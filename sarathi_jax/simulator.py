@@ -29,7 +29,7 @@ DUMMY_VOCAB = LLAMA2_VOCAB_SIZE  # dummy tokens are drawn below it
 
 
 class IterationCost(Protocol):
-    """What the simulator needs of a cost model (`CostModel`, `bench.step_cost.BucketCostModel`)."""
+    """What the simulator needs of a cost model (`CostModel`, `sarathi_jax.cost_model.BucketCostModel`)."""
 
     def iteration_time(self, output: SchedulerOutput) -> float: ...
 

@@ -224,7 +224,7 @@ def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
 def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -> Callable[[dict], Any]:
     cost_model = None
     if cost_model_path:
-        from sarathi_jax.bench.step_cost import BucketCostModel
+        from sarathi_jax.cost_model import BucketCostModel
 
         try:
             cost_model = BucketCostModel.load(cost_model_path)

@@ -15,7 +15,7 @@ def make_simulated_engine(config: Any, cost_model: Any = None) -> Any:
     """A SimulatedEngine sized like the LLMEngine that `config` would build: same scheduler settings, same
     number of KV blocks (from the model's shape and kv_cache_bytes unless num_blocks is given), same
     max_model_len rule. `cost_model`: None for the simulator's default (it does not model this CPU), or a
-    calibrated one such as `step_cost.BucketCostModel`; one with `with_buckets` is given the token buckets
+    calibrated one such as `sarathi_jax.cost_model.BucketCostModel`; one with `with_buckets` is given the token buckets
     the real engine would pad this configuration's batches to."""
     import os
 
@@ -32,7 +32,7 @@ def make_simulated_engine(config: Any, cost_model: Any = None) -> Any:
         mc = get_preset(config.model)
     sizing = size_engine(config, mc)
     if cost_model is not None and callable(getattr(cost_model, "with_buckets", None)):
-        from sarathi_jax.model_runner import token_buckets
+        from sarathi_jax.sizing import token_buckets
 
         cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))
     return SimulatedEngine(sizing.scheduler_config, sizing.num_blocks, config.block_size, cost_model=cost_model,

@@ -146,6 +146,7 @@ def build_engines(cfg: LoopBenchConfig, size: EngineSize, log: Callable[[str], N
             block_size=cfg.block_size, num_blocks=size.num_blocks, max_model_len=size.max_model_len,
             scheduler="sarathi", attention_backend=cfg.attention_backend, seed=cfg.seed,
             async_scheduling=async_scheduling,
+            enable_prefix_caching=False,  # the rounds re-send the same prompts: a cache hit would change the steps
         ), warmup=False)
         assert engine.max_model_len == size.max_model_len, (engine.max_model_len, size)
         warm_up_greedy(engine.runner)

@@ -37,8 +37,6 @@ from sarathi_jax.bench.step_timer import (
     MODES,
     measure,
 )
-# Re-exported only for bench/__main__.py, until it imports it from sarathi_jax.cost_model:
-from sarathi_jax.cost_model import BucketCostModel  # noqa: F401
 from sarathi_jax.sizing import DTYPE_BYTES, token_buckets
 
 
