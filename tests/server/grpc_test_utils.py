@@ -90,3 +90,14 @@ def assert_parks_when_idle(worker: Any, timeout: float = 10.0) -> None:
         assert (worker.num_wakeups, worker.num_iterations) == (wakeups + 1, iterations)
     finally:
         worker._queue = recording.inner
+
+
+def fail_next_step(server: Any) -> None:
+    """Make the server engine's next `step()` raise once (in the engine thread, between iterations)."""
+    engine = server.engine
+
+    def failing_step():
+        del engine.step  # fail once, then the class's step is back
+        raise RuntimeError("injected step failure")
+
+    server.worker.call(lambda e: setattr(e, "step", failing_step)).result(timeout=10)

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from grpc_test_utils import all_blocks_free, assert_parks_when_idle, get_stats, stub_for, wait_until
+from grpc_test_utils import all_blocks_free, assert_parks_when_idle, fail_next_step, get_stats, stub_for, wait_until
 from sarathi_jax.sampling_params import SamplingParams
 from server.client import finish_reason_name, make_request
 from server.loadgen import run_load
@@ -440,13 +440,7 @@ def test_idle_engine_thread_blocks(server, stub):
 
 
 def test_engine_step_failure_is_internal_and_server_recovers(server, stub):
-    engine = server.engine
-
-    def failing_step():
-        del engine.step  # fail once, then the class's step is back
-        raise RuntimeError("injected step failure")
-
-    server.worker.call(lambda e: setattr(e, "step", failing_step)).result(timeout=10)
+    fail_next_step(server)
     with pytest.raises(grpc.RpcError) as info:
         stub.Complete(make_request([1, 2, 3], max_tokens=3), timeout=30)
     assert info.value.code() == grpc.StatusCode.INTERNAL and "injected step failure" in info.value.details()

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from grpc_test_utils import wait_until
+from grpc_test_utils import fail_next_step, wait_until
 from sarathi_jax import LLM, SamplingParams
 from sarathi_jax.chat_template import ChatTemplate
 from server.service import GenerationServer
@@ -281,13 +281,7 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(server, http, ba
 
 
 def test_engine_step_failure_is_500_and_server_recovers(server, http):
-    engine = server.engine
-
-    def failing_step():
-        del engine.step  # fail once, then the class's step is back
-        raise RuntimeError("injected step failure")
-
-    server.worker.call(lambda e: setattr(e, "step", failing_step)).result(timeout=10)
+    fail_next_step(server)
     resp = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3})
     assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
     assert "injected step failure" in resp.json()["error"]["message"]
