@@ -28,6 +28,7 @@ from sarathi_jax.bench.report import format_table, write_run, write_summary
 from sarathi_jax.bench.workload import (ARRIVAL_PROCESSES, Workload, as_conversations, synthetic_workload,
                                         trace_workload, with_shared_prefix)
 from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
+from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
 CPU_DEFAULT_MODEL = "tiny-llama"
@@ -419,7 +420,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
     if args.endpoint:
         if args.max_model_len:
             workload = workload.fit(args.max_model_len)
-        prompts = workload.prompts(32000, args.seed)
+        prompts = workload.prompts(LLAMA2_VOCAB_SIZE, args.seed)  # folded into the server's vocabulary
         _log(quiet, f"workload: {workload.describe()}")
         for note in workload.notes:
             _log(quiet, f"  note: {note}")
