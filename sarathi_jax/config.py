@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sarathi_jax.scheduler.config import TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
+from sarathi_jax.scheduler.registry import TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -54,7 +54,11 @@ class EngineConfig:
     """Everything `LLMEngine` needs to start.
 
     model: a preset name (see `sarathi_jax.models.PRESETS`) or an HF checkpoint folder.
-    token_budget: most tokens (decodes + prefill chunks) in one iteration; also the largest compiled bucket.
+    token_budget: most tokens (decodes + prefill chunks) in one iteration under the policies that batch by
+        it (sarathi, simple_chunking, chunked_prefills_only; hybrid_batching_only, except an over-budget
+        prompt that runs alone). It is the largest compiled bucket only under the chunking policies: the
+        others put whole prompts into a batch, so their largest bucket is max(token_budget,
+        max_num_batched_tokens or max_model_len) (sarathi_jax/sizing.py).
         None: 512, or max_num_seqs rounded up to a multiple of 16 when that is larger.
     max_num_seqs: most sequences in one iteration. None: min(128, the batch token limit: token_budget, or
         an explicit max_num_batched_tokens under the whole-prompt policies). Explicit values that contradict

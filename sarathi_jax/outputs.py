@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # Why a request ended. "stop": EOS, a stop token or a stop string; "length": max_tokens or max_model_len;
@@ -19,8 +20,47 @@ class TokenLogprob:
     top_logprobs: tuple[float, ...] = ()
 
 
+def elapsed(start: float, end: float | None) -> float | None:
+    """end - start, or None when `end` never happened."""
+    return None if end is None else end - start
+
+
+def token_gaps(token_times: Sequence[float]) -> list[float]:
+    """The TBTs: time between consecutive tokens (the first token excluded)."""
+    return [b - a for a, b in zip(token_times, token_times[1:])]
+
+
+class RequestLatencies:
+    """TTFT, TBTs, scheduling delay and end-to-end latency of a request, for the dataclasses that record its
+    timestamps (`RequestMetrics`; the bench's `RequestRecord`): `arrival_time`, `first_scheduled_time`,
+    `first_token_time`, `token_times` (one per generated token, first included) and `finished_time`, each
+    None (or empty) until it happened."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    token_times: list[float]
+    finished_time: float | None
+
+    @property
+    def ttft(self) -> float | None:
+        return elapsed(self.arrival_time, self.first_token_time)
+
+    @property
+    def tbts(self) -> list[float]:
+        return token_gaps(self.token_times)
+
+    @property
+    def scheduling_delay(self) -> float | None:
+        return elapsed(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return elapsed(self.arrival_time, self.finished_time)
+
+
 @dataclass
-class RequestMetrics:
+class RequestMetrics(RequestLatencies):
     """Wall-clock timestamps (time.monotonic seconds, or the simulator's virtual clock) of one request."""
 
     arrival_time: float
@@ -29,19 +69,6 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)  # one per generated token, first included
     finished_time: float | None = None
     num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tbts(self) -> list[float]:
-        """Time between consecutive tokens (the first token excluded)."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    @property
-    def scheduling_delay(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from collections.abc import Sequence as Sequence_
 
+from sarathi_jax.bench.metrics import percentile  # numpy only
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
@@ -273,15 +274,6 @@ def simulate(
     return SimulationResult(final, engine.iteration_log, makespan, engine.scheduler.num_preemptions, engine.stats())
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
 def summarize(result: SimulationResult) -> dict:
     """Latency and throughput of a run: TBT / TTFT percentiles (s), requests/s and output tokens/s over the
     makespan (first arrival to last finish)."""
@@ -292,11 +284,11 @@ def summarize(result: SimulationResult) -> dict:
     span = max(result.makespan - first, 1e-9)
     return {
         "num_finished": len(done),
-        "p50_tbt": _percentile(tbts, 50),
-        "p99_tbt": _percentile(tbts, 99),
+        "p50_tbt": percentile(tbts, 50),
+        "p99_tbt": percentile(tbts, 99),
         "max_tbt": max(tbts, default=float("nan")),
-        "p50_ttft": _percentile(ttfts, 50),
-        "p99_ttft": _percentile(ttfts, 99),
+        "p50_ttft": percentile(ttfts, 50),
+        "p99_ttft": percentile(ttfts, 99),
         "makespan": span,
         "requests_per_s": len(done) / span,
         "output_tokens_per_s": sum(len(o.token_ids) for o in done) / span,

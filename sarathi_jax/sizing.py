@@ -18,15 +18,13 @@ from sarathi_jax.config import (
     resolve_dtype,
 )
 from sarathi_jax.scheduler import SchedulerConfig
-from sarathi_jax.scheduler.config import WHOLE_PROMPT_POLICIES
+from sarathi_jax.scheduler.registry import CHUNKING_POLICIES, WHOLE_PROMPT_POLICIES
 
 if TYPE_CHECKING:  # importing sarathi_jax.models would bring in JAX and Flax
     from sarathi_jax.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per element of each concrete model dtype
 SMALLEST_BUCKET = 16
-# Policies that split prompts into chunks under the token budget; the others put whole prompts in a batch.
-CHUNKING_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only")
 
 
 @dataclass(frozen=True)

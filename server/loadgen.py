@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import grpc
 
+from sarathi_jax.outputs import elapsed, token_gaps
 from server.client import finish_reason_name, make_request
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 
@@ -57,16 +58,20 @@ class ClientRequestResult:
         return len(self.token_ids)
 
     @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
     def ttft(self) -> float | None:
-        return self.token_times[0] - self.send_time if self.token_times else None
+        return elapsed(self.send_time, self.first_token_time)
 
     @property
     def tbts(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return token_gaps(self.token_times)
 
     @property
     def e2e_latency(self) -> float | None:
-        return None if self.end_time is None else self.end_time - self.send_time
+        return elapsed(self.send_time, self.end_time)
 
     @property
     def send_lag(self) -> float:
@@ -229,9 +234,7 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
     vocabulary are folded into it (modulo), noted in `config["notes"]`. No iteration records (the server's
     iterations are not visible to a client); num_preemptions is the server's counter difference over the run.
     """
-    from sarathi_jax.bench.driver import RunResult
-    from sarathi_jax.bench.metrics import RequestRecord
-    from sarathi_jax.sampling_params import SamplingParams
+    from sarathi_jax.bench.driver import RunResult, workload_record, workload_requests
 
     info, before = _server_info(target)
     notes: list[str] = []
@@ -240,30 +243,22 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
     if vocab is not None and any(t >= vocab for p in prompts for t in p):
         prompts = [[t % vocab for t in p] for p in prompts]
         notes.append(f"prompt token ids folded into the server model's vocabulary ({vocab})")
-    requests = [
-        (float(workload.arrivals[i]), prompts[i],
-         SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=int(workload.output_lens[i])))
-        for i in range(len(prompts))
-    ]
+    requests = workload_requests(workload, prompts, temperature)
     t_wall = time.monotonic()
     results = run_load(target, requests, request_timeout=request_timeout)
     wall = time.monotonic() - t_wall
     _, after = _server_info(target)
     records = []
-    for (arrival, prompt, params), r in zip(requests, results):
-        records.append(RequestRecord(
-            request_id=r.request_id,
-            arrival_time=arrival,
-            prompt_len=len(prompt),
-            max_tokens=params.max_tokens,
-            num_output_tokens=r.num_tokens,
-            first_scheduled_time=None if r.server_queue_time is None else r.send_time + r.server_queue_time,
-            first_token_time=r.token_times[0] if r.token_times else None,
-            token_times=list(r.token_times),
-            finished_time=r.end_time if r.finish_reason is not None else None,
-            finish_reason=r.finish_reason if r.error is None else "error",
-            error=r.error,
-        ))
+    for i, r in enumerate(results):
+        rec = workload_record(workload, i, r.request_id)
+        rec.num_output_tokens = r.num_tokens
+        rec.first_scheduled_time = None if r.server_queue_time is None else r.send_time + r.server_queue_time
+        rec.first_token_time = r.first_token_time
+        rec.token_times = list(r.token_times)
+        rec.finished_time = r.end_time if r.finish_reason is not None else None
+        rec.finish_reason = r.finish_reason if r.error is None else "error"
+        rec.error = r.error
+        records.append(rec)
     config = {
         "endpoint": target,
         "model_name": info.model_name,

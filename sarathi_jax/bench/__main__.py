@@ -28,13 +28,8 @@ from sarathi_jax.bench.report import format_table, write_run, write_summary
 from sarathi_jax.bench.workload import (ARRIVAL_PROCESSES, Workload, as_conversations, synthetic_workload,
                                         trace_workload, with_shared_prefix)
 from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
-
-try:  # plain Python, no JAX
-    from sarathi_jax.scheduler.config import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES
-except Exception:  # pragma: no cover - scheduler package not importable (yet)
-    SCHEDULER_POLICIES = ("sarathi", "vllm", "orca", "faster_transformer", "simple_chunking",
-                          "chunked_prefills_only", "hybrid_batching_only")
-    TOKEN_BUDGET_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only", "hybrid_batching_only")
+from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
+from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
 CPU_DEFAULT_MODEL = "tiny-llama"
 ACCELERATOR_DEFAULT_MODEL = "llama-1b"  # a GPU-sized preset: tiny-llama would measure launch overhead only
@@ -79,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated policies from {', '.join(SCHEDULER_POLICIES)}")
     g.add_argument("--token-budget", default=DEFAULT_TOKEN_BUDGETS,
                    help="comma-separated token budgets; policies that never split prompts "
-                        "(vllm, orca, faster_transformer) run once, with the largest")
+                        f"({', '.join(WHOLE_PROMPT_POLICIES)}) run once, with the largest")
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                    help="EngineConfig.max_num_seqs (0: the engine's default, min(128, the token budget))")
     g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
@@ -425,7 +420,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
     if args.endpoint:
         if args.max_model_len:
             workload = workload.fit(args.max_model_len)
-        prompts = workload.prompts(32000, args.seed)
+        prompts = workload.prompts(LLAMA2_VOCAB_SIZE, args.seed)  # folded into the server's vocabulary
         _log(quiet, f"workload: {workload.describe()}")
         for note in workload.notes:
             _log(quiet, f"  note: {note}")

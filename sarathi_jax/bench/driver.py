@@ -21,6 +21,7 @@ import numpy as np
 
 from sarathi_jax.bench.metrics import RequestRecord
 from sarathi_jax.bench.workload import Workload
+from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE  # the presets module alone: no JAX
 from sarathi_jax.sampling_params import SamplingParams
 
 
@@ -114,6 +115,31 @@ def sampling_params_for(output_len: int, temperature: float = 0.0, stop_at_eos: 
     return SamplingParams(temperature=temperature, ignore_eos=not stop_at_eos, max_tokens=int(output_len))
 
 
+def workload_requests(
+    workload: Workload, prompts: Sequence[Sequence[int]], temperature: float = 0.0, stop_at_eos: bool = False
+) -> list[tuple[float, list[int], SamplingParams]]:
+    """Request i of `workload` as (arrival, seconds after the run start; prompt token ids; sampling params):
+    what `run_workload` adds to an engine and `server.loadgen` sends to a server."""
+    if len(prompts) != len(workload):
+        raise ValueError(f"{len(prompts)} prompts for {len(workload)} requests")
+    return [
+        (float(workload.arrivals[i]), list(prompts[i]),
+         sampling_params_for(workload.output_lens[i], temperature, stop_at_eos))
+        for i in range(len(workload))
+    ]
+
+
+def workload_record(workload: Workload, i: int, request_id: str) -> RequestRecord:
+    """The record of request i of `workload` before anything happened to it: id, scheduled arrival (seconds
+    after the run start), prompt length and max_tokens. The caller fills in what happened."""
+    return RequestRecord(
+        request_id=request_id,
+        arrival_time=float(workload.arrivals[i]),
+        prompt_len=int(workload.prompt_lens[i]),
+        max_tokens=int(workload.output_lens[i]),
+    )
+
+
 def _iteration_dict(it: Any, t0: float) -> dict:
     d = {name: getattr(it, name) for name in (
         "iteration", "start_time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
@@ -155,8 +181,7 @@ def run_workload(
     end at EOS (real text prompts) instead of running to their trace output length.
     """
     n = len(workload)
-    if len(prompts) != n:
-        raise ValueError(f"{len(prompts)} prompts for {n} requests")
+    requests = workload_requests(workload, prompts, temperature, stop_at_eos)
     clock = clock or clock_for(engine)
     arrivals = workload.arrivals
     if n and np.any(np.diff(arrivals) < 0):
@@ -194,10 +219,9 @@ def run_workload(
             if clock.virtual and t0 + arrivals[i] > now:
                 now = t0 + arrivals[i]  # a virtual clock that cannot be advanced: hand the request over early
         while i < n and t0 + arrivals[i] <= now:
+            arrival, prompt, params = requests[i]
             try:
-                engine.add_request(ids[i], list(prompts[i]),
-                                   sampling_params_for(workload.output_lens[i], temperature, stop_at_eos),
-                                   arrival_time=t0 + float(arrivals[i]))
+                engine.add_request(ids[i], prompt, params, arrival_time=t0 + arrival)
             except ValueError as e:
                 add_errors[ids[i]] = str(e)
                 if bar is not None:
@@ -233,12 +257,7 @@ def run_workload(
 
     records = []
     for k, rid in enumerate(ids):
-        rec = RequestRecord(
-            request_id=rid,
-            arrival_time=float(arrivals[k]),
-            prompt_len=int(workload.prompt_lens[k]),
-            max_tokens=int(workload.output_lens[k]),
-        )
+        rec = workload_record(workload, k, rid)
         if rid in add_errors:
             rec.finish_reason, rec.error = "error", add_errors[rid]
         out = finished.get(rid) or latest.get(rid)
@@ -305,6 +324,6 @@ def measure_decode_iteration_time(
     return t
 
 
-def engine_vocab_size(engine: Any, default: int = 32000) -> int:
+def engine_vocab_size(engine: Any, default: int = LLAMA2_VOCAB_SIZE) -> int:
     mc = getattr(engine, "model_config", None)
     return int(getattr(mc, "vocab_size", default) or default)

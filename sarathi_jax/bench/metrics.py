@@ -22,13 +22,16 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from sarathi_jax.outputs import RequestLatencies
+
 COMPLETED_REASONS = ("stop", "length")
 DEFAULT_STALL_FACTOR = 5.0
 
 
 @dataclass
-class RequestRecord:
-    """What happened to one request, times relative to the start of the run (None: never happened)."""
+class RequestRecord(RequestLatencies):
+    """What happened to one request, times relative to the start of the run (None: never happened).
+    ttft, tbts, e2e_latency and scheduling_delay: see `RequestLatencies`."""
 
     request_id: str
     arrival_time: float
@@ -46,23 +49,6 @@ class RequestRecord:
     @property
     def completed(self) -> bool:
         return self.finish_reason in COMPLETED_REASONS
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tbts(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-    @property
-    def scheduling_delay(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def normalized_latency(self) -> float | None:
@@ -95,12 +81,18 @@ class RequestRecord:
         return d
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile of `values` (numpy's default: linear interpolation between closest ranks); nan when
+    there are none."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
+
+
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict:
     """{"p50": .., "p90": .., "p99": .., "max": .., "mean": .., "count": n}; None for each statistic when empty."""
     v = np.asarray([x for x in values if x is not None], dtype=np.float64)
     out: dict = {}
     for q in qs:
-        out[f"p{q:g}"] = float(np.percentile(v, q)) if v.size else None
+        out[f"p{q:g}"] = percentile(v, q) if v.size else None
     out["max"] = float(v.max()) if v.size else None
     out["mean"] = float(v.mean()) if v.size else None
     out["count"] = int(v.size)

@@ -1,9 +1,9 @@
 """Schedulers: which tokens of which sequences run in the next iteration. Plain Python, no JAX."""
 
 from sarathi_jax.scheduler.base import Batch, Scheduler
-from sarathi_jax.scheduler.config import SCHEDULER_POLICIES, SchedulerConfig
+from sarathi_jax.scheduler.config import SchedulerConfig
 from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
-from sarathi_jax.scheduler.registry import SCHEDULERS, make_scheduler
+from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, SCHEDULERS, make_scheduler
 
 __all__ = [
     "SCHEDULERS",

@@ -67,13 +67,21 @@ class Batch:
 
 
 class Scheduler:
-    """Base class. Subclasses set `name` and `admission` and implement `_schedule() -> Batch`."""
+    """Base class. Subclasses set `name`, `admission`, `uses_token_budget` and `chunks_prompts` and implement
+    `_schedule() -> Batch`."""
 
     name: ClassVar[str] = ""
     # KV blocks a request takes when admitted: "chunk" (just its first chunk; allocation then grows chunk by
     # chunk and decode by decode), "prompt" (the whole prompt, then grows per decode), "request" (prompt +
     # max_tokens, reserved up front so it never grows and is never preempted).
     admission: ClassVar[str] = "chunk"
+    # What bounds a normal batch: `token_budget` (True) or `max_num_batched_tokens` (False: policies that put
+    # whole prompts into a batch, which must hold the longest one). hybrid_batching_only: token_budget, except
+    # an over-budget prompt that runs alone.
+    uses_token_budget: ClassVar[bool] = True
+    # Whether prompts are split into chunks under the token budget (False: a prompt runs whole, or from the end
+    # of its cached prefix).
+    chunks_prompts: ClassVar[bool] = True
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config

@@ -14,6 +14,8 @@ class ChunkedPrefillsOnlyScheduler(Scheduler):
 
     name = "chunked_prefills_only"
     admission = "chunk"
+    uses_token_budget = True
+    chunks_prompts = True
 
     def _schedule(self) -> Batch:
         batch = self._new_batch()

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-# Policy names, in the order the docs list them (the registry maps each to its class).
-SCHEDULER_POLICIES = (
-    "sarathi",
-    "vllm",
-    "orca",
-    "faster_transformer",
-    "simple_chunking",
-    "chunked_prefills_only",
-    "hybrid_batching_only",
-)
-
-# Policies whose batches are bounded by `token_budget`; the others put whole prompts into a batch and are
-# bounded by `max_num_batched_tokens` (hybrid_batching_only: token_budget, except an over-budget prompt
-# that runs alone).
-TOKEN_BUDGET_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only", "hybrid_batching_only")
-WHOLE_PROMPT_POLICIES = ("vllm", "orca", "faster_transformer")
+if TYPE_CHECKING:
+    from sarathi_jax.scheduler.base import Scheduler
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """policy: one of SCHEDULER_POLICIES.
+    """policy: one of SCHEDULER_POLICIES (sarathi_jax.scheduler.registry).
     token_budget: most tokens (decodes + prefill chunks) per batch for the chunking/hybrid policies.
     max_num_seqs: most sequences per batch, and most sequences admitted (running) at once.
     max_model_len: longest prompt + max_tokens a request may ask for.
@@ -45,6 +32,8 @@ class SchedulerConfig:
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
+        from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES  # imported here: see scheduler_class
+
         if self.policy not in SCHEDULER_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
         for name in ("token_budget", "max_num_seqs", "max_model_len"):
@@ -59,20 +48,29 @@ class SchedulerConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, self.token_budget))
-        if self.policy in WHOLE_PROMPT_POLICIES and self.max_num_batched_tokens < self.max_model_len:
+        uses_token_budget = self.scheduler_class.uses_token_budget
+        if not uses_token_budget and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) under policy {self.policy!r}, which never splits a prompt"
             )
         # Every running sequence may need one decode token in the same batch: the batch limit must hold them.
         if self.batch_token_limit < self.max_num_seqs:
-            limit_name = "token_budget" if self.policy in TOKEN_BUDGET_POLICIES else "max_num_batched_tokens"
+            limit_name = "token_budget" if uses_token_budget else "max_num_batched_tokens"
             raise ValueError(
                 f"{limit_name} ({self.batch_token_limit}) must be >= max_num_seqs ({self.max_num_seqs}) under "
                 f"policy {self.policy!r}: each running sequence needs a decode token per batch"
             )
 
     @property
+    def scheduler_class(self) -> type[Scheduler]:
+        """The policy's class. Looked up when called: the registry imports the scheduler classes, which import
+        this module."""
+        from sarathi_jax.scheduler.registry import SCHEDULERS
+
+        return SCHEDULERS[self.policy]
+
+    @property
     def batch_token_limit(self) -> int:
         """The token limit of a normal batch under this policy."""
-        return self.token_budget if self.policy in TOKEN_BUDGET_POLICIES else self.max_num_batched_tokens
+        return self.token_budget if self.scheduler_class.uses_token_budget else self.max_num_batched_tokens

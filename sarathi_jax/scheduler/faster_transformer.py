@@ -16,6 +16,8 @@ class FasterTransformerScheduler(Scheduler):
 
     name = "faster_transformer"
     admission = "request"
+    uses_token_budget = False
+    chunks_prompts = False
 
     def _schedule(self) -> Batch:
         bm = self.block_manager

@@ -14,6 +14,8 @@ class HybridBatchingOnlyScheduler(Scheduler):
 
     name = "hybrid_batching_only"
     admission = "prompt"
+    uses_token_budget = True
+    chunks_prompts = False
 
     def _schedule(self) -> Batch:
         head = self._waiting[0] if self._waiting else None

@@ -15,6 +15,8 @@ class OrcaScheduler(Scheduler):
 
     name = "orca"
     admission = "request"
+    uses_token_budget = False
+    chunks_prompts = False
 
     def _schedule(self) -> Batch:
         batch = self._new_batch()

@@ -1,11 +1,11 @@
-"""Policy name -> scheduler class."""
+"""Policy name -> scheduler class, and the policy-name tuples derived from the classes' attributes."""
 
 from __future__ import annotations
 
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.scheduler.base import Scheduler
 from sarathi_jax.scheduler.chunked_prefills_only import ChunkedPrefillsOnlyScheduler
-from sarathi_jax.scheduler.config import SCHEDULER_POLICIES, SchedulerConfig
+from sarathi_jax.scheduler.config import SchedulerConfig
 from sarathi_jax.scheduler.faster_transformer import FasterTransformerScheduler
 from sarathi_jax.scheduler.hybrid_batching_only import HybridBatchingOnlyScheduler
 from sarathi_jax.scheduler.orca import OrcaScheduler
@@ -25,7 +25,15 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
         HybridBatchingOnlyScheduler,
     )
 }
-assert tuple(SCHEDULERS) == SCHEDULER_POLICIES
+
+# Policy names, in the order the docs list them.
+SCHEDULER_POLICIES: tuple[str, ...] = tuple(SCHEDULERS)
+# Policies whose batches are bounded by `token_budget`; the others put whole prompts into a batch and are
+# bounded by `max_num_batched_tokens` (see Scheduler.uses_token_budget).
+TOKEN_BUDGET_POLICIES: tuple[str, ...] = tuple(n for n, c in SCHEDULERS.items() if c.uses_token_budget)
+WHOLE_PROMPT_POLICIES: tuple[str, ...] = tuple(n for n, c in SCHEDULERS.items() if not c.uses_token_budget)
+# Policies that split prompts into chunks under the token budget (see Scheduler.chunks_prompts).
+CHUNKING_POLICIES: tuple[str, ...] = tuple(n for n, c in SCHEDULERS.items() if c.chunks_prompts)
 
 
 def make_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:

@@ -17,6 +17,8 @@ class SarathiScheduler(Scheduler):
 
     name = "sarathi"
     admission = "chunk"
+    uses_token_budget = True
+    chunks_prompts = True
 
     def _schedule(self) -> Batch:
         batch = self._new_batch()

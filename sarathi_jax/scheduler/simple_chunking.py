@@ -13,6 +13,8 @@ class SimpleChunkingScheduler(Scheduler):
 
     name = "simple_chunking"
     admission = "chunk"
+    uses_token_budget = True
+    chunks_prompts = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

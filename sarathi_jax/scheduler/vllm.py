@@ -15,6 +15,8 @@ class VLLMScheduler(Scheduler):
 
     name = "vllm"
     admission = "prompt"
+    uses_token_budget = False
+    chunks_prompts = False
 
     def _schedule(self) -> Batch:
         batch = self._new_batch()

@@ -17,12 +17,9 @@ from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.outputs import RequestOutput
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
-from sarathi_jax.scheduler.config import TOKEN_BUDGET_POLICIES
 from sarathi_jax.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from sarathi_jax.simulator import CostModel, CostModelExecutor
 from sarathi_jax.tokenizer import StopStringChecker
-
-CHUNKING_POLICIES = ("sarathi", "simple_chunking", "chunked_prefills_only")
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,7 @@ def check_output(out: SchedulerOutput, cfg: SchedulerConfig, sched: Scheduler, i
     ids = [c.seq.seq_id for c in out.chunks]
     assert len(ids) == len(set(ids)), "a sequence twice in one batch"
     assert not set(ids) & in_flight_ids, "a sequence scheduled while in flight (pipeline rule)"
-    if cfg.policy in TOKEN_BUDGET_POLICIES:
+    if sched.uses_token_budget:
         lone_big_prompt = (
             cfg.policy == "hybrid_batching_only" and len(out.chunks) == 1 and n > cfg.token_budget
             and out.chunks[0].needs_sample
@@ -127,7 +124,7 @@ def check_output(out: SchedulerOutput, cfg: SchedulerConfig, sched: Scheduler, i
         assert seq.status is SequenceStatus.RUNNING
         assert c.start_position == seq.num_computed_tokens
         assert len(seq.block_table) * bs >= c.start_position + c.num_new_tokens
-        if cfg.policy not in CHUNKING_POLICIES and not c.is_decode:  # whole-prompt policies never split
+        if not sched.chunks_prompts and not c.is_decode:  # whole-prompt policies never split
             # ... but start after a cached prefix (whole blocks, which prefix caching alone gives)
             prefix_ok = c.start_position == 0 or (bm.enable_prefix_caching and c.start_position % bs == 0)
             assert prefix_ok and c.needs_sample, (cfg.policy, c)

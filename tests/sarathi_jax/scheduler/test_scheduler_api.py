@@ -33,6 +33,14 @@ def test_registry_matches_policy_names():
         assert sched.name == name
 
 
+def test_policy_flags_agree_with_admission():
+    """A chunking policy admits by chunk and batches by the token budget; a whole-prompt one does neither."""
+    for name, cls in SCHEDULERS.items():
+        assert cls.chunks_prompts == (cls.admission == "chunk"), name
+        assert cls.uses_token_budget or not cls.chunks_prompts, name
+        assert SchedulerConfig(policy=name).scheduler_class is cls
+
+
 def test_unknown_policy_lists_choices():
     with pytest.raises(ValueError, match="sarathi.*vllm"):
         SchedulerConfig(policy="fifo")

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SchedulerConfig
-from sarathi_jax.scheduler.config import WHOLE_PROMPT_POLICIES
+from sarathi_jax.scheduler.registry import WHOLE_PROMPT_POLICIES
 from scheduler_harness import Req, run_trace
 
 MAX_MODEL_LEN = 192
