@@ -27,7 +27,7 @@ from sarathi_jax.bench.plots import write_plots  # matplotlib itself loads only 
 from sarathi_jax.bench.report import format_table, write_run, write_summary
 from sarathi_jax.bench.workload import (ARRIVAL_PROCESSES, Workload, as_conversations, synthetic_workload,
                                         trace_workload, with_shared_prefix)
-from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
+from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES, EngineConfig
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
@@ -227,20 +227,8 @@ def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -
             raise BenchError(f"--cost-model {cost_model_path}: {type(e).__name__}: {e}") from None
 
     def make(kwargs: dict) -> Any:
-        from sarathi_jax.config import EngineConfig
-
         config = EngineConfig(**kwargs)
-        if simulate:
-            try:
-                import sarathi_jax.simulator  # noqa: F401
-            except ImportError as e:
-                raise BenchError(f"--simulate needs sarathi_jax.simulator, which is not importable: {e}")
-            return make_simulated_engine(config, cost_model=cost_model)
-        try:
-            import sarathi_jax.engine  # noqa: F401
-        except ImportError as e:
-            raise BenchError(f"sarathi_jax.engine.LLMEngine is not importable: {e}")
-        return make_llm_engine(config)
+        return make_simulated_engine(config, cost_model=cost_model) if simulate else make_llm_engine(config)
 
     return make
 
@@ -386,12 +374,64 @@ def text_prompts(engine: Any, workload: Workload, path: str, max_model_len: int 
     return dataclasses.replace(workload, prompt_lens=lens, output_lens=outputs, notes=[note], segments=None), prompts
 
 
-def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None) -> int:
-    t_start = time.monotonic()
+def check_args(args: argparse.Namespace) -> None:
+    """Option combinations that cannot work, refused before anything is built."""
     if args.slo_tbt is not None and args.slo_tbt_multiple is not None:
         raise BenchError("give either --slo-tbt or --slo-tbt-multiple, not both")
     if args.capacity and args.slo_tbt is None and args.slo_tbt_multiple is None:
         raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed)")
+    if args.cost_model and not args.simulate:
+        raise BenchError("--cost-model is for the simulator: add --simulate")
+    if args.prompts_file and (args.simulate or args.endpoint or args.capacity):
+        raise BenchError("--prompts-file runs text prompts on the real engine: not with --simulate, --endpoint "
+                         "or --capacity")
+
+
+def report(args: argparse.Namespace, runs: list[RunResult], capacities: dict[str, CapacityResult],
+           fitted: Workload, workload_info: dict[str, dict], slo_tbt: float | None, decode_time: float | None
+           ) -> None:
+    """The comparison table and notes on stdout; with --out, per-run JSON/CSV, the summary and plots."""
+    print()
+    print(f"workload: {fitted.describe()}")
+    if slo_tbt is not None:
+        extra = f" ({args.slo_tbt_multiple:g}x decode-only iteration {fmt_seconds(decode_time)})" if decode_time else ""
+        print(f"TBT SLO: {fmt_seconds(slo_tbt)}{extra}")
+    print(format_table(runs, capacities))
+    for run in runs:
+        if run.pipeline and run.pipeline.get("bubble_fraction") is not None:
+            p = run.pipeline
+            print(f"[{run.label}] pipeline: bubble fraction {p['bubble_fraction']:.2f} over {p['num_stages']} stages, "
+                  f"max micro-batches in flight {p['max_in_flight']}")
+    for run in runs:
+        if args.prompts_file and run.first_completion is not None:
+            print(f"[{run.label}] first completion: {run.first_completion!r}")
+    print(f"stalls: TBTs above {args.stall_factor:g}x the run's median TBT"
+          + ("; virtual time (simulator)" if args.simulate else ""))
+
+    if args.out:
+        meta = {
+            "argv": sys.argv[1:] if sys.argv else [],
+            "workload": fitted.summary(),
+            "slo_tbt": slo_tbt,
+            "slo_ttft": args.slo_ttft,
+            "decode_only_iteration_time": decode_time,
+            "simulate": args.simulate,
+            "cost_model": args.cost_model,
+        }
+        paths = []
+        for r in runs:
+            paths += write_run(args.out, r, workload_info.get(r.label, fitted.summary()), capacities.get(r.label))
+        paths += write_summary(args.out, runs, capacities, meta)
+        if not args.no_plots:
+            paths += write_plots(args.out, runs, capacities, slo_tbt, args.stall_factor)
+        print(f"wrote {len(paths)} files to {args.out}/")
+    else:
+        print("(pass --out DIR to save JSON, CSV and PNG plots)")
+
+
+def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None) -> int:
+    t_start = time.monotonic()
+    check_args(args)
     progress = not args.quiet and sys.stderr.isatty()
     quiet = args.quiet
     if args.model is None and not args.endpoint:
@@ -401,11 +441,6 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
         _log(quiet, f"model: {args.model} (the default on {jax.default_backend()} [{jax.devices()[0].device_kind}])")
     workload = build_workload(args)
     configs = run_configs(args)
-    if args.cost_model and not args.simulate:
-        raise BenchError("--cost-model is for the simulator: add --simulate")
-    if args.prompts_file and (args.simulate or args.endpoint or args.capacity):
-        raise BenchError("--prompts-file runs text prompts on the real engine: not with --simulate, --endpoint "
-                         "or --capacity")
     factory = engine_factory or default_engine_factory(args.simulate, args.cost_model)
 
     runs: list[RunResult] = []
@@ -488,42 +523,7 @@ def _main(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None
         del engine
         gc.collect()
 
-    print()
-    print(f"workload: {fitted.describe()}")
-    if slo_tbt is not None:
-        extra = f" ({args.slo_tbt_multiple:g}x decode-only iteration {fmt_seconds(decode_time)})" if decode_time else ""
-        print(f"TBT SLO: {fmt_seconds(slo_tbt)}{extra}")
-    print(format_table(runs, capacities))
-    for run in runs:
-        if run.pipeline and run.pipeline.get("bubble_fraction") is not None:
-            p = run.pipeline
-            print(f"[{run.label}] pipeline: bubble fraction {p['bubble_fraction']:.2f} over {p['num_stages']} stages, "
-                  f"max micro-batches in flight {p['max_in_flight']}")
-    for run in runs:
-        if args.prompts_file and run.first_completion is not None:
-            print(f"[{run.label}] first completion: {run.first_completion!r}")
-    print(f"stalls: TBTs above {args.stall_factor:g}x the run's median TBT"
-          + ("; virtual time (simulator)" if args.simulate else ""))
-
-    if args.out:
-        meta = {
-            "argv": sys.argv[1:] if sys.argv else [],
-            "workload": fitted.summary(),
-            "slo_tbt": slo_tbt,
-            "slo_ttft": args.slo_ttft,
-            "decode_only_iteration_time": decode_time,
-            "simulate": args.simulate,
-            "cost_model": args.cost_model,
-        }
-        paths = []
-        for r in runs:
-            paths += write_run(args.out, r, workload_info.get(r.label, fitted.summary()), capacities.get(r.label))
-        paths += write_summary(args.out, runs, capacities, meta)
-        if not args.no_plots:
-            paths += write_plots(args.out, runs, capacities, slo_tbt, args.stall_factor)
-        print(f"wrote {len(paths)} files to {args.out}/")
-    else:
-        print("(pass --out DIR to save JSON, CSV and PNG plots)")
+    report(args, runs, capacities, fitted, workload_info, slo_tbt, decode_time)
     _log(quiet, f"total {time.monotonic() - t_start:.1f} s")
     return 0
 
