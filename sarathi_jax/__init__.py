@@ -5,8 +5,7 @@ Exports resolve lazily, so `import sarathi_jax.scheduler` (plain Python, used by
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sarathi_jax.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "LLM": "sarathi_jax.llm",
@@ -20,10 +19,4 @@ _EXPORTS = {
 }
 
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'sarathi_jax' has no attribute {name!r}")
-    module = importlib.import_module(_EXPORTS[name])
-    return getattr(module, name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,8 +10,7 @@ modules or the client does not pull in the rest.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sarathi_jax.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "GenerationServer": "server.service",
@@ -24,9 +23,4 @@ _EXPORTS = {
 }
 
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'server' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
