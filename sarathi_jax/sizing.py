@@ -66,6 +66,7 @@ def bucket_for(buckets: Sequence[int], num_tokens: int) -> int | None:
 # (https://docs.jax.dev/en/latest/gpu_memory_allocation.html; the second name is the older one).
 JAX_MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 JAX_DEFAULT_MEM_FRACTION = 0.75
+POOL_HEADROOM_FRACTION = 0.9  # of JAX's pool, at most, for weights, KV and activations by default
 # Transient memory outside the per-token estimate: XLA's scratch (cuBLAS workspaces, sort buffers).
 ACTIVATION_RESERVE_BYTES = 256 << 20
 
@@ -136,7 +137,10 @@ def kv_cache_budget(
             f"gpu_memory_utilization={explicit:g} is more than JAX's allocator may use ({mem_fraction:g} of the "
             f"device's memory): start the process with XLA_CLIENT_MEM_FRACTION={explicit:g}, or ask for less"
         )
-    utilization = explicit if explicit is not None else min(DEFAULT_GPU_MEMORY_UTILIZATION, mem_fraction)
+    # The default keeps a tenth of JAX's pool free: XLA's compile-time autotuning and its temporaries allocate
+    # from the same pool, and on an H100 a pool filled to the activation estimate hung in warm-up, out of memory.
+    utilization = explicit if explicit is not None else min(DEFAULT_GPU_MEMORY_UTILIZATION,
+                                                            POOL_HEADROOM_FRACTION * mem_fraction)
     activations = activation_bytes_estimate(config, model_config)
     per_device = min(
         int(utilization * s["bytes_limit"] / mem_fraction) - s.get("bytes_in_use", 0) - activations

@@ -63,6 +63,8 @@ class Experiment:
     length_scale: float = 1.0
     capacity_probes: int = 6
     decode_probe_batch: int = 32
+    kv_cache_bytes: int | None = None  # None: sized from the device's free memory (gpu_memory_utilization)
+    start_qps: float | None = None  # the capacity search's first probe (None: the bench's default, 1 req/s)
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
 
@@ -83,11 +85,22 @@ def bench_argv(exp: Experiment, trace_path: str, out_dir: str, slo: str, slo_tbt
             "--max-num-seqs", str(exp.max_num_seqs), "--max-model-len", str(exp.max_model_len),
             "--capacity", "--capacity-probes", str(exp.capacity_probes),
             "--decode-probe-batch", str(exp.decode_probe_batch), "--out", out_dir]  # not --quiet: start-up lines, probes
+    if exp.start_qps is not None:
+        argv += ["--capacity-start-qps", f"{exp.start_qps:g}"]
+    if exp.kv_cache_bytes is not None:
+        argv += ["--kv-cache-bytes", str(exp.kv_cache_bytes)]
     if slo_tbt is None:
         argv += ["--slo-tbt-multiple", f"{SLO_MULTIPLES[slo]:g}"]
     else:
         argv += ["--slo-tbt", repr(slo_tbt)]
     return argv
+
+
+def run_name(exp: Experiment) -> str:
+    """One run's folder name: its engines' labels (sarathi once per budget), so runs made piece by piece
+    (one policy or budget per command) land in folders of their own."""
+    return "-".join(f"sarathi-{b}" if p == "sarathi" else p for p in exp.policies
+                    for b in (exp.sarathi_budgets if p == "sarathi" else (None,)))
 
 
 def machine_info() -> dict:
@@ -220,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=f"default {d.model}")
     p.add_argument("--sample", type=int, default=None, help=f"requests per probe (default {d.sample})")
     p.add_argument("--capacity-probes", type=int, default=None, help=f"default {d.capacity_probes}")
+    p.add_argument("--token-budgets", default=None,
+                   help=f"sarathi's token budgets, comma-separated (default {','.join(map(str, d.sarathi_budgets))})")
+    p.add_argument("--start-qps", type=float, default=None, help="the capacity search's first probed rate")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="a fixed KV cache size (default: from free memory)")
     p.add_argument("--dry-run", action="store_true", help="print the bench commands and stop")
     return p
 
@@ -229,7 +246,9 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
     args = build_parser().parse_args(argv)
     exp = SMOKE if args.smoke else Experiment()
     overrides = {"traces": _names(args.traces), "slos": _names(args.slos), "policies": _names(args.policies),
-                 "model": args.model, "sample": args.sample, "capacity_probes": args.capacity_probes}
+                 "model": args.model, "sample": args.sample, "capacity_probes": args.capacity_probes,
+                 "sarathi_budgets": tuple(int(b) for b in _names(args.token_budgets)) if args.token_budgets else None,
+                 "start_qps": args.start_qps, "kv_cache_bytes": args.kv_cache_bytes}
     exp = dataclasses.replace(exp, **{k: v for k, v in overrides.items() if v is not None})
     for name, known in (("traces", TRACE_FILES), ("slos", SLO_MULTIPLES), ("policies", POLICIES)):
         unknown = [x for x in getattr(exp, name) if x not in known]
@@ -246,7 +265,7 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
     for trace in exp.traces:
         trace_path = os.path.join(args.trace_dir, TRACE_FILES[trace])
         for slo in exp.slos:
-            run_dir = os.path.join(args.out, f"{trace}-{slo}", "-".join(exp.policies))
+            run_dir = os.path.join(args.out, f"{trace}-{slo}", run_name(exp))
             slo_tbt = None if decode_time is None else SLO_MULTIPLES[slo] * decode_time
             argv = bench_argv(exp, trace_path, run_dir, slo, slo_tbt)
             commands.append("python -m sarathi_jax.bench " + shlex.join(argv))

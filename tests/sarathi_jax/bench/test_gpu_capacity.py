@@ -58,7 +58,7 @@ def test_pipeline_on_the_simulated_engine(tmp_path, capsys):
     machine = json.loads((out / "machine.json").read_text())
     assert machine["versions"]["jax"] and machine["experiment"]["model"] == "tiny-llama"
     assert (out / "capacity.png").stat().st_size > 0
-    assert (out / "arxiv-strict" / "sarathi-vllm-orca" / "summary.json").exists()
+    assert (out / "arxiv-strict" / "sarathi-32-sarathi-64-vllm-orca" / "summary.json").exists()
 
 
 def test_bench_without_model_picks_the_platforms_default(capsys):
