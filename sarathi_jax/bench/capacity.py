@@ -28,6 +28,7 @@ class Probe:
     p99_tbt: float | None = None
     p50_sched_delay: float | None = None
     stopped_early: bool = False
+    throughput: float | None = None  # requests completed per second over the probe; None when it stopped early
     result: Any = field(default=None, repr=False)  # the RunResult, when the probe ran an engine
 
     def to_dict(self) -> dict:
@@ -46,6 +47,20 @@ class CapacityResult:
     note: str = ""
 
     @property
+    def max_throughput(self) -> float | None:
+        """The fastest completion rate any full probe reached. No rate above it can be sustained, whatever a
+        probe too short to build a queue says."""
+        rates = [p.throughput for p in self.probes if p.throughput is not None]
+        return max(rates) if rates else None
+
+    @property
+    def beyond_throughput(self) -> bool:
+        """True when the capacity found is above the measured completion rate (by over 5%): the probes
+        were too short for the scheduling-delay bound to see the queue grow."""
+        top = self.max_throughput
+        return top is not None and self.capacity_qps > 1.05 * top
+
+    @property
     def best(self) -> Probe | None:
         passing = [p for p in self.probes if p.passed and p.qps == self.capacity_qps]
         return passing[-1] if passing else None
@@ -57,6 +72,7 @@ class CapacityResult:
             "max_sched_delay": self.max_sched_delay,
             "bracket": [self.bracket[0], None if math.isinf(self.bracket[1]) else self.bracket[1]],
             "note": self.note,
+            "max_throughput": self.max_throughput,
             "probes": [p.to_dict() for p in self.probes],
         }
 
@@ -199,6 +215,7 @@ def find_capacity(
             p99_tbt=res.summary["tbt"]["p99"],
             p50_sched_delay=res.summary["scheduling_delay"]["p50"],
             stopped_early=res.stopped_early,
+            throughput=None if res.stopped_early else res.summary["request_throughput"],
             result=res,
         )
         if on_probe is not None:
@@ -208,4 +225,9 @@ def find_capacity(
     cap, probes, bracket, note = search(
         evaluate, start_qps=start_qps or base.mean_rate, max_probes=max_probes, rel_tol=rel_tol
     )
-    return CapacityResult(cap, slo_tbt, max_sched_delay, probes, bracket, note)
+    result = CapacityResult(cap, slo_tbt, max_sched_delay, probes, bracket, note)
+    if result.beyond_throughput:
+        result.note = (f"{note + '; ' if note else ''}capacity is at most about {result.max_throughput:.3g} req/s, "
+                       f"the fastest completion rate measured: the probes were too short for a queue to build "
+                       f"(replay more requests per probe)")
+    return result

@@ -112,6 +112,20 @@ def test_capacity_limited_by_scheduling_delay():
     assert s["scheduling_delay"]["p50"] <= 2.0
 
 
+def test_short_probes_are_capped_by_the_completion_rate():
+    # The engine of the test above (throughput mu = 18.2 req/s), but 40 requests per probe: the median waits
+    # at most 20 * (1/mu) = 1.1 s at any rate, so the scheduling-delay bound never fails and the search
+    # passes rates far above mu. The fastest completion rate measured caps what the search may claim.
+    eng = sim_engine(base=0.01, per_seq=0.0001, max_num_seqs=10)
+    base = synthetic_workload(40, qps=20.0, prompt_len="8", output_len="50", arrival="constant", seed=0)
+    res = find_capacity(eng, base, base.prompts(1000, 0), slo_tbt=1.0, max_sched_delay=2.0, max_probes=4)
+    assert res.capacity_qps >= 80.0 and all(p.passed for p in res.probes)  # what the search alone says
+    assert all(p.throughput is not None and p.throughput <= 18.3 for p in res.probes)
+    assert 10.0 <= res.max_throughput <= 18.3, res.to_dict()
+    assert res.beyond_throughput and "at most about" in res.note
+    assert res.to_dict()["max_throughput"] == res.max_throughput
+
+
 def test_summarize_probe_runs():
     eng = sim_engine()
     wl = synthetic_workload(20, qps=50.0, prompt_len="4", output_len="10", seed=1)

@@ -93,3 +93,24 @@ def test_pieces_into_one_folder_make_one_report(tmp_path, capsys):
     assert set(table["arxiv"]["strict"]["capacity"]) == {"sarathi-32", "sarathi-64", "vllm"}
     assert set(table["arxiv"]["relaxed"]["capacity"]) == {"vllm"}
     assert main(["--out", str(out), "--policies", "tgi"]) == 2
+
+
+def test_report_caps_a_capacity_above_the_completion_rate(tmp_path):
+    """Probes too short to build a queue pass at any rate: the report shows the fastest completion rate as an
+    upper bound ("<="), not the rate the search reached, and the ratio uses the bound."""
+    from sarathi_jax.bench.gpu_capacity import Experiment, collect, format_report
+
+    def capacity(qps, top, fail=None):
+        return {"capacity_qps": qps, "bracket": [qps, fail], "max_throughput": top,
+                "probes": [{"qps": qps, "passed": True}] + ([{"qps": fail, "passed": False}] if fail else [])}
+
+    folder = tmp_path / "arxiv-strict" / "sarathi-512-vllm"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"slo_tbt": 0.06, "capacity": {
+        "sarathi-512": capacity(16.0, 4.58), "vllm": capacity(1.0, 0.95, fail=1.5)}}))
+    table = collect(str(tmp_path))
+    strict = table["arxiv"]["strict"]
+    assert strict["capacity"] == {"sarathi-512": 4.58, "vllm": 1.0}
+    assert strict["bound"] == {"sarathi-512": "<=", "vllm": ""}
+    report = format_report(table, Experiment(), 0.0124, {"platform": "gpu", "devices": ["H100"]})
+    assert "| sarathi-512 | <=4.58 |" in report and "| vllm | 1 |" in report and "**4.58x** (from bounds)" in report
