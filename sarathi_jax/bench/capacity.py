@@ -19,6 +19,7 @@ from sarathi_jax.bench.metrics import summarize
 from sarathi_jax.bench.workload import Workload
 
 DEFAULT_MAX_SCHED_DELAY = 2.0
+BEYOND_THROUGHPUT_FACTOR = 1.25  # see CapacityResult.beyond_throughput
 
 
 @dataclass
@@ -55,10 +56,11 @@ class CapacityResult:
 
     @property
     def beyond_throughput(self) -> bool:
-        """True when the capacity found is above the measured completion rate (by over 5%): the probes
-        were too short for the scheduling-delay bound to see the queue grow."""
+        """True when the capacity found is above the fastest completion rate measured by over a quarter
+        (margin for a probe whose completion rate trails its arrival rate by the last requests' own latency):
+        the probes were too short for the scheduling-delay bound to see a queue grow."""
         top = self.max_throughput
-        return top is not None and self.capacity_qps > 1.05 * top
+        return top is not None and self.capacity_qps > BEYOND_THROUGHPUT_FACTOR * top
 
     @property
     def best(self) -> Probe | None:
