@@ -75,6 +75,7 @@ class CapacityResult:
             "bracket": [self.bracket[0], None if math.isinf(self.bracket[1]) else self.bracket[1]],
             "note": self.note,
             "max_throughput": self.max_throughput,
+            "beyond_throughput": self.beyond_throughput,
             "probes": [p.to_dict() for p in self.probes],
         }
 

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from sarathi_jax.bench.__main__ import main as bench_main
-from sarathi_jax.bench.capacity import BEYOND_THROUGHPUT_FACTOR
 from sarathi_jax.config import resolve_dtype
 
 TRACE_FILES = {"arxiv": "arxiv_summarization.csv", "conversation": "splitwise_conv.csv"}
@@ -150,7 +149,7 @@ def collect(out: str) -> dict:
                     slo, {"slo_tbt": doc["slo_tbt"], "capacity": {}, "bound": {}, "probes": {}, "throughput": {}})
                 for label, c in doc["capacity"].items():
                     top = c.get("max_throughput")
-                    beyond = top is not None and c["capacity_qps"] > BEYOND_THROUGHPUT_FACTOR * top
+                    beyond = c.get("beyond_throughput", False)
                     # A pass above the fastest completion rate proves nothing: the capacity is at most that rate.
                     entry["capacity"][label] = top if beyond else c["capacity_qps"]
                     entry["bound"][label] = "<=" if beyond else _bound(c)

@@ -101,7 +101,7 @@ def test_report_caps_a_capacity_above_the_completion_rate(tmp_path):
     from sarathi_jax.bench.gpu_capacity import Experiment, collect, format_report
 
     def capacity(qps, top, fail=None):
-        return {"capacity_qps": qps, "bracket": [qps, fail], "max_throughput": top,
+        return {"capacity_qps": qps, "bracket": [qps, fail], "max_throughput": top, "beyond_throughput": qps > 1.25 * top,
                 "probes": [{"qps": qps, "passed": True}] + ([{"qps": fail, "passed": False}] if fail else [])}
 
     folder = tmp_path / "arxiv-strict" / "sarathi-512-vllm"
