@@ -51,7 +51,7 @@ class CapacityResult:
     def max_throughput(self) -> float | None:
         """The fastest completion rate any full probe reached. No rate above it can be sustained, whatever a
         probe too short to build a queue says."""
-        rates = [p.throughput for p in self.probes if p.throughput is not None]
+        rates = [float(p.throughput) for p in self.probes if p.throughput is not None]
         return max(rates) if rates else None
 
     @property
@@ -60,7 +60,7 @@ class CapacityResult:
         (margin for a probe whose completion rate trails its arrival rate by the last requests' own latency):
         the probes were too short for the scheduling-delay bound to see a queue grow."""
         top = self.max_throughput
-        return top is not None and self.capacity_qps > BEYOND_THROUGHPUT_FACTOR * top
+        return top is not None and bool(self.capacity_qps > BEYOND_THROUGHPUT_FACTOR * top)
 
     @property
     def best(self) -> Probe | None:
