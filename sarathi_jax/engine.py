@@ -33,6 +33,7 @@ from sarathi_jax.config import (
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
+from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.outputs import IterationRecord, RequestOutput
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import make_scheduler
@@ -75,6 +76,8 @@ class LLMEngine:
                     )
                 else:
                     self.model_config, params = load_model(config.model, dtype, seed=config.seed)
+                    if not scan_layers:  # unrolled: per-layer arrays now, so the stacked copy is gone before
+                        params = unstack_layer_params(params)  # the KV cache is sized from the free memory
                 self.tokenizer: Tokenizer | None = (
                     load_tokenizer(config.model) if Path(config.model).is_dir() else None
                 )

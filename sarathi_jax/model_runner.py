@@ -128,7 +128,8 @@ class ModelRunner:
         if not scan_layers:  # unrolled layers: each stage's stacked weights become per-layer arrays, once
             for stage in self.stages:
                 stage.model = stage.model.clone(scan_layers=False)
-                stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
+                if "layers" in stage.params:  # still stacked (pipeline stages; the engine unstacks a single device's)
+                    stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
             if self.plan is None:
                 self.model = self.stages[0].model
         self._stage_traces = [0] * len(self.stages)

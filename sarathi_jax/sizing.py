@@ -137,8 +137,8 @@ def kv_cache_budget(
             f"gpu_memory_utilization={explicit:g} is more than JAX's allocator may use ({mem_fraction:g} of the "
             f"device's memory): start the process with XLA_CLIENT_MEM_FRACTION={explicit:g}, or ask for less"
         )
-    # The default keeps a tenth of JAX's pool free: XLA's compile-time autotuning and its temporaries allocate
-    # from the same pool, and on an H100 a pool filled to the activation estimate hung in warm-up, out of memory.
+    # The default keeps a tenth of JAX's pool free for what the activation estimate does not see (XLA's
+    # compile-time autotuning allocates from the same pool), as vLLM's 0.9 does.
     utilization = explicit if explicit is not None else min(DEFAULT_GPU_MEMORY_UTILIZATION,
                                                             POOL_HEADROOM_FRACTION * mem_fraction)
     activations = activation_bytes_estimate(config, model_config)

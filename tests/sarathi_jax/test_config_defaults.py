@@ -229,6 +229,21 @@ def test_engine_sizes_its_kv_cache_from_mocked_device_memory(monkeypatch):
     assert "gpu_memory_utilization 0.8" in format_startup(stats)
 
 
+def test_unrolled_weights_are_unstacked_before_the_kv_cache_is_sized(monkeypatch):
+    # Unrolling copies every layer's weights out of the stacked arrays. On an H100 that copy, made after the
+    # KV cache had been sized from the free memory, held mistral-7b's weights twice and ran out of memory in
+    # warm-up. The device's memory must be read with the per-layer weights alone in place.
+    events = []
+    real_unstack = engine_module.unstack_layer_params
+    monkeypatch.setattr(engine_module, "unstack_layer_params", lambda p: events.append("unstack") or real_unstack(p))
+    monkeypatch.setattr(engine_module, "_memory_stats", lambda n: events.append("memory") or [None] * n)
+    llm = LLM("tiny-llama", token_budget=64, max_model_len=128, scan_layers=False, warmup=False)
+    assert events.index("unstack") < events.index("memory")
+    params = llm.engine.runner.stages[0].params
+    assert "layers" not in params and "layers_0" in params
+    assert all(not k.startswith("layers") or k.startswith("layers_") for k in params)
+
+
 def test_cli_flags_reach_the_engine_config():
     from sarathi_jax.bench.__main__ import build_parser as bench_parser
     from sarathi_jax.bench.__main__ import engine_config_kwargs
