@@ -6,11 +6,11 @@ The file is read with the `gguf` package (llama.cpp's own reader, `gguf.GGUFRead
 and every tensor is dequantized with `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
 and every other type that library implements). `GGUFCheckpoint` presents the tensors under their HF names and
 HF shapes with the `info(name)` / `read_rows(info, r0, r1)` interface of `SafetensorsCheckpoint`, so the
-parameter plan and the Orbax writer (`converter.write_checkpoint`) are the ones the safetensors path uses.
+parameter plan and the Orbax writer (`orbax_writer.write_checkpoint`) are the ones the safetensors path uses.
 Tensors are dequantized in the row chunks the writer asks for (quant blocks never span rows); only the Q/K
 matrices, whose rows llama.cpp permutes within each head, are dequantized whole (one cached at a time).
 
-Metadata -> side files, written next to the params:
+Metadata -> side files, written next to the params (gguf_metadata.py):
 - `config.json` (`LlamaForCausalLM`) from the `llama.*` keys; the vocabulary size from the token list; tied
   embeddings when the file has no `output.weight`. Other architectures are refused with their name.
 - `tokenizer.json`, built from the GGUF vocabulary by transformers' GGUF tokenizer converter (transformers is
@@ -31,7 +31,6 @@ import gc
 import json
 import math
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -39,97 +38,30 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints_convert.converter import (
-    CHUNK_BYTES,
-    DTYPES,
-    MIN_BATCH_BYTES,
-    ConversionError,
-    ConversionResult,
-    Log,
-    _prepare_out,
-    _release_free_memory,
-    resolve_dtype,
-    write_checkpoint,
+from checkpoints_convert.converter import DTYPES, ConversionError, prepare_out, resolve_dtype
+from checkpoints_convert.gguf_metadata import (  # noqa: F401  (_LAYER_NAMES, llama3_rope_parameters re-exported)
+    _LAYER_NAMES,
+    gguf_to_hf_name,
+    llama3_rope_parameters,
+    stop_token_ids,
+    write_tokenizer_files,
 )
+from checkpoints_convert.gguf_metadata import hf_config as gguf_hf_config
+from checkpoints_convert.orbax_writer import MIN_BATCH_BYTES, ConversionResult, Log, release_free_memory, write_checkpoint
+from checkpoints_convert.param_reader import CHUNK_BYTES
 from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.models.loader import CheckpointError
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-
-# GGUF tensor names (per layer after "blk.N.") -> HF names (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# Tokens that end an assistant turn in common chat templates; added to the stop ids when the template emits them.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
-
-
-def gguf_to_hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
-
+# The vocabulary's large array fields: not decoded up front, dropped once the tokenizer is built.
+_VOCABULARY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                      "tokenizer.ggml.scores")
 
 def _reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (transformers' `_reverse_permute_weights`)."""
     dim = weights.shape[0] // n_head // 2
     w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
     return w.swapaxes(2, 1).reshape(weights.shape)
-
-
-def llama3_rope_parameters(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any]:
-    """HF `rope_parameters` (rope_type "llama3") that reproduce llama.cpp's `rope_freqs.weight`.
-
-    llama.cpp stores Llama 3's RoPE scaling as one divisor per frequency, `factors [head_dim // 2]`, not as the
-    four HF numbers. The largest divisor is `factor`. In the blended band, `1 / f = (1 - s) / factor + s` with
-    `s = (orig / wavelen - low) / (high - low)`, which is linear in `1 / wavelen`; its slope and intercept fix
-    the band, and any (orig, low, high) with the same two give the same rotation. Llama 3's own low_freq_factor
-    1 is taken, which recovers the released models' numbers exactly. With a single blended frequency the line
-    is underdetermined and Llama 3's high_freq_factor 4 is taken too. The result is checked against `factors`
-    through the model's own RoPE formula; a file that does not follow Llama 3's scheme is refused.
-    """
-    from sarathi_jax.models.config import RopeScaling
-    from sarathi_jax.models.layers import rope_inv_freq
-
-    factors = np.asarray(factors, np.float64)
-    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim)
-    inv_wavelen = inv_freq / (2 * np.pi)
-    factor = float(factors.max())
-    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros_like(factors)
-    middle = (smooth > 1e-4) & (smooth < 1 - 1e-4)
-    if middle.sum() >= 2:
-        slope, intercept = np.polyfit(inv_wavelen[middle], smooth[middle], 1)
-        orig = round(-slope / intercept) if intercept < 0 else 0
-        high = 1 + orig / slope if orig > 0 else 0.0
-    elif middle.sum() == 1:
-        orig, high = round(float((3 * smooth[middle][0] + 1) / inv_wavelen[middle][0])), 4.0
-    else:
-        orig, high = 0, 0.0
-    if orig < 1 or not high > 1:
-        raise ConversionError(f"rope_freqs.weight does not follow Llama 3's RoPE scaling (factors {factors.tolist()})")
-    params = {"rope_type": "llama3", "rope_theta": rope_theta, "factor": factor, "low_freq_factor": 1.0,
-              "high_freq_factor": float(round(high, 6)), "original_max_position_embeddings": orig}
-    scaling = RopeScaling(**{k: v for k, v in params.items() if k != "rope_theta"})
-    expected = (inv_freq / factors).astype(np.float32)
-    if not np.allclose(rope_inv_freq(head_dim, rope_theta, scaling), expected, rtol=1e-4, atol=0):
-        raise ConversionError(f"rope_freqs.weight does not follow Llama 3's RoPE scaling (factors {factors.tolist()})")
-    return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +95,7 @@ class GGUFCheckpoint:
         self.files = [self.path]
         self.metadata: dict[str, Any] = {}
         for key, field in self.reader.fields.items():
-            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                       "tokenizer.ggml.scores"):
+            if key in _VOCABULARY_FIELDS:
                 continue  # large arrays: read on demand
             try:
                 self.metadata[key] = field.contents()
@@ -176,18 +107,19 @@ class GGUFCheckpoint:
                 f"GGUF architecture {self.architecture!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama family)"
             )
-        self._tensors = {t.name: t for t in self.reader.tensors}
-        self._infos: dict[str, GGUFTensorInfo] = {}
+        self.raw_tensors = {t.name: t for t in self.reader.tensors}
+        self.infos: dict[str, GGUFTensorInfo] = {}
         for t in self.reader.tensors:
             hf_name = gguf_to_hf_name(t.name)
             if hf_name is None:
                 continue
             shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-            self._infos[hf_name] = GGUFTensorInfo(hf_name, t.name, shape, t.tensor_type.name)
+            self.infos[hf_name] = GGUFTensorInfo(hf_name, t.name, shape, t.tensor_type.name)
         self._cache: tuple[str, np.ndarray] | None = None
 
     # -- metadata -------------------------------------------------------------------------------------------
-    def _meta(self, key: str, default: Any = None) -> Any:
+    def meta(self, key: str, default: Any = None) -> Any:
+        """The architecture's metadata value `key` (e.g. "block_count" reads "llama.block_count")."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
     def _field_list(self, key: str) -> list[Any]:
@@ -202,87 +134,18 @@ class GGUFCheckpoint:
 
     @property
     def num_heads(self) -> int:
-        return int(self._meta("attention.head_count"))
+        return int(self.meta("attention.head_count"))
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self._meta("attention.head_count_kv", self.num_heads))
-
-    def hf_config(self) -> dict[str, Any]:
-        """An HF `config.json` (LlamaForCausalLM, transformers 5 layout) from the `llama.*` metadata."""
-        hidden = int(self._meta("embedding_length"))
-        head_dim = int(self._meta("attention.key_length", hidden // self.num_heads))
-        rope_dim = self._meta("rope.dimension_count")
-        if rope_dim is not None and int(rope_dim) != head_dim:
-            raise ConversionError(f"partial rotary embeddings (rope.dimension_count {rope_dim} != head_dim "
-                                  f"{head_dim}) are not supported")
-        scaling = self._meta("rope.scaling.type")
-        if scaling not in (None, "none"):
-            raise ConversionError(f"GGUF rope scaling {scaling!r} is not supported (only Llama 3's, stored as "
-                                  "rope_freqs.weight)")
-        rope_theta = float(self._meta("rope.freq_base", 10000.0))
-        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
-        if "rope_freqs.weight" in self._tensors:
-            t = self._tensors["rope_freqs.weight"]
-            factors = np.asarray(t.data, np.float32).reshape(-1)
-            if t.tensor_type.name != "F32" or factors.shape != (head_dim // 2,):
-                raise ConversionError(f"rope_freqs.weight: expected {head_dim // 2} F32 values, got "
-                                      f"{factors.shape} {t.tensor_type.name}")
-            rope_parameters = llama3_rope_parameters(factors, rope_theta, head_dim)
-        vocab_size = len(self.tokens) or int(self._meta("vocab_size"))
-        emb = self._infos.get("model.embed_tokens.weight")
-        if emb is not None and emb.shape[0] != vocab_size:
-            vocab_size = emb.shape[0]
-        config: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": vocab_size,
-            "hidden_size": hidden,
-            "intermediate_size": int(self._meta("feed_forward_length")),
-            "num_hidden_layers": int(self._meta("block_count")),
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
-            "max_position_embeddings": int(self._meta("context_length", 2048)),
-            "rope_parameters": rope_parameters,
-            "tie_word_embeddings": "lm_head.weight" not in self._infos,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
-            "pad_token_id": self.metadata.get("tokenizer.ggml.padding_token_id"),
-            # Dequantized weights are float32 values: keep them exact unless --dtype says otherwise.
-            "dtype": "float32",
-        }
-        if self.metadata.get("general.name"):
-            config["_name_or_path"] = self.metadata["general.name"]
-        return config
+        return int(self.meta("attention.head_count_kv", self.num_heads))
 
     def chat_template(self) -> str | None:
         return self.metadata.get("tokenizer.chat_template")
 
-    def stop_token_ids(self) -> list[int]:
-        """EOS, then the end-of-turn ids: `eot_token_id` / `eom_token_id`, and known end-of-turn tokens that
-        the chat template writes."""
-        ids: list[int] = []
-        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-            value = self.metadata.get(f"tokenizer.ggml.{key}")
-            if value is not None and int(value) not in ids:
-                ids.append(int(value))
-        template = self.chat_template() or ""
-        if template:
-            index = {tok: i for i, tok in enumerate(self.tokens)} if self.tokens else {}
-            for token in END_OF_TURN_TOKENS:
-                if token in template and token in index and index[token] not in ids:
-                    ids.append(index[token])
-        return ids
-
     def drop_vocabulary(self) -> None:
         """Free the reader's parsed vocabulary arrays (a Python object per token and merge): tens of MB."""
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                    "tokenizer.ggml.scores"):
+        for key in _VOCABULARY_FIELDS:
             self.reader.fields.pop(key, None)
         self.__dict__.pop("_tokens", None)
 
@@ -295,7 +158,7 @@ class GGUFCheckpoint:
     # -- tensors (SafetensorsCheckpoint's interface) ---------------------------------------------------------
     def info(self, name: str) -> GGUFTensorInfo:
         try:
-            return self._infos[name]
+            return self.infos[name]
         except KeyError:
             raise CheckpointError(f"tensor {name!r} not found in GGUF file {str(self.path)!r}") from None
 
@@ -306,7 +169,7 @@ class GGUFCheckpoint:
         self._cache = None
         from gguf.quants import dequantize
 
-        t = self._tensors[info.gguf_name]
+        t = self.raw_tensors[info.gguf_name]
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
@@ -330,7 +193,7 @@ class GGUFCheckpoint:
             return array[start:stop] if info.shape else array.reshape(1)
         from gguf.quants import dequantize
 
-        t = self._tensors[info.gguf_name]
+        t = self.raw_tensors[info.gguf_name]
         data = t.data.reshape(info.shape[0], -1)  # one row of blocks (or of values) per HF row
         try:
             rows = dequantize(data[start:stop], t.tensor_type)
@@ -339,33 +202,6 @@ class GGUFCheckpoint:
                 f"tensor {t.name!r}: the gguf library cannot dequantize type {t.tensor_type.name}: {e}"
             ) from None
         return np.asarray(rows, dtype=np.float32).reshape(stop - start, *info.shape[1:])
-
-
-def write_tokenizer_files(checkpoint: GGUFCheckpoint, out: Path) -> None:
-    """`tokenizer.json` (through transformers' GGUF tokenizer converter) and `tokenizer_config.json`."""
-    try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-    except ImportError as e:
-        raise ConversionError(
-            "building tokenizer.json from a GGUF vocabulary needs HF transformers (>= 5, with its GGUF "
-            "tokenizer converter): pip install transformers"
-        ) from e
-    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(checkpoint.path))
-    backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    backend.save(str(out / "tokenizer.json"))
-    config: dict[str, Any] = {k: v for k, v in tokenizer_config.items() if v is not None}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
-                      ("pad_token", "padding_token_id")):
-        token = checkpoint.token(key)
-        if token is not None:
-            config.setdefault(name, token)
-    if "tokenizer.ggml.add_bos_token" in checkpoint.metadata:
-        config["add_bos_token"] = bool(checkpoint.metadata["tokenizer.ggml.add_bos_token"])
-    template = checkpoint.chat_template()
-    if template:
-        config["chat_template"] = template
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def convert_gguf(
@@ -386,9 +222,9 @@ def convert_gguf(
         raise ConversionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if out_dir.resolve() in gguf_file.resolve().parents:  # --force would replace (delete) the input file
         raise ConversionError(f"--out {str(out_dir)!r} must not contain the GGUF file")
-    _prepare_out(None, out_dir, force)  # before parsing the file (seconds for a large vocabulary)
+    prepare_out(None, out_dir, force)  # before parsing the file (seconds for a large vocabulary)
     checkpoint = GGUFCheckpoint(gguf_file)
-    hf_config = checkpoint.hf_config()
+    hf_config = gguf_hf_config(checkpoint)
     try:
         config = ModelConfig.from_hf_config(hf_config)
     except (ValueError, KeyError) as e:
@@ -397,7 +233,7 @@ def convert_gguf(
     with tempfile.TemporaryDirectory(prefix="gguf-side-") as side:
         side_dir = Path(side)
         (side_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        generation_config = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": checkpoint.stop_token_ids()}
+        generation_config = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": stop_token_ids(checkpoint)}
         (side_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
         if checkpoint.tokens:
             write_tokenizer_files(checkpoint, side_dir)
@@ -406,8 +242,8 @@ def convert_gguf(
         config = ModelConfig.from_pretrained(side_dir)  # with the end-of-turn ids
         checkpoint.drop_vocabulary()  # the reader's per-token fields and the tokenizer build are done with
         gc.collect()
-        _release_free_memory()
-        types = sorted({info.quant_type for info in checkpoint._infos.values()})
+        release_free_memory()
+        types = sorted({info.quant_type for info in checkpoint.infos.values()})
         return write_checkpoint(
             config, checkpoint, out_dir, dtype, side_dir=side_dir, source_path=str(gguf_file.resolve()),
             source_desc=f"GGUF {str(gguf_file)!r} ({', '.join(types)})", log=log, chunk_bytes=chunk_bytes,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sarathi_jax.chat_template import ChatTemplate
-from sarathi_jax.sampling import MAX_BANNED
+from sarathi_jax.sampling_inputs import MAX_BANNED
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.tokenizer import Tokenizer
 

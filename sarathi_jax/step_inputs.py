@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sarathi_jax.models import AttentionMetadata
-from sarathi_jax.sampling import MAX_BANNED, SamplingArrays, make_sampling_arrays
+from sarathi_jax.sampling_inputs import MAX_BANNED, SamplingArrays, make_sampling_arrays
 
 
 def sampling_len(max_num_seqs: int) -> int:

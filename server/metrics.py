@@ -24,6 +24,9 @@ Names follow vLLM's (`vllm:` -> `sarathi:`), labelled with `model_name` like vLL
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 PREFIX = "sarathi:"
@@ -76,6 +79,32 @@ class ServerMetrics:
 
     def request_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def observe_output(self, state: Any, out: Any) -> None:
+        """Record one of a request's outputs: queue time, TTFT, inter-token latencies, token counts and, when it
+        finishes, end-to-end latency and the finish reason. `state` (a `server.service.ActiveRequest`) has the
+        request's `arrival_time` and keeps what is already counted (`tokens_seen`, `queue_time_observed`)."""
+        rm = out.metrics
+        if not state.queue_time_observed and rm.first_scheduled_time is not None:
+            state.queue_time_observed = True
+            self.queue_time.observe(max(0.0, rm.first_scheduled_time - state.arrival_time))
+        n_new = len(out.new_token_ids)
+        if n_new:
+            count = len(out.token_ids)
+            times = list(rm.token_times[:count])
+            if state.tokens_seen == 0:
+                first = rm.first_token_time if rm.first_token_time is not None else time.monotonic()
+                self.ttft.observe(max(0.0, first - state.arrival_time))
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            start = max(state.tokens_seen - 1, 0)
+            for a, b in zip(times[start:], times[start + 1:]):
+                self.itl.observe(max(0.0, b - a))
+            state.tokens_seen = count
+            self.generation_tokens.inc(n_new)
+        if out.finished:
+            end = rm.finished_time if rm.finished_time is not None else time.monotonic()
+            self.e2e.observe(max(0.0, end - state.arrival_time))
+            self.request_finished(out.finish_reason or "stop")
 
     def update_engine_stats(self, stats: dict) -> None:
         """Called from the engine thread after each iteration (prometheus_client is thread-safe)."""

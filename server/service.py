@@ -1,9 +1,10 @@
-"""The gRPC generation service: a grpc.aio front end on an asyncio loop over one engine thread.
+"""`GenerationServer`: one engine thread behind the gRPC and HTTP front ends, on one asyncio loop.
 
 Each request gets an asyncio queue; the engine thread (`EngineWorker`) pushes the request's outputs into it
 with `loop.call_soon_threadsafe`. Adds and aborts reach the engine through the worker's thread-safe queue.
-A request whose RPC ends early (client cancel, disconnect, deadline) is aborted in the engine from the
-handler's `finally`, which frees its KV blocks before the engine's next iteration.
+Both front ends (server/grpc_service.py, server/http_api.py) go through `admit`, `next_output` and
+`release`; a request whose RPC or HTTP request ends early is aborted in the engine from `release`, which frees
+its KV blocks before the engine's next iteration. The gRPC messages are converted in server/proto_convert.py.
 """
 
 from __future__ import annotations
@@ -18,35 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1 import health as grpc_health
-from grpc_reflection.v1alpha import reflection
 
 from sarathi_jax.admission import Admission, AdmittedRequest, param_of
 from sarathi_jax.outputs import RequestOutput
-from sarathi_jax.sampling_params import SamplingParams
 from server.engine_worker import EngineError, EngineWorker, ServingEngine
 from server.metrics import ServerMetrics
-from server.proto.sarathi.v1 import generation_pb2 as pb
-from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+from server.proto_convert import sampling_params_from_proto  # noqa: F401  (re-exported: its old home)
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "sarathi.v1.Generation"
-
-FINISH_REASONS = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
-}
-
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_WAITING_PROMPT_TOKENS = 1 << 20
-
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
-_INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
-
 
 class RequestError(Exception):
     """A request refused or failed: the gRPC status code (the HTTP front end maps it to an HTTP status) and,
@@ -57,43 +40,6 @@ class RequestError(Exception):
         self.code = code
         self.message = message
         self.param = param
-
-
-def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams from the request's sampling fields; unset fields keep SamplingParams' defaults.
-
-    Raises ValueError naming the bad field (SamplingParams' own validation).
-    """
-    kwargs: dict[str, Any] = {}
-    for name in _FLOAT_FIELDS:
-        if request.HasField(name):
-            kwargs[name] = float(getattr(request, name))
-    for name in _INT_FIELDS:
-        if request.HasField(name):
-            kwargs[name] = int(getattr(request, name))
-    if request.HasField("ignore_eos"):
-        kwargs["ignore_eos"] = bool(request.ignore_eos)
-    if request.stop:
-        kwargs["stop"] = tuple(request.stop)
-    if request.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(int(t) for t in request.stop_token_ids)
-    return SamplingParams(**kwargs)
-
-
-def admission_from_proto(request: pb.GenerateRequest) -> Callable[[Admission], AdmittedRequest]:
-    """The request's prompt and sampling fields as a `GenerationServer.admit` builder."""
-    which = request.WhichOneof("prompt")
-
-    def build(admission: Admission) -> AdmittedRequest:
-        if which is None:
-            raise ValueError("prompt: must be set (text, token_ids or messages)")
-        params = sampling_params_from_proto(request)
-        if which == "messages":
-            return admission.admit_chat([{"role": m.role, "content": m.content} for m in request.messages.messages],
-                                        params)
-        return admission.admit(request.text if which == "text" else list(request.token_ids.ids), params)
-
-    return build
 
 
 @dataclass
@@ -190,28 +136,18 @@ class GenerationServer:
             self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
         # The engine compiles and warms up in its constructor, so it is ready as soon as its thread runs.
         if self._health is not None:
-            await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-            await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+            from server.grpc_service import set_health
+
+            await set_health(self._health, serving=True)
         log.info("serving %s%s%s%s", self.model_name,
                  f", gRPC on {self.host}:{self.port}" if self.port is not None else "",
                  f", HTTP on {self.http_host}:{self.http_port}" if self.http_port is not None else "",
                  f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "")
 
     async def _start_grpc(self) -> None:
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_GenerationServicer_to_server(_Servicer(self), self._grpc)
-        self._health = grpc_health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._grpc,
-        )
-        bound = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
-        if bound == 0:
-            raise RuntimeError(f"could not bind {self.host}:{self.port}")
-        self.port = bound
+        from server.grpc_service import build_grpc_server  # imports this module: loaded once it is defined
+
+        self._grpc, self._health, self.port = await build_grpc_server(self, self.host, self.port)
 
     async def wait_stopped(self) -> None:
         assert self._stopped is not None
@@ -432,111 +368,10 @@ class GenerationServer:
                 raise RequestError(grpc.StatusCode.INTERNAL if not self._draining else grpc.StatusCode.UNAVAILABLE,
                                    str(item))
             raise RequestError(grpc.StatusCode.INTERNAL, f"engine error: {item!r}")
-        self._observe(state, item)
+        self.metrics.observe_output(state, item)
         if item.finished:
             state.finished = True
         return item
-
-    def _observe(self, state: ActiveRequest, out: Any) -> None:
-        m = self.metrics
-        rm = out.metrics
-        if not state.queue_time_observed and rm.first_scheduled_time is not None:
-            state.queue_time_observed = True
-            m.queue_time.observe(max(0.0, rm.first_scheduled_time - state.arrival_time))
-        n_new = len(out.new_token_ids)
-        if n_new:
-            count = len(out.token_ids)
-            times = list(rm.token_times[:count])
-            if state.tokens_seen == 0:
-                first = rm.first_token_time if rm.first_token_time is not None else time.monotonic()
-                m.ttft.observe(max(0.0, first - state.arrival_time))
-                m.prompt_tokens.inc(len(out.prompt_token_ids))
-            start = max(state.tokens_seen - 1, 0)
-            for a, b in zip(times[start:], times[start + 1:]):
-                m.itl.observe(max(0.0, b - a))
-            state.tokens_seen = count
-            m.generation_tokens.inc(n_new)
-        if out.finished:
-            end = rm.finished_time if rm.finished_time is not None else time.monotonic()
-            m.e2e.observe(max(0.0, end - state.arrival_time))
-            m.request_finished(out.finish_reason or "stop")
-
-    def _timings(self, state: ActiveRequest, out: Any, msg: pb.Timings) -> None:
-        rm = out.metrics
-        if rm.first_scheduled_time is not None:
-            msg.queue_time_s = max(0.0, rm.first_scheduled_time - state.arrival_time)
-        if rm.first_token_time is not None:
-            msg.ttft_s = max(0.0, rm.first_token_time - state.arrival_time)
-        if out.finished:
-            end = rm.finished_time if rm.finished_time is not None else time.monotonic()
-            msg.e2e_s = max(0.0, end - state.arrival_time)
-
-    def _to_response(self, state: ActiveRequest, out: Any) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=state.request_id, token_ids=out.new_token_ids,
-                                   text=out.text_delta or "")
-        for lp in out.new_logprobs or ():
-            resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
-                              top_logprobs=lp.top_logprobs)
-        if (out.new_token_ids and not state.first_timings_sent) or out.finished:
-            state.first_timings_sent = True
-            self._timings(state, out, resp.timings)
-        if out.finished:
-            self._finish_fields(out, resp)
-        return resp
-
-    @staticmethod
-    def _finish_fields(out: Any, resp: pb.GenerateResponse) -> None:
-        resp.finished = True
-        resp.finish_reason = FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
-        resp.usage.prompt_tokens = len(out.prompt_token_ids)
-        resp.usage.completion_tokens = len(out.token_ids)
-        if out.error:
-            resp.error = out.error
-
-    async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        # Writes with context.write() rather than being an async generator, so that a cancellation (client
-        # cancel, disconnect, deadline) always lands inside this coroutine and its `finally` aborts the request.
-        try:
-            state = self.admit(admission_from_proto(request),
-                               request.request_id if request.HasField("request_id") else None)
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
-        try:
-            while True:
-                try:
-                    out = await self.next_output(state)
-                except RequestError as exc:
-                    await context.abort(exc.code, exc.message)
-                await context.write(self._to_response(state, out))
-                if out.finished:
-                    return
-        finally:
-            self.release(state)
-
-    async def complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        try:
-            state = self.admit(admission_from_proto(request),
-                               request.request_id if request.HasField("request_id") else None)
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
-        resp = pb.GenerateResponse(request_id=state.request_id)
-        try:
-            while True:
-                try:
-                    out = await self.next_output(state)
-                except RequestError as exc:
-                    await context.abort(exc.code, exc.message)
-                resp.token_ids.extend(out.new_token_ids)
-                for lp in out.new_logprobs or ():
-                    resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
-                                      top_logprobs=lp.top_logprobs)
-                if out.finished:
-                    resp.text = out.text or ""
-                    self._timings(state, out, resp.timings)
-                    self._finish_fields(out, resp)
-                    return resp
-        finally:
-            self.release(state)
 
     def model_info(self) -> dict[str, Any]:
         """What GetModelInfo answers (and the HTTP /v1/models card carries)."""
@@ -562,25 +397,4 @@ class GenerationServer:
                     num_pending_prompt_tokens=self._pending_tokens, num_iterations=self.worker.num_iterations,
                     draining=self._draining)
 
-    async def stats(self, context: grpc.aio.ServicerContext) -> pb.Stats:
-        if not self.worker.alive:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine stopped")
-        s = await self.engine_stats()
-        return pb.Stats(**{name: s.get(name, 0) for name in pb.Stats.DESCRIPTOR.fields_by_name})
 
-
-class _Servicer(pb_grpc.GenerationServicer):
-    def __init__(self, server: GenerationServer) -> None:
-        self._server = server
-
-    async def Generate(self, request, context):
-        await self._server.generate(request, context)
-
-    async def Complete(self, request, context):
-        return await self._server.complete(request, context)
-
-    async def GetModelInfo(self, request, context):
-        return pb.ModelInfo(**self._server.model_info())
-
-    async def GetStats(self, request, context):
-        return await self._server.stats(context)

@@ -132,21 +132,28 @@ def _build_hf_checkpoint(name: str, folder: Path, seed: int) -> None:
         write_tiny_tokenizer(folder, config.vocab_size)
 
 
-@pytest.fixture(scope="session")
-def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Factory: `hf_checkpoint("qwen2")` -> folder of that tiny checkpoint (built on first request)."""
+def _checkpoint_factory(tmp_path_factory: pytest.TempPathFactory, specs: dict, build: Callable, what: str
+                        ) -> Callable[[str], Path]:
+    """`get(name)` -> the folder of the tiny checkpoint `specs[name]`, built by `build(name, folder, seed)` on
+    first request."""
     built: dict[str, Path] = {}
 
     def get(name: str) -> Path:
-        if name not in HF_CHECKPOINT_SPECS:
-            raise KeyError(f"unknown test checkpoint {name!r}; have {sorted(HF_CHECKPOINT_SPECS)}")
+        if name not in specs:
+            raise KeyError(f"unknown {what} {name!r}; have {sorted(specs)}")
         if name not in built:
             folder = tmp_path_factory.mktemp(f"hf-{name}")
-            _build_hf_checkpoint(name, folder, seed=sorted(HF_CHECKPOINT_SPECS).index(name))
+            build(name, folder, seed=sorted(specs).index(name))
             built[name] = folder
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: `hf_checkpoint("qwen2")` -> folder of that tiny checkpoint (built on first request)."""
+    return _checkpoint_factory(tmp_path_factory, HF_CHECKPOINT_SPECS, _build_hf_checkpoint, "test checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------- Falcon
@@ -206,15 +213,5 @@ def _build_falcon_checkpoint(name: str, folder: Path, seed: int) -> None:
 @pytest.fixture(scope="session")
 def falcon_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: `falcon_checkpoint("falcon-new")` -> folder of that tiny sharded Falcon checkpoint."""
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in FALCON_CHECKPOINT_SPECS:
-            raise KeyError(f"unknown Falcon test checkpoint {name!r}; have {sorted(FALCON_CHECKPOINT_SPECS)}")
-        if name not in built:
-            folder = tmp_path_factory.mktemp(f"hf-{name}")
-            _build_falcon_checkpoint(name, folder, seed=sorted(FALCON_CHECKPOINT_SPECS).index(name))
-            built[name] = folder
-        return built[name]
-
-    return get
+    return _checkpoint_factory(tmp_path_factory, FALCON_CHECKPOINT_SPECS, _build_falcon_checkpoint,
+                               "Falcon test checkpoint")

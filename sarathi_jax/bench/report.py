@@ -1,17 +1,23 @@
-"""Console table and files (JSON, CSV) for a set of benchmark runs."""
+"""Console table and files (JSON, CSV, plots) for a set of benchmark runs; `print_report` is the bench's output."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
 import os
-from typing import Any, Sequence
+import sys
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from sarathi_jax.bench.driver import RunResult
 from sarathi_jax.bench.metrics import fmt_seconds
+from sarathi_jax.bench.plots import write_plots  # matplotlib itself loads only when plotting
+
+if TYPE_CHECKING:
+    from sarathi_jax.bench.runs import BenchRuns
 
 
 def _num(x: Any, fmt: str = "{:.2f}") -> str:
@@ -197,3 +203,45 @@ def write_summary(out_dir: str, runs: Sequence[RunResult], capacities: dict | No
         "capacity": {k: v.to_dict() for k, v in (capacities or {}).items()},
     })
     return [csv_path, json_path]
+
+
+def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
+    """The comparison table and notes on stdout; with --out, per-run JSON/CSV, the summary and plots."""
+    runs, capacities, fitted, slo_tbt = results.runs, results.capacities, results.fitted, results.slo_tbt
+    decode_time, workload_info = results.decode_time, results.workload_info
+    print()
+    print(f"workload: {fitted.describe()}")
+    if slo_tbt is not None:
+        extra = f" ({args.slo_tbt_multiple:g}x decode-only iteration {fmt_seconds(decode_time)})" if decode_time else ""
+        print(f"TBT SLO: {fmt_seconds(slo_tbt)}{extra}")
+    print(format_table(runs, capacities))
+    for run in runs:
+        if run.pipeline and run.pipeline.get("bubble_fraction") is not None:
+            p = run.pipeline
+            print(f"[{run.label}] pipeline: bubble fraction {p['bubble_fraction']:.2f} over {p['num_stages']} stages, "
+                  f"max micro-batches in flight {p['max_in_flight']}")
+    for run in runs:
+        if args.prompts_file and run.first_completion is not None:
+            print(f"[{run.label}] first completion: {run.first_completion!r}")
+    print(f"stalls: TBTs above {args.stall_factor:g}x the run's median TBT"
+          + ("; virtual time (simulator)" if args.simulate else ""))
+
+    if args.out:
+        meta = {
+            "argv": sys.argv[1:] if sys.argv else [],
+            "workload": fitted.summary(),
+            "slo_tbt": slo_tbt,
+            "slo_ttft": args.slo_ttft,
+            "decode_only_iteration_time": decode_time,
+            "simulate": args.simulate,
+            "cost_model": args.cost_model,
+        }
+        paths = []
+        for r in runs:
+            paths += write_run(args.out, r, workload_info.get(r.label, fitted.summary()), capacities.get(r.label))
+        paths += write_summary(args.out, runs, capacities, meta)
+        if not args.no_plots:
+            paths += write_plots(args.out, runs, capacities, slo_tbt, args.stall_factor)
+        print(f"wrote {len(paths)} files to {args.out}/")
+    else:
+        print("(pass --out DIR to save JSON, CSV and PNG plots)")

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sarathi_jax.sampling import make_sampling_arrays, sample_jit, sampler_variant
+from sarathi_jax.sampling import sample_jit
+from sarathi_jax.sampling_inputs import make_sampling_arrays, sampler_variant
 from sarathi_jax.sampling_params import SamplingParams
 
 # name -> (sampling params of every row, logits scale)

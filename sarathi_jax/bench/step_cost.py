@@ -29,14 +29,9 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from sarathi_jax.bench.step_timer import (
-    DEFAULT_MAX_MODEL_LEN,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_MODEL,
-    DEFAULT_TOKEN_BUDGET,
-    MODES,
-    measure,
-)
+from sarathi_jax.bench.args import CPU_DEFAULT_MODEL as DEFAULT_MODEL
+from sarathi_jax.bench.args import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from sarathi_jax.bench.step_timer import DEFAULT_TOKEN_BUDGET, MODES, measure
 from sarathi_jax.sizing import DTYPE_BYTES, token_buckets
 
 

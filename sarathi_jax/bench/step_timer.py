@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from sarathi_jax.bench.args import DEFAULT_TOKEN_BUDGETS
 from sarathi_jax.bench.roofline import (
     Chunk,
     ModelShape,
@@ -40,10 +41,7 @@ from sarathi_jax.cost_model import BucketCostModel
 from sarathi_jax.sizing import SMALLEST_BUCKET
 
 MODES = ("decode", "prefill", "hybrid", "chunking", "calibrate")
-DEFAULT_MODEL = "tiny-llama"  # the bench's default model
-DEFAULT_MAX_NUM_SEQS = 32  # the bench's defaults (sarathi_jax.bench.__main__)
-DEFAULT_MAX_MODEL_LEN = 1024
-DEFAULT_TOKEN_BUDGET = 128
+DEFAULT_TOKEN_BUDGET = int(DEFAULT_TOKEN_BUDGETS)  # the bench's
 
 
 # ----------------------------------------------------------------------------------------------- compositions

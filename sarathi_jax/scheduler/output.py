@@ -62,10 +62,6 @@ class SchedulerOutput:
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         """No work to run (there may still be rejected or preempted sequences to report)."""
         return not self.chunks

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoints_convert.converter as convert_module
+import checkpoints_convert.orbax_writer as writer_module
 from checkpoints_convert import ConversionError, convert, verify
 from checkpoints_convert.__main__ import main
 from checkpoints_convert.verifier import engine_logits, hf_logits
@@ -216,7 +216,7 @@ def test_cli_convert_verify_and_progress(hf_dir, tmp_path, capsys):
 
 def test_interrupted_conversion_leaves_nothing_complete(hf_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real_read_param = convert_module.read_param
+    real_read_param = writer_module.read_param
     calls = {"n": 0}
 
     def failing_read_param(*args, **kwargs):
@@ -225,7 +225,7 @@ def test_interrupted_conversion_leaves_nothing_complete(hf_dir, tmp_path, monkey
             raise RuntimeError("simulated crash after 5 tensors")
         return real_read_param(*args, **kwargs)
 
-    monkeypatch.setattr(convert_module, "read_param", failing_read_param)
+    monkeypatch.setattr(writer_module, "read_param", failing_read_param)
     # Small batches, so that some partial saves really happened before the crash.
     with pytest.raises(RuntimeError, match="simulated crash"):
         convert(hf_dir("llama"), out, "float32", log=lambda message: None, min_batch_bytes=1)
@@ -233,7 +233,7 @@ def test_interrupted_conversion_leaves_nothing_complete(hf_dir, tmp_path, monkey
 
     # A hard kill (no cleanup runs) leaves only the hidden temporary sibling, which is not a loadable checkpoint.
     calls["n"] = 0
-    monkeypatch.setattr(convert_module.shutil, "rmtree", lambda *args, **kwargs: None)
+    monkeypatch.setattr(writer_module.shutil, "rmtree", lambda *args, **kwargs: None)
     with pytest.raises(RuntimeError, match="simulated crash"):
         convert(hf_dir("llama"), out, "float32", log=lambda message: None, min_batch_bytes=1)
     monkeypatch.undo()

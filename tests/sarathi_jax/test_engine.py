@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+from tests.sarathi_jax.engine_helpers import run_staggered
 
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 129, 200, 300)  # ragged, crossing block and budget boundaries
 MAX_TOKENS = 10
@@ -49,23 +50,6 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
     fields = dict(model=model_dir, token_budget=64, max_num_seqs=8, block_size=16, num_blocks=256, max_model_len=512)
     fields.update(overrides)
     return LLMEngine(EngineConfig(**fields), warmup=False)
-
-
-def run_staggered(engine: LLMEngine, prompts, params, arrive_every: int = 3) -> dict[str, list[int]]:
-    """Add a new request every few steps, so prompts arrive while earlier requests decode."""
-    finished: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    steps = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and steps % arrive_every == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = list(out.token_ids)
-        steps += 1
-        assert steps < 10_000
-    return finished
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

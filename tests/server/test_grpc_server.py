@@ -90,9 +90,12 @@ def collect_stream(stub, request, timeout=60):
 
 # --------------------------------------------------------------------------------------------- basics
 def test_health_serving_and_reflection(server):
+    from server.grpc_service import SERVICE_NAME
+
+    assert SERVICE_NAME == "sarathi.v1.Generation"  # the name health and reflection report the service under
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "sarathi.v1.Generation"):
+        for service in ("", SERVICE_NAME):
             resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)

@@ -31,7 +31,7 @@ class LoadCostModel:
     per_prefill_token: float = 0.0
 
     def iteration_time(self, output: SchedulerOutput) -> float:
-        return self.base + self.per_seq * output.num_seqs + self.per_prefill_token * output.num_prefill_tokens
+        return self.base + self.per_seq * len(output.chunks) + self.per_prefill_token * output.num_prefill_tokens
 
     def padded(self, num_tokens: int) -> int:
         return num_tokens

@@ -24,6 +24,7 @@ from sarathi_jax.parallel import (
     split_layers,
     validate_parallel_config,
 )
+from tests.sarathi_jax.engine_helpers import run_staggered
 
 PROMPT_LENGTHS = (3, 17, 30, 9, 45, 1)
 MAX_TOKENS = 6
@@ -57,18 +58,7 @@ def run_workload(engine: LLMEngine, prompts, arrive_every: int = 1) -> Run:
 
     engine.runner.submit = spy
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    tokens: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    steps = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and steps % arrive_every == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.token_ids)
-        steps += 1
-        assert steps < 1000
+    tokens = run_staggered(engine, prompts, params, arrive_every, max_steps=1000)
     logits = {}
     for chunks, step in submitted:
         step.result()

@@ -1,0 +1,208 @@
+"""The bench's command line: options and their defaults, the checks on their combinations, and what they
+expand to (one engine configuration per scheduler x token budget x prefix caching)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY
+from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR
+from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
+from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
+from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
+
+CPU_DEFAULT_MODEL = "tiny-llama"
+ACCELERATOR_DEFAULT_MODEL = "llama-1b"  # a GPU-sized preset: tiny-llama would measure launch overhead only
+DEFAULT_SCHEDULERS = "sarathi"
+DEFAULT_TOKEN_BUDGETS = "128"
+DEFAULT_NUM_REQUESTS = 24
+DEFAULT_QPS = 2.0
+# Engine settings the bench passes unless told otherwise: the engine's own defaults (128 sequences, the
+# model's full 4096-token context) pad every step to far more attention work than a CPU run needs.
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_MODEL_LEN = 1024
+DEFAULT_PROMPT_LEN = "uniform:64:384"
+DEFAULT_OUTPUT_LEN = "uniform:16:64"
+
+
+class BenchError(Exception):
+    """A usage or setup problem, reported as one line without a traceback."""
+
+
+def _csv_list(text: str, kind: Callable[[str], Any], name: str) -> list:
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise BenchError(f"{name}: empty list")
+    try:
+        return [kind(x) for x in items]
+    except ValueError:
+        raise BenchError(f"{name}: could not parse {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sarathi_jax.bench",
+        description="Benchmark sarathi-jax schedulers on the same requests: latency (TTFT, TBT), throughput, "
+                    "stalls, and optionally capacity under SLOs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("engine configurations (every scheduler x token budget is one run)")
+    g.add_argument("--model", default=None,
+                   help=f"preset name or HF checkpoint folder (default: {ACCELERATOR_DEFAULT_MODEL} on a GPU or "
+                        f"TPU, {CPU_DEFAULT_MODEL} elsewhere)")
+    g.add_argument("--scheduler", default=DEFAULT_SCHEDULERS,
+                   help=f"comma-separated policies from {', '.join(SCHEDULER_POLICIES)}")
+    g.add_argument("--token-budget", default=DEFAULT_TOKEN_BUDGETS,
+                   help="comma-separated token budgets; policies that never split prompts "
+                        f"({', '.join(WHOLE_PROMPT_POLICIES)}) run once, with the largest")
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help="EngineConfig.max_num_seqs (0: the engine's default, min(128, the token budget))")
+    g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                   help="EngineConfig.max_model_len (0: the engine's default, the model's limit); "
+                        "longer requests are scaled down to fit")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-bytes", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--tile-size", type=int, default=None)
+    g.add_argument("--dtype", default=None, choices=DTYPES, help="EngineConfig.dtype (default auto: bfloat16 "
+                   "on GPU and TPU, float32 on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="EngineConfig.gpu_memory_utilization: fraction of the device's memory the engine may use "
+                        "(default 0.9, at most JAX's XLA_CLIENT_MEM_FRACTION); the KV cache gets the rest")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
+                   help="auto: pallas on GPU, xla elsewhere")
+    g.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
+                   help="EngineConfig.compilation_cache_dir: JAX's persistent compilation cache, or 'off' "
+                        "(default: $SARATHI_JAX_COMPILATION_CACHE, else ~/.cache/sarathi-jax/jax)")
+    g.add_argument("--engine-seed", type=int, default=None, help="EngineConfig.seed (preset weights)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, help="EngineConfig.tensor_parallel_size")
+    g.add_argument("--pipeline-parallel-size", type=int, default=None,
+                   help="EngineConfig.pipeline_parallel_size; the bubble fraction of each run is printed")
+    g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="EngineConfig.async_scheduling: overlap host work with the device (default on)")
+    g.add_argument("--prefix-caching", default="off",
+                   help="EngineConfig.enable_prefix_caching: off, on, or off,on to compare both on the same "
+                        "requests (off by default here, as in the paper's systems; the engine's default is on)")
+    g.add_argument("--simulate", action="store_true",
+                   help="use SimulatedEngine (real schedulers, cost model, virtual clock) instead of LLMEngine")
+    g.add_argument("--cost-model", default=None, metavar="PATH",
+                   help="--simulate: a cost model calibrated on the real runner (JSON written by "
+                        "`python -m sarathi_jax.bench.step_cost --mode calibrate --cost-model-out PATH`) "
+                        "instead of the simulator's default")
+    g.add_argument("--endpoint", default=None, metavar="HOST:PORT",
+                   help="drive a running server through server/loadgen.py instead of an in-process engine: "
+                        "HOST:PORT (gRPC) or http://HOST:PORT (the OpenAI-compatible HTTP API)")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default=None, metavar="PATH",
+                   help="CSV with num_prefill_tokens, num_decode_tokens and optionally arrived_at")
+    w.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="use N trace rows (a contiguous window when the trace has arrival times, else random rows)")
+    w.add_argument("--num-requests", type=int, default=None, metavar="N",
+                   help=f"synthetic requests (default {DEFAULT_NUM_REQUESTS}); with --trace, same as --sample")
+    w.add_argument("--qps", type=float, default=None,
+                   help=f"arrival rate, req/s (synthetic default {DEFAULT_QPS}); with --trace it replaces "
+                        "the trace's arrival times with --arrival")
+    w.add_argument("--arrival", default=None, choices=[a for a in ARRIVAL_PROCESSES if a != "offline"],
+                   help="arrival process (default: the trace's own times when it has them, else poisson)")
+    w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival gaps")
+    w.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN,
+                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:PATH")
+    w.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN,
+                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:PATH")
+    w.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply prompt and output lengths (rounded, >= 1); requests that still exceed "
+                        "max_model_len are scaled down proportionally to fit")
+    w.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    w.add_argument("--offline", action="store_true", help="all requests at t=0 (throughput)")
+    w.add_argument("--seed", type=int, default=0, help="workload seed (lengths, arrivals, sampled rows, prompts)")
+    w.add_argument("--prompts-file", default=None, metavar="PATH",
+                   help="real text prompts, one per line (request i sends line i mod the line count), rendered "
+                        "with the model's chat template as a user turn when it has one; the model folder needs a "
+                        "tokenizer. Requests stop at EOS (at most the workload's output length) and the first "
+                        "completion is printed")
+    w.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a system prompt), then its own prompt length")
+    w.add_argument("--multi-turn", type=int, default=1, metavar="K",
+                   help="group requests into K-turn conversations: turn i re-sends turns 1..i-1 (prompts and "
+                        "replies as long as their outputs) before its own prompt")
+    w.add_argument("--temperature", type=float, default=0.0)
+
+    s = p.add_argument_group("SLOs and capacity")
+    s.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s) for goodput")
+    s.add_argument("--slo-tbt", type=float, default=None, help="TBT SLO (s), for goodput and capacity")
+    s.add_argument("--slo-tbt-multiple", type=float, default=None, metavar="M",
+                   help="TBT SLO as M x the measured decode-only iteration time (paper: 5 strict, 25 relaxed)")
+    s.add_argument("--decode-probe-batch", type=int, default=8,
+                   help="decode batch size for measuring the decode-only iteration time")
+    s.add_argument("--capacity", action="store_true",
+                   help="binary-search the highest QPS with P99 TBT <= SLO and median scheduling delay <= limit")
+    s.add_argument("--max-sched-delay", type=float, default=DEFAULT_MAX_SCHED_DELAY,
+                   help="capacity: median scheduling delay limit (s)")
+    s.add_argument("--capacity-probes", type=int, default=8, help="capacity: most runs per configuration")
+    s.add_argument("--capacity-tol", type=float, default=0.05, help="capacity: relative tolerance")
+    s.add_argument("--capacity-start-qps", type=float, default=None,
+                   help="capacity: first rate probed (default: the workload's rate)")
+    s.add_argument("--stall-factor", type=float, default=DEFAULT_STALL_FACTOR,
+                   help="a stall is a TBT above this many times the run's median TBT")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, metavar="DIR",
+                   help="write JSON and CSV per run, summary.csv/json and PNG plots here")
+    o.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    o.add_argument("--quiet", action="store_true", help="no progress bars or progress lines")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Option combinations that cannot work, refused before anything is built."""
+    if args.slo_tbt is not None and args.slo_tbt_multiple is not None:
+        raise BenchError("give either --slo-tbt or --slo-tbt-multiple, not both")
+    if args.capacity and args.slo_tbt is None and args.slo_tbt_multiple is None:
+        raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed)")
+    if args.cost_model and not args.simulate:
+        raise BenchError("--cost-model is for the simulator: add --simulate")
+    if args.prompts_file and (args.simulate or args.endpoint or args.capacity):
+        raise BenchError("--prompts-file runs text prompts on the real engine: not with --simulate, --endpoint "
+                         "or --capacity")
+
+
+
+def default_model(platform: str) -> str:
+    """The bench's model when --model is not given, for `jax.default_backend()`'s platform."""
+    return ACCELERATOR_DEFAULT_MODEL if platform in ACCELERATOR_PLATFORMS else CPU_DEFAULT_MODEL
+
+
+def run_configs(args: argparse.Namespace) -> list[dict]:
+    schedulers = _csv_list(args.scheduler, str, "--scheduler")
+    budgets = _csv_list(args.token_budget, int, "--token-budget")
+    for s_ in schedulers:
+        if s_ not in SCHEDULER_POLICIES:
+            raise BenchError(f"--scheduler: unknown policy {s_!r}; choose from {', '.join(SCHEDULER_POLICIES)}")
+    caching = _csv_list(args.prefix_caching, str, "--prefix-caching")
+    if any(c not in ("off", "on") for c in caching):
+        raise BenchError(f"--prefix-caching: expected off, on or off,on, got {args.prefix_caching!r}")
+    configs = []
+    for s_ in dict.fromkeys(schedulers):
+        runs = [(f"{s_}-{b}", b) for b in dict.fromkeys(budgets)] if s_ in TOKEN_BUDGET_POLICIES else [(s_, max(budgets))]
+        for label, b in runs:
+            for c in dict.fromkeys(caching):
+                configs.append({"label": label + ("+prefix" if c == "on" else ""), "scheduler": s_,
+                                "token_budget": b, "prefix_caching": c == "on"})
+    return configs
+
+
+def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
+    kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"],
+          "enable_prefix_caching": cfg.get("prefix_caching", False)}
+    for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
+                 "max_num_batched_tokens", "tile_size", "dtype", "attention_backend",
+                 "tensor_parallel_size", "pipeline_parallel_size", "async_scheduling", "compilation_cache_dir"):
+        v = getattr(args, name)
+        if v is not None and not (name in ("max_num_seqs", "max_model_len") and v == 0):
+            kw[name] = v
+    if args.engine_seed is not None:
+        kw["seed"] = args.engine_seed
+    return kw

@@ -1,0 +1,275 @@
+"""The bench's runs: the workload from the options, one engine per configuration (or a running server with
+--endpoint), each run or capacity search on the same requests; `run_all` returns what `report` prints."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchError, default_model, engine_config_kwargs,
+                                   run_configs)
+from sarathi_jax.bench.capacity import CapacityResult, find_capacity
+from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
+from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
+from sarathi_jax.bench.metrics import fmt_seconds, summarize
+from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_workload, trace_workload,
+                                        with_shared_prefix)
+from sarathi_jax.config import EngineConfig
+from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
+
+
+def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -> Callable[[dict], Any]:
+    cost_model = None
+    if cost_model_path:
+        from sarathi_jax.cost_model import BucketCostModel
+
+        try:
+            cost_model = BucketCostModel.load(cost_model_path)
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise BenchError(f"--cost-model {cost_model_path}: {type(e).__name__}: {e}") from None
+
+    def make(kwargs: dict) -> Any:
+        config = EngineConfig(**kwargs)
+        return make_simulated_engine(config, cost_model=cost_model) if simulate else make_llm_engine(config)
+
+    return make
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    offline = args.offline
+    if offline and args.capacity:
+        raise BenchError("--capacity needs arrivals over time; drop --offline")
+    if args.trace:
+        if args.num_requests is not None and args.sample is not None and args.num_requests != args.sample:
+            raise BenchError("--num-requests and --sample disagree; with --trace use --sample")
+        sample = args.sample if args.sample is not None else args.num_requests
+        arrival = "offline" if offline else args.arrival
+        from sarathi_jax.bench.traces import load_trace
+
+        trace = load_trace(args.trace)
+        qps = args.qps
+        if args.capacity and qps is None and (trace.arrivals is None or arrival not in (None, "trace")):
+            qps = 1.0  # any rate: the capacity search rescales it
+        wl = trace_workload(trace, sample=sample, qps=qps, arrival=arrival, cv=args.cv, seed=args.seed)
+    else:
+        if args.sample is not None:
+            raise BenchError("--sample needs --trace (use --num-requests for synthetic workloads)")
+        n = args.num_requests if args.num_requests is not None else DEFAULT_NUM_REQUESTS
+        qps = None if offline else (args.qps if args.qps is not None else DEFAULT_QPS)
+        arrival = args.arrival or "poisson"
+        if arrival == "trace":
+            raise BenchError("--arrival trace needs --trace")
+        wl = synthetic_workload(n, qps=qps, prompt_len=args.prompt_len, output_len=args.output_len,
+                                arrival=arrival, cv=args.cv, seed=args.seed)
+    return _scale(wl, args)
+
+
+def _scale(wl: Workload, args: argparse.Namespace) -> Workload:
+    if args.length_scale != 1.0:
+        wl = wl.scale_lengths(args.length_scale)
+    if args.rate_scale != 1.0:
+        if not math.isfinite(wl.mean_rate):
+            raise BenchError("--rate-scale has no effect on an offline workload")
+        wl = wl.scale_rate(args.rate_scale)
+    # After scaling: the lengths scaled are the requests' own; the shared parts are taken as given.
+    return with_shared_prefix(as_conversations(wl, args.multi_turn), args.shared_prefix_len)
+
+
+def engine_description(engine: Any, kwargs: dict, simulate: bool) -> dict:
+    d = dict(kwargs)
+    d["engine"] = type(engine).__name__
+    d["simulate"] = simulate
+    d["max_model_len"] = getattr(engine, "max_model_len", None)
+    cfg = getattr(engine, "config", None)
+    if dataclasses.is_dataclass(cfg):
+        d["engine_config"] = dataclasses.asdict(cfg)
+    if callable(getattr(engine, "startup_stats", None)):
+        d["startup"] = engine.startup_stats()
+    try:
+        st = engine.stats()
+        d["num_total_blocks"] = st.get("num_total_blocks")
+    except Exception:  # noqa: BLE001
+        pass
+    return d
+
+
+def run_endpoint(args: argparse.Namespace, workload: Workload, prompts: list[list[int]], progress: bool) -> RunResult:
+    """LOADGEN HOOK (--endpoint): drive a running server through the server's load driver, `server/loadgen.py`.
+
+    Contract: `server.loadgen.run_bench_workload(endpoint, workload, prompts, *, temperature, progress)` sends
+    request i at `workload.arrivals[i]` with `prompts[i]`, max_tokens = `workload.output_lens[i]`, ignore_eos,
+    and returns a `RunResult` whose RequestRecords hold times relative to the run start (no iteration records:
+    a client cannot see the server's iterations). Imported lazily: the bench works without the server package.
+    """
+    import importlib
+
+    try:
+        loadgen = importlib.import_module("server.loadgen")
+    except ImportError as e:
+        raise BenchError(
+            f"--endpoint needs the load driver server/loadgen.py, which is not importable ({e}); "
+            "install the server extras or drop --endpoint to run an in-process engine"
+        )
+    runner = getattr(loadgen, "run_bench_workload", None)
+    if runner is None:
+        raise BenchError("--endpoint: server/loadgen.py has no run_bench_workload(); the bench hook is not wired")
+    try:
+        return runner(args.endpoint, workload, prompts, temperature=args.temperature, progress=progress)
+    except Exception as e:  # noqa: BLE001 - connection failures etc.: one clear line
+        raise BenchError(f"--endpoint {args.endpoint}: {type(e).__name__}: {e or 'no details'} "
+                         "(is the server running there?)") from e
+
+
+def text_prompts(engine: Any, workload: Workload, path: str, max_model_len: int | None
+                 ) -> tuple[Workload, list[list[int]]]:
+    """`workload` with its prompts replaced by the lines of `path` (cycled), through the engine's own
+    admission: chat-rendered as a user turn when the model has a chat template, else tokenised as is. Output
+    lengths are capped so that prompt + output fits `max_model_len` (a prompt that alone does not fit is
+    refused at admission and reported as an error)."""
+    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise BenchError(f"--prompts-file {path}: no non-empty lines")
+    admission = engine.admission
+    if admission.tokenizer is None:
+        raise BenchError(f"--prompts-file needs a model folder with a tokenizer; {engine.config.model!r} has none")
+    if admission.chat_template is not None:
+        ids = [admission.chat_prompt_ids([{"role": "user", "content": line}]) for line in lines]
+    else:
+        ids = [admission.prompt_ids(line) for line in lines]
+    prompts = [ids[i % len(ids)] for i in range(len(workload))]
+    note = f"prompts: {len(lines)} text prompts from {path}, cycled; requests stop at EOS"
+    lens = np.array([len(p) for p in prompts])
+    outputs = workload.output_lens if max_model_len is None else np.clip(
+        np.minimum(workload.output_lens, max_model_len - lens), 1, None)
+    return dataclasses.replace(workload, prompt_lens=lens, output_lens=outputs, notes=[note], segments=None), prompts
+
+
+def _ready_line(engine: Any, seconds: float) -> str:
+    if callable(getattr(engine, "startup_stats", None)):  # LLMEngine: the start-up in parts
+        from sarathi_jax.engine import format_startup
+
+        return format_startup(engine.startup_stats())
+    return f"engine ready in {seconds:.1f} s"
+
+
+def _log(quiet: bool, msg: str) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class BenchRuns:
+    """What the runs produced, for `report.print_report`."""
+
+    runs: list[RunResult] = field(default_factory=list)
+    capacities: dict[str, CapacityResult] = field(default_factory=dict)  # label -> capacity search (--capacity)
+    fitted: Workload | None = None  # the requests the runs saw (fitted to the engines' max_model_len)
+    workload_info: dict[str, dict] = field(default_factory=dict)  # label -> the requests that run saw
+    slo_tbt: float | None = None
+    decode_time: float | None = None  # decode-only iteration time (--slo-tbt-multiple)
+
+
+def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None = None) -> BenchRuns:
+    """Every configuration's run (or capacity search) on the same requests; `args` as checked by `check_args`."""
+    progress = not args.quiet and sys.stderr.isatty()
+    quiet = args.quiet
+    if args.model is None and not args.endpoint:
+        import jax
+
+        args.model = default_model(jax.default_backend())
+        _log(quiet, f"model: {args.model} (the default on {jax.default_backend()} [{jax.devices()[0].device_kind}])")
+    workload = build_workload(args)
+    configs = run_configs(args)
+    factory = engine_factory or default_engine_factory(args.simulate, args.cost_model)
+
+    runs: list[RunResult] = []
+    capacities: dict[str, CapacityResult] = {}
+    slo_tbt = args.slo_tbt
+    decode_time = None
+    fitted: Workload | None = None
+    prompts: list[list[int]] | None = None
+    fitted_len = None
+    workload_info: dict[str, dict] = {}
+
+    if args.endpoint:
+        if args.max_model_len:
+            workload = workload.fit(args.max_model_len)
+        prompts = workload.prompts(LLAMA2_VOCAB_SIZE, args.seed)  # folded into the server's vocabulary
+        _log(quiet, f"workload: {workload.describe()}")
+        for note in workload.notes:
+            _log(quiet, f"  note: {note}")
+        run = run_endpoint(args, workload, prompts, progress)
+        run.summary = summarize(run.records, run.iterations, slo_ttft=args.slo_ttft, slo_tbt=slo_tbt,
+                                stall_factor=args.stall_factor, num_preemptions=run.num_preemptions)
+        runs.append(run)
+        fitted = workload
+        workload_info[run.label] = workload.summary()
+    for cfg in configs if not args.endpoint else []:
+        kwargs = engine_config_kwargs(args, cfg)
+        _log(quiet, f"[{cfg['label']}] building {'SimulatedEngine' if args.simulate else 'LLMEngine'} "
+                    f"({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ...")
+        t0 = time.monotonic()
+        engine = factory(kwargs)
+        _log(quiet, f"[{cfg['label']}] {_ready_line(engine, time.monotonic() - t0)}")
+        max_len = int(getattr(engine, "max_model_len", 0) or 0) or None
+        if fitted is None or (max_len is not None and fitted_len is not None and max_len < fitted_len):
+            if fitted is not None:
+                _log(quiet, f"warning: [{cfg['label']}] has max_model_len={max_len} < {fitted_len}; "
+                            "refitting the workload, so this run's requests differ from the previous runs'")
+            fitted_len = max_len
+            if args.prompts_file:  # the text sets the prompt lengths; outputs are capped to fit
+                fitted, prompts = text_prompts(engine, workload, args.prompts_file, max_len)
+            else:
+                fitted = workload.fit(max_len) if max_len else workload
+                prompts = fitted.prompts(engine_vocab_size(engine), args.seed)
+            if len(runs) == 0:
+                _log(quiet, f"workload: {fitted.describe()}")
+                for note in fitted.notes:
+                    _log(quiet, f"  note: {note}")
+        if args.slo_tbt_multiple is not None and decode_time is None:
+            decode_time = measure_decode_iteration_time(engine, batch_size=args.decode_probe_batch)
+            slo_tbt = args.slo_tbt_multiple * decode_time
+            _log(quiet, f"decode-only iteration time (batch {args.decode_probe_batch}): {fmt_seconds(decode_time)}"
+                        f" -> TBT SLO {args.slo_tbt_multiple:g}x = {fmt_seconds(slo_tbt)}")
+        summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor}
+        desc = engine_description(engine, kwargs, args.simulate)
+        if args.capacity:
+            def on_probe(p, label=cfg["label"]):
+                _log(quiet, f"[{label}] {p.qps:8.3g} req/s: {'pass' if p.passed else 'FAIL'}  "
+                            f"P99 TBT {fmt_seconds(p.p99_tbt)}, P50 sched delay {fmt_seconds(p.p50_sched_delay)}"
+                            f"{' (stopped early)' if p.stopped_early else ''}")
+
+            cap = find_capacity(
+                engine, fitted, prompts, slo_tbt=slo_tbt, max_sched_delay=args.max_sched_delay,
+                start_qps=args.capacity_start_qps, max_probes=args.capacity_probes, rel_tol=args.capacity_tol,
+                label=cfg["label"], progress=progress, summarize_kwargs=summ_kw, on_probe=on_probe,
+            )
+            capacities[cfg["label"]] = cap
+            _log(quiet, f"[{cfg['label']}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
+            shown = cap.best or min(cap.probes, key=lambda p: p.qps)
+            run = shown.result
+            run.label = cfg["label"]
+            desc["capacity_probe_qps"] = shown.qps
+        else:
+            run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
+                               temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress)
+            run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
+            _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
+                        f"in {run.wall_time:.1f} s wall")
+        run.config = desc
+        runs.append(run)
+        workload_info[run.label] = fitted.summary()
+        del engine
+        gc.collect()
+
+    return BenchRuns(runs, capacities, fitted, workload_info, slo_tbt, decode_time)

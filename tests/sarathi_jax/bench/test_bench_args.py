@@ -1,0 +1,67 @@
+"""The bench's pieces one by one: options -> configurations (`args`), options -> workload and runs (`runs`),
+and the printed report (`report.print_report`), on the fake simulated engine of bench_fakes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from bench_fakes import sim_engine
+
+from sarathi_jax.bench.args import DEFAULT_NUM_REQUESTS, BenchError, build_parser, check_args, run_configs
+from sarathi_jax.bench.report import print_report
+from sarathi_jax.bench.runs import BenchRuns, build_workload, run_all
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def test_run_configs_expand_policies_budgets_and_prefix_caching():
+    configs = run_configs(parse("--scheduler", "sarathi,vllm,sarathi", "--token-budget", "64,128",
+                                "--prefix-caching", "off,on"))
+    assert [(c["label"], c["scheduler"], c["token_budget"], c["prefix_caching"]) for c in configs] == [
+        ("sarathi-64", "sarathi", 64, False), ("sarathi-64+prefix", "sarathi", 64, True),
+        ("sarathi-128", "sarathi", 128, False), ("sarathi-128+prefix", "sarathi", 128, True),
+        # a whole-prompt policy runs once, with the largest budget
+        ("vllm", "vllm", 128, False), ("vllm+prefix", "vllm", 128, True),
+    ]
+    with pytest.raises(BenchError, match="unknown policy 'nope'"):
+        run_configs(parse("--scheduler", "nope"))
+    with pytest.raises(BenchError, match="could not parse"):
+        run_configs(parse("--token-budget", "12x"))
+
+
+def test_check_args_refuses_combinations_that_cannot_work():
+    with pytest.raises(BenchError, match="either --slo-tbt or --slo-tbt-multiple"):
+        check_args(parse("--slo-tbt", "0.1", "--slo-tbt-multiple", "5"))
+    with pytest.raises(BenchError, match="--capacity needs a TBT SLO"):
+        check_args(parse("--capacity"))
+    with pytest.raises(BenchError, match="add --simulate"):
+        check_args(parse("--cost-model", "x.json"))
+    check_args(parse("--capacity", "--slo-tbt", "0.1"))  # fine: returns
+
+
+def test_build_workload_defaults_offline_and_scaling():
+    wl = build_workload(parse("--seed", "3"))
+    assert len(wl) == DEFAULT_NUM_REQUESTS and math.isfinite(wl.mean_rate)
+    offline = build_workload(parse("--offline", "--num-requests", "5", "--output-len", "7"))
+    assert len(offline) == 5 and not math.isfinite(offline.mean_rate) and list(offline.output_lens) == [7] * 5
+    with pytest.raises(BenchError, match="--sample needs --trace"):
+        build_workload(parse("--sample", "3"))
+    with pytest.raises(BenchError, match="no effect on an offline workload"):
+        build_workload(parse("--offline", "--rate-scale", "2"))
+
+
+def test_run_all_then_print_report(capsys):
+    args = parse("--scheduler", "sarathi", "--token-budget", "64,128", "--num-requests", "6", "--qps", "50",
+                 "--prompt-len", "16", "--output-len", "4", "--quiet")
+    check_args(args)
+    results = run_all(args, lambda kwargs: sim_engine(base=0.01, per_seq=0.001))
+    assert isinstance(results, BenchRuns)
+    assert [r.label for r in results.runs] == ["sarathi-64", "sarathi-128"]
+    assert all(r.summary["num_completed"] == 6 for r in results.runs)
+    assert set(results.workload_info) == {"sarathi-64", "sarathi-128"} and results.capacities == {}
+    print_report(args, results)
+    out = capsys.readouterr().out
+    assert "sarathi-64" in out and "sarathi-128" in out and "P99 TBT" in out and "pass --out DIR" in out

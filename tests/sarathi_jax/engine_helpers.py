@@ -1,0 +1,24 @@
+"""Helpers shared by the engine tests (imported, not collected)."""
+
+from __future__ import annotations
+
+from sarathi_jax import LLMEngine, SamplingParams
+
+
+def run_staggered(engine: LLMEngine, prompts, params: SamplingParams, arrive_every: int = 3,
+                  max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Add request `r{i}` every `arrive_every` steps, so prompts arrive while earlier requests decode; step until
+    all finish. Returns each request's output tokens."""
+    finished: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % arrive_every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.token_ids)
+        steps += 1
+        assert steps < max_steps
+    return finished
