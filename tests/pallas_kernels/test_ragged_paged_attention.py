@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import get_attention_fn, ragged_paged_attention, ragged_paged_attention_xla
-from pallas_kernels.ragged_paged_attention import _next_pow2, _tile_metadata
+from pallas_kernels.ragged_paged_attention import _next_pow2
+from pallas_kernels import ragged_paged_attention_tiles as tiles
 from pallas_kernels.reference import ragged_paged_attention_reference as reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
