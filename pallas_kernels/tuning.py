@@ -16,7 +16,8 @@ Table format (JSON):
 `group` is next_power_of_2(num_q_heads // num_kv_heads), `tokens` the token bucket T rounded up to a power of
 two, `context` the cache's max context (max_blocks_per_seq * block_size) rounded up to a power of two.
 Lookup (`resolve_config`): entries of the same kind, dtype, head_dim, group and block_size qualify; the one
-nearest in (log2 tokens, log2 context) wins. The split fields only matter for decode entries. Where no
+nearest in (log2 tokens, log2 context) wins. The split fields only matter for decode entries; `max_splits`
+is taken from an entry only when its context bucket is the call's (otherwise the rule sizes it). Where no
 entry qualifies, the rules in `rule_tile_config` / `rule_split_config` decide.
 """
 
@@ -190,9 +191,11 @@ def resolve_config(*, dtype: str, head_dim: int, group: int, block_size: int, to
                 tile = cand
                 sources.append(("tuned " if table.get("tuned") else "untuned ") + "table " + _entry_name(e))
                 if kind == "decode":
-                    for f in ("max_splits", "min_split_kv", "split_target_programs"):
-                        if f in c:
-                            parts[f] = int(c[f])
+                    # The split bound is sized for the entry's context: taken only for the same context bucket.
+                    fields = ("min_split_kv", "split_target_programs")
+                    if e["context"] == key["context"]:
+                        fields += ("max_splits",)
+                    parts.update({f: int(c[f]) for f in fields if f in c})
             else:
                 sources.append(f"rules {kind} (table entry {_entry_name(e)} invalid here)")
         else:

@@ -92,7 +92,7 @@ CONFIGS = [
     Cfg("bfloat16", 8, 2, 128, 16, config=_split_cfg(4, 1, 4, 2, max_splits=8)),
     Cfg("bfloat16", 4, 4, 64, 32, config=_split_cfg(16, 1, 32, 1, max_splits=2, min_split_kv=64)),
     # Decode tiles without splits (aliased direct write), and decode tiles disabled (prefill tiles only).
-    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(4, 2, 16, 1, max_splits=1)),
+    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(8, 2, 16, 1, max_splits=1)),
     Cfg("float32", 4, 2, 64, 16, config=_split_cfg(0, 1, 8, 4, max_splits=1)),
 ]
 
