@@ -1,4 +1,4 @@
-"""Ragged paged attention as a Pallas kernel (GPU / Triton backend, or interpret mode anywhere).
+"""Ragged paged attention as Pallas kernels (GPU / Triton backend, or interpret mode anywhere).
 
 Same arguments, shapes and semantics as `ragged_paged_attention_xla` (see that module and
 `docs/design.md`), so the engine can swap one for the other; the float64 numpy reference of those semantics is
@@ -14,61 +14,92 @@ Same arguments, shapes and semantics as `ragged_paged_attention_xla` (see that m
   returns       [T, num_q_heads, head_dim] in q.dtype; rows at or past cu_q_lens[num_seqs] are zeros.
 
 Query row j of sequence i sits at position kv_lens[i] - q_len_i + j and attends causally to positions
-0 .. kv_lens[i] - q_len_i + j of the same sequence.
+0 .. kv_lens[i] - q_len_i + j of the same sequence. A sequence with q_len 0 owns no rows and produces nothing.
 
 How the work is split
 ---------------------
-The query rows of every sequence are cut into *query tiles* of at most `block_q` rows; a tile never spans
-two sequences. A handful of cheap jnp ops outside the kernel (on `[max_num_seqs]`-sized metadata) number
-the tiles of all sequences consecutively, followed by "zero tiles" that cover the padding rows
-`cu_q_lens[num_seqs] .. T`. The number of tiles is data dependent but bounded by the static
+GQA: the `G = num_q_heads // num_kv_heads` query heads that share KV head `h` are processed together as the
+rows of one matrix (`G_pad = next_power_of_2(G)`, padded with zero heads in the wrapper only when G is not a
+power of two), so each KV page is read once per query tile for the whole group. A *query tile* is
+`block_q` consecutive query rows of one sequence, i.e. a `[block_q * G_pad, head_dim]` matrix.
 
-    max_tiles = cdiv(T, block_q) + min(max_num_seqs, T) + 1
+There are two tile kinds, with separate static shapes (`KernelConfig.decode` / `KernelConfig.prefill`):
 
-The kernel grid is `(max_tiles, num_kv_heads)`. Grid step `(t, h)`:
+* decode tiles: a sequence with 1 <= q_len <= decode.block_q (decodes, and very short chunks) is one tile.
+  decode.block_q is chosen so that `block_q * G_pad` is Triton's minimum of 16 matmul rows (or G_pad).
+* prefill tiles: the rows of every longer sequence cut into tiles of prefill.block_q rows (64-128 matmul
+  rows by default), followed by *zero tiles* that cover the padding rows cu_q_lens[num_seqs] .. T.
 
-  * reads its tile's metadata (kind, sequence, first row, row limit, first query position, KV extent) with
-    scalar loads from an ordinary int32 input;
-  * kind 0 (unused tile): does nothing;
-  * kind 2 (zero tile): stores zeros to its padding rows (masked store, so rows >= T are never touched);
-  * kind 1 (compute tile): loads the `block_q x G` query rows of the `G = num_q_heads // num_kv_heads` query
-    heads that share KV head `h` as one `[block_q * G_pad, head_dim]` matrix (GQA: each KV page is read
-    once for the whole group; `G_pad = next_power_of_2(G)`, padded with zero heads in the wrapper only when
-    G is not a power of two). It then runs a `lax.fori_loop` over KV blocks of `num_kv_pages_per_block`
-    pages, *only up to the last position the tile's last query row may see* (so no work for blocks past
-    the sequence's length or causally in the future). Each iteration reads the page ids from
-    `block_tables`, gathers the pages' K and V for head `h`, and folds them into an online softmax
-    (running max / sum / accumulator, all float32; scores in float32; the probabilities are cast to the
-    value dtype for the second matmul, as in flash attention; float32 inputs use full-precision IEEE
-    matmuls, not Triton's TF32 default). Finally it stores the rows that belong to
-    the tile with a masked store, so rows of neighbouring sequences are never clobbered.
+The metadata pass (`ragged_paged_attention_tiles.py`, a few jnp ops on [max_num_seqs]-sized arrays) assigns
+each sequence to a kind and numbers the tiles of each kind consecutively into int32 metadata (kind, sequence,
+rows, first query position, KV extent; decode tiles also their KV split). Tile counts are data dependent but
+bounded by static numbers (`tiles.max_tiles`); unused tiles exit at once. Then up to three `pallas_call`s:
 
-Every output row is written by the kernel (valid rows by compute tiles, padding rows by zero tiles), so
-the output buffer needs no initialisation. Keys/values at positions a query may not see are masked in the
-scores *and* zeroed in V, so stale or non-finite data in unused cache slots cannot leak into the output.
+1. prefill, grid `(max_prefill_tiles, num_kv_heads)`: zero tiles store zeros to their padding rows; compute
+   tiles run the flash-attention loop below over KV steps of prefill.kv_pages_per_block pages and store
+   their normalised rows. Decode rows of the output are left unwritten here.
+2. decode, grid `(max_decode_tiles, num_kv_heads, max_splits)` (*split-KV*, flash-decoding): the KV range of
+   a decode tile, in steps of decode.kv_pages_per_block pages, is cut into NUM_SPLITS contiguous,
+   non-empty, step-aligned sub-ranges, one per program along the third grid axis. Each program stores the
+   float32 softmax state of its sub-range (unnormalised accumulator, running max, running sum; an empty
+   sub-range would store the neutral state max = mask value, sum = 0) into scratch outputs of shape
+   `[max_splits, max_decode_tiles, num_kv_heads, rows(, head_dim)]`; programs past the tile's NUM_SPLITS do
+   nothing. NUM_SPLITS is computed per tile from the data: enough splits that about
+   `split_target_programs` programs run, each at least `min_split_kv` tokens long, at most `max_splits`.
+   `max_splits` (the grid size) is static (from the tuning table or rules: a function of the cache's max
+   context), so nothing recompiles at serving time.
+3. merge, grid `(max_decode_tiles, num_kv_heads)`: folds a decode tile's NUM_SPLITS states (rescaling by
+   the running maxima) into normalised rows and stores them into the output of step 1, aliased
+   (`input_output_aliases`), so the two kinds write disjoint rows of one buffer.
+   With `max_splits == 1` steps 2 and 3 are one direct call (decode tiles store normalised rows into the
+   aliased output); with decode.block_q == 0 there are no decode tiles and only step 1 runs.
 
-Block-size constraints
-----------------------
-`block_q` and `num_kv_pages_per_block` must be powers of two, `block_q * G_pad >= 16` and
-`num_kv_pages_per_block * block_size >= 16` (Triton's `tt.dot` needs every matmul dim >= 16). For the
-compiled Triton path (`interpret=False`) `block_size` and `head_dim` must also be powers of two and
-`head_dim >= 16` (Triton tensors have power-of-two sizes); interpret mode does not need these two.
+The per-tile loop (steps 1 and 2): the tile's `[block_q * G_pad, head_dim]` query matrix is loaded once (masked
+to its rows); then `lax.fori_loop`s walk KV steps, only up to the last position the tile's last row may see
+(causal early exit; nothing past the sequence's length). Steps that every row of the tile sees entirely
+(they end at or before the first row's position) run without masks; only the remaining steps at the causal
+diagonal and the sequence end mask scores and values. Each step reads the page ids from `block_tables`,
+gathers the pages' K and V for head `h`, and folds them into an online softmax (running max / sum /
+accumulator, all float32; scores in float32; the probabilities are cast to the value dtype for the second
+matmul, as in flash attention; float32 inputs use full-precision IEEE matmuls, not Triton's TF32 default).
+Rows are stored with masked stores, so rows of neighbouring sequences are never clobbered.
 
-Limitations
------------
-There is no split over the KV length (flash-decoding): one program walks a sequence's whole context, so a
-batch of a few very long sequences keeps only `num_seqs * num_kv_heads` programs busy. Decode tiles use a
-`block_q * G_pad`-row matmul of which only `G` rows are real (harmless while decode is memory bound). The
-default block sizes are not tuned.
+Every output row is written exactly once (prefill rows and padding rows by step 1, decode rows by step 3 or
+the direct decode call), so the output buffer needs no initialisation. Keys/values at positions a query may
+not see are masked in the scores *and* zeroed in V, and page ids are clipped into the cache, so stale or
+non-finite data in unused cache slots (or block-table entries past a sequence's last page) cannot leak into
+the output.
 
-Static arguments: `sm_scale`, `interpret`, `block_q`, `num_kv_pages_per_block`, `num_warps`,
-`num_stages` (all keyword-only; the function is wrapped in `jax.jit` with these static).
+Static configuration
+--------------------
+`KernelConfig` (`pallas_kernels/tuning.py`): per tile kind `block_q`, `kv_pages_per_block`, `num_warps`,
+`num_stages`; and `max_splits`, `min_split_kv`, `split_target_programs`. It is resolved at trace time from the
+shapes (dtype, head_dim, G_pad, block_size, T and max context bucketed to powers of two) in the tuning table
+`pallas_kernels/tuning_table.json` (written by `python -m pallas_kernels.tune` on a GPU; the committed table
+holds rule-based defaults, `"tuned": false`), falling back to rules where the table has no entry.
+`resolve_kernel_config` says which config (and which table entry) a shape gets. Arguments `block_q`,
+`num_kv_pages_per_block`, `num_warps`, `num_stages`, `num_kv_splits` override single fields; `config`
+replaces the lookup. All are static (the jitted implementation takes `sm_scale`, `interpret` and the
+resolved `config` as static arguments).
+
+Block-size constraints: `block_q` (each kind) and `kv_pages_per_block` are powers of two,
+`block_q * G_pad >= 16` and `kv_pages_per_block * block_size >= 16` (Triton's `tt.dot` needs every matmul dim
+>= 16); `max_splits` is a power of two. For the compiled Triton path (`interpret=False`) `block_size` and
+`head_dim` must also be powers of two and `head_dim >= 16` (Triton tensors have power-of-two sizes);
+interpret mode does not need these two.
+
+Costs and limits: a decode tile of q_len rows uses `block_q * G_pad >= 16` matmul rows of which `q_len * G`
+are real (at most 4x padding for G = 4; decode is memory bound, so this costs issue slots, not bandwidth).
+Sequences are never packed together into one tile (their KV differs). The scratch of the split path is
+`max_splits * max_decode_tiles * num_kv_heads * block_q * G_pad * (head_dim + 2)` float32 (allocated per call,
+touched only for the splits actually used). Prefill tiles are not split over KV, so a short chunk just above
+decode.block_q rows after a very long context keeps only `num_kv_heads` programs per tile busy.
 
 Backends
 --------
 * GPU: lowers through Pallas's Triton backend (`jax.experimental.pallas.triton`); no TPU-only primitives
   and no scalar prefetch are used.
-* CPU (or anywhere): `interpret=True` runs the same kernel body through the Pallas interpreter (slow;
+* CPU (or anywhere): `interpret=True` runs the same kernel bodies through the Pallas interpreter (slow;
   for tests).
 * TPU: not provided. JAX ships a TPU ragged paged attention kernel
   (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), but it wants K and V interleaved in a single
