@@ -518,13 +518,31 @@ def test_lowers_for_gpu_through_triton(monkeypatch, dtype, hq, hkv, d, bs, max_b
 # Benchmark script smoke test
 
 
-def test_bench_runs(capsys):
+def test_bench_runs(capsys, tmp_path):
+    import json
+
     from pallas_kernels import bench
 
+    out_file = tmp_path / "bench.json"
     bench.main([
         "--decodes", "3", "--decode-ctx", "40", "--prefill-chunks", "17,5", "--prefill-ctx", "0,30",
         "--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "float32",
-        "--iters", "1", "--matmul-n", "64", "--copy-mib", "1", "--shuffle-seqs",
+        "--iters", "1", "--matmul-n", "64", "--copy-mib", "1", "--shuffle-seqs", "--num-kv-splits", "2",
+        "--out", str(out_file),
     ])
     out = capsys.readouterr().out
     assert "pallas vs xla" in out and "(OK" in out and "floor" in out
+    assert "FlashAttention comparison:" in out and "config: rules decode; rules prefill + explicit num_kv_splits" in out
+    result = json.loads(out_file.read_text())
+    (case,) = result["cases"]
+    assert case["ok"] and case["config"]["max_splits"] == 2 and case["floor_us"] > 0 and case["pallas_us"] > 0
+
+
+def test_bench_suite_has_the_issue_rows():
+    from pallas_kernels import bench
+
+    rows = {(c.decodes, c.decode_ctx, c.chunks, c.chunk_ctx) for c in bench.SUITE}
+    assert rows == {
+        (64, 1024, (), ()), (256, 2048, (), ()), (8, 16384, (), ()), (32, 1024, (512,), (1536,)),
+        (0, 0, (2048,), (0,)), (0, 0, (512,), (1536,)),
+    }
