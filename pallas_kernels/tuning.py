@@ -16,7 +16,7 @@ Table format (JSON):
 `group` is next_power_of_2(num_q_heads // num_kv_heads), `tokens` the token bucket T rounded up to a power of
 two, `context` the cache's max context (max_blocks_per_seq * block_size) rounded up to a power of two.
 Lookup (`resolve_config`): entries of the same kind, dtype, head_dim, group and block_size qualify; the one
-nearest in (log2 tokens, log2 context) wins. The split fields only matter for decode entries; `max_splits`
+nearest in log2 tokens + log2 context wins. The split fields only matter for decode entries; `max_splits`
 is taken from an entry only when its context bucket is the call's (otherwise the rule sizes it). Where no
 entry qualifies, the rules in `rule_tile_config` / `rule_split_config` decide.
 """
@@ -142,7 +142,7 @@ def _load_table(path: str) -> dict:
 
 
 def load_table(path: str | os.PathLike | None = None) -> dict:
-    return _load_table(str(path or os.environ.get(TABLE_ENV) or TABLE_PATH))
+    return _load_table(str(path or current_table_path()))
 
 
 def _lookup(table: dict, kind: str, *, dtype, head_dim, group, block_size, tokens, context):
@@ -151,7 +151,9 @@ def _lookup(table: dict, kind: str, *, dtype, head_dim, group, block_size, token
         if (e["kind"], e["dtype"], e["head_dim"], e["group"], e["block_size"]) != (kind, dtype, head_dim, group,
                                                                                    block_size):
             continue
-        d = (abs(math.log2(e["tokens"]) - math.log2(tokens)), abs(math.log2(e["context"]) - math.log2(context)))
+        dt = abs(math.log2(e["tokens"]) - math.log2(tokens))
+        dc = abs(math.log2(e["context"]) - math.log2(context))
+        d = (dt + dc, dt, dc)
         if best_d is None or d < best_d:
             best, best_d = e, d
     return best
@@ -168,14 +170,25 @@ def _valid_tile(cfg: TileConfig, *, group: int, block_size: int, kind: str) -> b
     return ok_q and kvp > 0 and kvp & (kvp - 1) == 0 and kvp * block_size >= 16
 
 
-@functools.lru_cache(maxsize=256)
+def current_table_path() -> str:
+    """The table the kernel reads: $SARATHI_PALLAS_TUNING_TABLE if set, else the committed one."""
+    return str(os.environ.get(TABLE_ENV) or TABLE_PATH)
+
+
 def resolve_config(*, dtype: str, head_dim: int, group: int, block_size: int, tokens: int, max_context: int,
                    table_path: str | None = None) -> tuple[KernelConfig, str]:
     """(config, where it came from) for one static shape: table entries where they exist, else the rules.
 
     `group` is the padded GQA group (a power of two); `tokens` the token bucket T; `max_context`
-    max_blocks_per_seq * block_size. Both are bucketed to powers of two for the lookup.
+    max_blocks_per_seq * block_size. Both are bucketed to powers of two for the lookup. Tables are read
+    once per path and process (cached).
     """
+    return _resolve_config(dtype=dtype, head_dim=head_dim, group=group, block_size=block_size, tokens=tokens,
+                           max_context=max_context, table_path=str(table_path or current_table_path()))
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_config(*, dtype, head_dim, group, block_size, tokens, max_context, table_path):
     rules = rule_config(dtype=dtype, head_dim=head_dim, group=group, block_size=block_size, max_context=max_context)
     table = load_table(table_path)
     key = dict(dtype=dtype, head_dim=head_dim, group=group, block_size=block_size, tokens=next_pow2(tokens),
