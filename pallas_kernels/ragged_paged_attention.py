@@ -43,12 +43,14 @@ bounded by static numbers (`tiles.max_tiles`); unused tiles exit at once. Then u
    non-empty, step-aligned sub-ranges, one per program along the third grid axis. Each program stores the
    float32 softmax state of its sub-range (unnormalised accumulator, running max, running sum; an empty
    sub-range would store the neutral state max = mask value, sum = 0) into scratch outputs of shape
-   `[max_splits, max_decode_tiles, num_kv_heads, rows(, head_dim)]`; programs past the tile's NUM_SPLITS do
-   nothing. NUM_SPLITS is computed per tile from the data: enough splits that about
+   `[max_splits, max_decode_tiles, num_kv_heads, rows(, head_dim)]` (the accumulator with a masked store of
+   the tile's real rows only); programs past the tile's NUM_SPLITS do nothing, and a tile with NUM_SPLITS
+   == 1 stores its normalised rows straight into the output (aliased), skipping the scratch and the merge.
+   NUM_SPLITS is computed per tile from the data: enough splits that about
    `split_target_programs` programs run, each at least `min_split_kv` tokens long, at most `max_splits`.
    `max_splits` (the grid size) is static (from the tuning table or rules: a function of the cache's max
    context), so nothing recompiles at serving time.
-3. merge, grid `(max_decode_tiles, num_kv_heads)`: folds a decode tile's NUM_SPLITS states (rescaling by
+3. merge, grid `(max_decode_tiles, num_kv_heads)`: folds a decode tile's NUM_SPLITS > 1 states (rescaling by
    the running maxima) into normalised rows and stores them into the output of step 1, aliased
    (`input_output_aliases`), so the two kinds write disjoint rows of one buffer.
    With `max_splits == 1` steps 2 and 3 are one direct call (decode tiles store normalised rows into the
@@ -141,11 +143,11 @@ def _attention_kernel(meta_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs, sm
                       num_kv_pages_per_block, num_blocks, mask_value, mode):
     """One program: query tile `program_id(0)`, KV head `program_id(1)`, and in mode "partial" KV split
     `program_id(2)`. Modes: "direct" writes normalised rows (and zero tiles) to the output; "aliased" does
-    the same with the output aliased to an extra (unread) input; "partial" writes the float32 softmax state
-    (acc, running max, running sum) of its KV split for the merge pass."""
+    the same with the output aliased to an extra (unread) input; "partial" (output aliased too) writes the
+    float32 softmax state (acc, running max, running sum) of its KV split for the merge pass, or, for a tile
+    with a single split, its normalised rows straight to the output."""
     if mode == "partial":
-        acc_ref, m_ref, l_ref = refs
-        o_ref = None
+        _, o_ref, acc_ref, m_ref, l_ref = refs
     else:
         o_ref = refs[-1]
     t = pl.program_id(0)
@@ -231,20 +233,31 @@ def _attention_kernel(meta_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs, sm
         )
         carry = lax.fori_loop(lo, full, functools.partial(step, False), carry)
         m, l, acc = lax.fori_loop(full, hi, functools.partial(step, True), carry)
-        if mode == "partial":
-            # An empty split (lo >= hi) stores the neutral state: max = mask_value, sum = 0, acc = 0.
-            acc_ref[...] = acc
-            m_ref[...] = m
-            l_ref[...] = l
-        else:
-            l = jnp.where(l > 0.0, l, 1.0)
-            out = (acc / l[:, None]).astype(o_ref.dtype).reshape(block_q, g_pad, head_dim)
+        def store_rows():
+            l_safe = jnp.where(l > 0.0, l, 1.0)
+            out = (acc / l_safe[:, None]).astype(o_ref.dtype).reshape(block_q, g_pad, head_dim)
             plgpu.store(o_ref.at[pl.ds(row0, block_q)], out, mask=row_mask)
+
+        if mode == "partial":
+            single = meta_ref[tiles.NUM_SPLITS, t] == 1
+            pl.when(single)(store_rows)
+
+            @pl.when(~single)
+            def _store_partial():
+                # Only the tile's real rows travel (a decode tile is mostly padding rows). An empty split
+                # (lo >= hi) would store the neutral state: max = mask_value, sum = 0, acc = 0.
+                real = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) // g_pad < (row_end - row0)
+                plgpu.store(acc_ref, acc, mask=real)
+                m_ref[...] = m
+                l_ref[...] = l
+        else:
+            store_rows()
 
 
 def _merge_kernel(meta_ref, acc_ref, m_ref, l_ref, _aliased_out_ref, o_ref, *, block_q, mask_value):
-    """One program per (decode tile, KV head): folds the tile's NUM_SPLITS partial states (in split order)
-    into normalised rows and stores them (masked) into the aliased output."""
+    """One program per (decode tile, KV head): folds the tile's NUM_SPLITS (> 1) partial states (in split
+    order) into normalised rows and stores them (masked) into the aliased output. Tiles with one split
+    already wrote their rows."""
     t = pl.program_id(0)
     _, g_pad, head_dim = o_ref.shape
     rows = block_q * g_pad
@@ -252,11 +265,15 @@ def _merge_kernel(meta_ref, acc_ref, m_ref, l_ref, _aliased_out_ref, o_ref, *, b
     row0 = meta_ref[tiles.ROW0, t]
     row_end = meta_ref[tiles.ROW_END, t]
 
-    @pl.when(kind == tiles.KIND_COMPUTE)
+    num_splits = meta_ref[tiles.NUM_SPLITS, t]
+    real = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) // g_pad < (row_end - row0)
+
+    @pl.when((kind == tiles.KIND_COMPUTE) & (num_splits > 1))
     def _merge():
         def body(s, carry):
             m, l, acc = carry
-            m_s, l_s, acc_s = m_ref[s], l_ref[s], acc_ref[s]
+            m_s, l_s = m_ref[s], l_ref[s]
+            acc_s = plgpu.load(acc_ref.at[s], mask=real, other=0.0)
             m_next = jnp.maximum(m, m_s)
             a, b = jnp.exp(m - m_next), jnp.exp(m_s - m_next)
             return m_next, l * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
@@ -266,7 +283,7 @@ def _merge_kernel(meta_ref, acc_ref, m_ref, l_ref, _aliased_out_ref, o_ref, *, b
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32),
         )
-        _, l, acc = lax.fori_loop(0, meta_ref[tiles.NUM_SPLITS, t], body, init)
+        _, l, acc = lax.fori_loop(0, num_splits, body, init)
         l = jnp.where(l > 0.0, l, 1.0)
         out = (acc / l[:, None]).astype(o_ref.dtype).reshape(block_q, g_pad, head_dim)
         row_mask = lax.broadcasted_iota(jnp.int32, (block_q, g_pad, head_dim), 0) < (row_end - row0)
@@ -444,14 +461,14 @@ def _ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_len
         rows = dec.block_q * g_pad
         part = lambda *s: jax.ShapeDtypeStruct((num_splits, max_dec, num_kv_heads, *s), jnp.float32)
         part_spec = lambda *s: pl.BlockSpec((None, None, None, *s), lambda t, h, i: (i, t, h) + (0,) * len(s))
-        acc, m, l = pl.pallas_call(
+        out, acc, m, l = pl.pallas_call(
             kernel(dec, "partial"), grid=(max_dec, num_kv_heads, num_splits),
-            in_specs=[full(meta_dec.shape)] + common_specs,
-            out_specs=[part_spec(rows, head_dim), part_spec(rows), part_spec(rows)],
-            out_shape=[part(rows, head_dim), part(rows), part(rows)], interpret=interpret,
-            compiler_params=params(dec),
+            in_specs=[full(meta_dec.shape)] + common_specs + [per_head_q],
+            out_specs=[per_head_q, part_spec(rows, head_dim), part_spec(rows), part_spec(rows)],
+            out_shape=[out_shape, part(rows, head_dim), part(rows), part(rows)], input_output_aliases={5: 0},
+            interpret=interpret, compiler_params=params(dec),
             name=f"rpa_decode_split{num_splits}_bq{dec.block_q}_kvp{dec.kv_pages_per_block}",
-        )(meta_dec, block_tables, qg, k_pages, v_pages)
+        )(meta_dec, block_tables, qg, k_pages, v_pages, out)
         all_splits = lambda *s: pl.BlockSpec((num_splits, None, None, *s), lambda t, h: (0, t, h) + (0,) * len(s))
         out = pl.pallas_call(
             functools.partial(_merge_kernel, block_q=dec.block_q, mask_value=DEFAULT_MASK_VALUE),
