@@ -1,69 +1,96 @@
-"""Microbenchmark for ragged paged attention on one batch mix: the Pallas kernel against the jnp (XLA) path.
+"""Benchmark for ragged paged attention: the Pallas kernel against its hardware floor, the jnp (XLA) path and
+FlashAttention (PyTorch's `scaled_dot_product_attention` on contiguous K/V), case by case.
 
-    python -m pallas_kernels.bench --decodes 32 --decode-ctx 1024 --prefill-chunks 256 --prefill-ctx 0
+    python -m pallas_kernels.bench                      # the issue-13 suite, Mistral-7B heads (32/8/128, bf16)
+    python -m pallas_kernels.bench --heads llama1b --out bench.json
+    python -m pallas_kernels.bench --decodes 32 --decode-ctx 1024 --prefill-chunks 512 --prefill-ctx 1536
 
-A batch is `--decodes` decode rows (one query token each, `--decode-ctx` tokens of context before it) plus
-one prefill chunk per entry of `--prefill-chunks` (comma separated sizes), each with the matching entry of
-`--prefill-ctx` tokens of prior context (one value is broadcast to all chunks). Rows are padded to a
-multiple of 16 (the engine's buckets), and the block tables are shuffled.
+Without batch flags it runs the suite (`SUITE`: the six rows of issue 13: 64 decodes x ctx 1024, 256 decodes
+x ctx 2048, 8 decodes x ctx 16384, 32 decodes at ctx 1024 + one 512-token chunk at ctx 1536, a 2048-token
+prefill, and a 512-token chunk at ctx 1536). With `--decodes` / `--prefill-chunks` it runs that one batch:
+`--decodes` decode rows (one query token each, `--decode-ctx` tokens of context before it) plus one prefill
+chunk per entry of `--prefill-chunks` (comma separated), each after the matching `--prefill-ctx` tokens of
+context (one value is broadcast). Rows are padded to a multiple of 16 (the engine's buckets), block tables
+are shuffled.
 
-It prints:
+Per case it prints:
   * the work: attention FLOPs (2 matmuls of 2 * head_dim flops per visible (query head, key) pair; the
-    softmax is not counted) and the minimal bytes that must move (q in, out back, and every sequence's K
-    and V read once per KV head; block tables and metadata are negligible and not counted);
-  * the device's measured matmul rate (a jnp matmul in the input dtype) and memory bandwidth (a jnp
-    elementwise copy, read + write), hence a compute floor and a memory floor for this batch;
-  * for both implementations: the median time, achieved TFLOP/s and GB/s, and time relative to the
-    larger floor; and the max difference between the two outputs (relative to max |xla output|).
+    softmax is not counted) and the minimal bytes that must move (q in, out back, every sequence's K and V
+    read once per KV head);
+  * the hardware floor: max(FLOPs / measured matmul rate, bytes / measured bandwidth), where the rates are
+    measured once per run on this device (a jnp matmul in the input dtype; a jnp elementwise float32
+    copy, read + write);
+  * which kernel config it used (tuning-table entry or rules, see `pallas_kernels/tuning.py`);
+  * per implementation: time per call, TFLOP/s, GB/s, time / floor; Pallas / FlashAttention when PyTorch
+    with CUDA is importable (it says so when not); the max difference between Pallas and XLA outputs.
 
-On CPU the kernel runs with interpret=True: that checks correctness, but its times say nothing about the
-kernel (the interpreter runs the grid as a sequential loop of XLA ops); the script says so.
+Timing: after a warm-up call (compiles), `--iters` back-to-back calls are timed together, the device is
+synchronised once at the end, and the best of `--repeats` such runs divided by `--iters` is reported (so host
+dispatch overlaps device work, as in a serving loop). FlashAttention is timed the same way with
+torch.cuda.synchronize(). On CPU the kernel runs with interpret=True: that checks correctness, but its times
+say nothing about the kernel; the script says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import dataclasses
+import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_kernel_config
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+
+HEADS = {  # name: (num_q_heads, num_kv_heads, head_dim)
+    "mistral7b": (32, 8, 128),
+    "llama1b": (32, 8, 64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A batch: `decodes` decode rows at `decode_ctx` tokens of context, plus prefill chunks of
+    `chunks[i]` tokens after `chunk_ctx[i]` tokens of context."""
+
+    name: str
+    decodes: int = 0
+    decode_ctx: int = 0
+    chunks: tuple[int, ...] = ()
+    chunk_ctx: tuple[int, ...] = ()
+
+    def seqs(self) -> list[tuple[int, int]]:
+        """(q_len, kv_len) per sequence."""
+        return [(1, self.decode_ctx + 1)] * self.decodes + [(c, c + x) for c, x in zip(self.chunks, self.chunk_ctx)]
+
+
+SUITE = (
+    Case("64 decodes x ctx 1024", decodes=64, decode_ctx=1024),
+    Case("256 decodes x ctx 2048", decodes=256, decode_ctx=2048),
+    Case("8 decodes x ctx 16384", decodes=8, decode_ctx=16384),
+    Case("32 decodes ctx 1024 + 512 chunk at ctx 1536", decodes=32, decode_ctx=1024, chunks=(512,), chunk_ctx=(1536,)),
+    Case("prefill 2048 tokens", chunks=(2048,), chunk_ctx=(0,)),
+    Case("512-token chunk at ctx 1536", chunks=(512,), chunk_ctx=(1536,)),
+)
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()] if text else []
 
 
-def build_batch(args, rng: np.random.Generator):
-    """Returns (arrays for the attention call, per-sequence (q_len, kv_len) list)."""
-    seqs = [(1, args.decode_ctx + 1)] * args.decodes
-    chunks = _ints(args.prefill_chunks)
-    ctxs = _ints(args.prefill_ctx) or [0]
-    if len(ctxs) == 1:
-        ctxs = ctxs * len(chunks)
-    if len(ctxs) != len(chunks):
-        raise SystemExit("--prefill-ctx needs one value or one per --prefill-chunks entry")
-    seqs += [(c, c + x) for c, x in zip(chunks, ctxs)]
-    if not seqs:
-        raise SystemExit("empty batch: give --decodes and/or --prefill-chunks")
-    order = rng.permutation(len(seqs)) if args.shuffle_seqs else np.arange(len(seqs))
-    seqs = [seqs[i] for i in order]
-
-    bs = args.block_size
+def build_batch(seqs, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, rng: np.random.Generator,
+                pad_seqs: int = 2, pad_rows: int = 0, seed: int = 0):
+    """The 7 attention arguments for `seqs` ((q_len, kv_len) per sequence, in order); shuffled pages."""
+    bs = block_size
     n = len(seqs)
-    max_num_seqs = n + args.pad_seqs
+    max_num_seqs = n + pad_seqs
     num_rows = sum(q for q, _ in seqs)
-    num_tokens = -(-num_rows // 16) * 16 + args.pad_rows
-    max_kv = max(kv for _, kv in seqs)
-    max_blocks = -(-max_kv // bs)
-    pages_needed = sum(-(-kv // bs) for _, kv in seqs)
-    num_blocks = pages_needed + 1
-    dtype = jnp.dtype(args.dtype)
-
+    num_tokens = -(-num_rows // 16) * 16 + pad_rows
+    max_blocks = -(-max(kv for _, kv in seqs) // bs)
+    num_blocks = sum(-(-kv // bs) for _, kv in seqs) + 1
     kv_lens = np.zeros(max_num_seqs, np.int32)
     cu = np.zeros(max_num_seqs + 1, np.int32)
     block_tables = np.zeros((max_num_seqs, max_blocks), np.int32)
@@ -74,25 +101,20 @@ def build_batch(args, rng: np.random.Generator):
         for b in range(-(-kv // bs)):
             block_tables[i, b] = free.pop()
     cu[n + 1 :] = cu[n]
-
-    key = jax.random.key(args.seed)
-    kq, kk, kv_ = jax.random.split(key, 3)
-    q = jax.random.normal(kq, (num_tokens, args.num_q_heads, args.head_dim), jnp.float32).astype(dtype)
-    cache_shape = (num_blocks, bs, args.num_kv_heads, args.head_dim)
+    kq, kk, kv_ = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
+    cache_shape = (num_blocks, bs, num_kv_heads, head_dim)
     k_pages = jax.random.normal(kk, cache_shape, jnp.float32).astype(dtype)
     v_pages = jax.random.normal(kv_, cache_shape, jnp.float32).astype(dtype)
-    arrays = (
-        q, k_pages, v_pages, jnp.asarray(kv_lens), jnp.asarray(block_tables), jnp.asarray(cu),
-        jnp.asarray([n], jnp.int32),
-    )
-    return arrays, seqs
+    return (q, k_pages, v_pages, jnp.asarray(kv_lens), jnp.asarray(block_tables), jnp.asarray(cu),
+            jnp.asarray([n], jnp.int32))
 
 
 def count_work(seqs, *, num_q_heads, num_kv_heads, head_dim, itemsize):
     flops = 0
     kv_bytes = 0
     for ql, kv in seqs:
-        visible = sum(kv - ql + j + 1 for j in range(ql))  # keys seen by each query row, causal
+        visible = ql * (kv - ql) + ql * (ql + 1) // 2  # keys seen by the query rows, causal
         flops += 4 * head_dim * visible * num_q_heads
         kv_bytes += 2 * kv * num_kv_heads * head_dim * itemsize
     rows = sum(ql for ql, _ in seqs)
@@ -100,115 +122,258 @@ def count_work(seqs, *, num_q_heads, num_kv_heads, head_dim, itemsize):
     return flops, kv_bytes + q_out_bytes
 
 
-def time_fn(fn, *args, iters: int, warmup: int = 1) -> float:
+def time_fn(fn, *args, iters: int, repeats: int = 3, warmup: int = 1) -> float:
+    """Seconds per call: best over `repeats` of `iters` back-to-back calls, synchronised once."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
+    best = float("inf")
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
 
 
 def measure_device(dtype, *, matmul_n: int, copy_mib: int, iters: int):
     a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.float32).astype(dtype)
     mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    t = time_fn(mm, a, a, iters=iters)
-    flops_per_s = 2 * matmul_n**3 / t
+    flops_per_s = 2 * matmul_n**3 / time_fn(mm, a, a, iters=iters)
     n = copy_mib * 2**20 // 4
     x = jnp.arange(n, dtype=jnp.float32)
-    copy = jax.jit(lambda x: x + 1.0)
-    t = time_fn(copy, x, iters=iters)
-    bytes_per_s = 2 * n * 4 / t
+    bytes_per_s = 2 * n * 4 / time_fn(jax.jit(lambda x: x + 1.0), x, iters=iters)
     return flops_per_s, bytes_per_s
+
+
+def torch_status() -> tuple[object | None, str]:
+    """(torch module or None, why not)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"PyTorch not importable ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return None, f"PyTorch {torch.__version__} importable but CUDA is not available"
+    return torch, f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}"
+
+
+def time_flash_attention(torch, seqs, *, num_q_heads, num_kv_heads, head_dim, dtype: str, iters: int,
+                         repeats: int) -> tuple[float, str]:
+    """Seconds per batch of `torch.nn.functional.scaled_dot_product_attention` over the same (q_len, kv_len)
+    work with contiguous K/V: one call per group of equal-shaped sequences (batched). q_len == kv_len uses
+    is_causal (FlashAttention kernels); a chunk after context needs a bottom-right causal mask (explicit
+    boolean mask, so usually not the flash kernel)."""
+    F = torch.nn.functional
+    tdtype = getattr(torch, dtype)
+    groups: dict[tuple[int, int], int] = {}
+    for s in seqs:
+        groups[s] = groups.get(s, 0) + 1
+    gqa = True
+    calls = []
+    for (ql, kv), count in groups.items():
+        q = torch.randn(count, num_q_heads, ql, head_dim, device="cuda", dtype=tdtype)
+        k = torch.randn(count, num_kv_heads, kv, head_dim, device="cuda", dtype=tdtype)
+        v = torch.randn_like(k)
+        if ql == kv:
+            kw = dict(is_causal=True)
+        elif ql == 1:
+            kw = {}
+        else:
+            pos = torch.arange(kv, device="cuda")
+            kw = dict(attn_mask=pos[None, :] <= (kv - ql + torch.arange(ql, device="cuda"))[:, None])
+        calls.append((q, k, v, kw))
+    try:
+        for q, k, v, kw in calls:
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    except (TypeError, RuntimeError):
+        gqa = False  # older torch: expand the KV heads (reads group x more K/V than GQA needs)
+        rep = num_q_heads // num_kv_heads
+        calls = [(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), kw) for q, k, v, kw in calls]
+
+    def run():
+        for q, k, v, kw in calls:
+            if gqa:
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+            else:
+                F.scaled_dot_product_attention(q, k, v, **kw)
+
+    run()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best, ("enable_gqa" if gqa else "KV heads expanded") + f", {len(calls)} call(s)"
+
+
+def run_case(case: Case, args, *, peak_flops, peak_bw, interpret: bool, torch, rng) -> dict:
+    dtype = jnp.dtype(args.dtype)
+    hq, hkv, d = args.heads
+    seqs = case.seqs()
+    if args.shuffle_seqs:
+        seqs = [seqs[i] for i in rng.permutation(len(seqs))]
+    arrays = build_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=args.block_size,
+                         dtype=dtype, rng=rng, pad_seqs=args.pad_seqs, pad_rows=args.pad_rows, seed=args.seed)
+    q, k_pages, _, _, block_tables, cu, _ = arrays
+    flops, min_bytes = count_work(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, itemsize=dtype.itemsize)
+    t_compute, t_memory = flops / peak_flops, min_bytes / peak_bw
+    floor = max(t_compute, t_memory)
+    overrides = dict(block_q=args.block_q, num_kv_pages_per_block=args.kv_pages_per_block,
+                     num_warps=args.num_warps, num_stages=args.num_stages, num_kv_splits=args.num_kv_splits)
+    config, source = resolve_kernel_config(q.shape, k_pages.shape, block_tables.shape, dtype, **overrides)
+    rec = dict(case=case.name, seqs=len(seqs), rows=int(sum(ql for ql, _ in seqs)), tokens=int(q.shape[0]),
+               max_num_seqs=int(arrays[3].shape[0]), max_context=int(block_tables.shape[1] * args.block_size),
+               gflop=flops / 1e9, min_mb=min_bytes / 1e6, floor_us=floor * 1e6,
+               floor_kind="memory" if t_memory >= t_compute else "compute",
+               config=dataclasses.asdict(config), config_source=source)
+    print(f"\n== {case.name}: {len(seqs)} seqs, {rec['rows']} rows padded to T={q.shape[0]}, "
+          f"max_num_seqs={rec['max_num_seqs']}, cache context {rec['max_context']}")
+    print(f"   work {flops / 1e9:.4g} GFLOP, {min_bytes / 1e6:.4g} MB; floor {floor * 1e6:.4g} us "
+          f"({rec['floor_kind']}; compute {t_compute * 1e6:.4g} us, memory {t_memory * 1e6:.4g} us)")
+    print(f"   config: {source}")
+    c = config
+    print(f"     decode  tiles: block_q {c.decode.block_q}, kv pages/step {c.decode.kv_pages_per_block}, "
+          f"warps {c.decode.num_warps}, stages {c.decode.num_stages}; splits <= {c.max_splits} "
+          f"(>= {c.min_split_kv} tokens each, target {c.split_target_programs} programs)")
+    print(f"     prefill tiles: block_q {c.prefill.block_q}, kv pages/step {c.prefill.kv_pages_per_block}, "
+          f"warps {c.prefill.num_warps}, stages {c.prefill.num_stages}")
+
+    kernel = jax.jit(lambda *a: ragged_paged_attention(*a, interpret=interpret, **overrides))
+    fns = [("pallas" + (" (interpret)" if interpret else ""), kernel)]
+    if args.xla:
+        fns.append(("xla", jax.jit(ragged_paged_attention_xla)))
+    outs = {}
+    for name, fn in fns:
+        t0 = time.perf_counter()
+        outs[name] = jax.block_until_ready(fn(*arrays))
+        compile_s = time.perf_counter() - t0
+        t = time_fn(fn, *arrays, iters=args.iters, repeats=args.repeats, warmup=0)
+        key = name.split()[0]
+        rec[f"{key}_us"] = t * 1e6
+        rec[f"{key}_first_call_s"] = compile_s
+        print(f"   {name:>20}: {t * 1e6:10.1f} us  {flops / t / 1e12:8.4g} TFLOP/s  {min_bytes / t / 1e9:8.4g} GB/s  "
+              f"{t / floor:7.3g}x floor   (first call incl. compile {compile_s:.2f} s)")
+    if torch is not None:
+        t, how = time_flash_attention(torch, seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype.name,
+                                      iters=args.iters, repeats=args.repeats)
+        rec["flash_us"] = t * 1e6
+        rec["pallas_over_flash"] = rec["pallas_us"] / rec["flash_us"]
+        print(f"   {'flash (torch sdpa)':>20}: {t * 1e6:10.1f} us  {flops / t / 1e12:8.4g} TFLOP/s  "
+              f"{min_bytes / t / 1e9:8.4g} GB/s  {t / floor:7.3g}x floor   ({how}, contiguous K/V)")
+        print(f"   pallas / flash: {rec['pallas_over_flash']:.3g}")
+    rec["pallas_over_floor"] = rec["pallas_us"] / rec["floor_us"]
+    ok = True
+    if args.xla:
+        a, b = (np.asarray(outs[n], np.float32) for n, _ in fns[:2])
+        rows = int(cu[len(seqs)])
+        rel = float(np.abs(a[:rows] - b[:rows]).max() / max(np.abs(b[:rows]).max(), 1e-30))
+        pad_ok = bool(np.all(a[rows:] == 0)) and not np.isnan(a).any()
+        tol = 1e-5 if dtype == jnp.float32 else 2e-2
+        ok = rel <= tol and pad_ok
+        rec.update(max_rel_diff_vs_xla=rel, padding_zero_no_nan=pad_ok, ok=ok)
+        print(f"   pallas vs xla: max rel diff {rel:.3g} ({'OK' if rel <= tol else 'MISMATCH'}, tol {tol:g}); "
+              f"padding rows zero and no NaN: {pad_ok}")
+    return rec
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--decodes", type=int, default=8, help="number of decode rows")
+    p.add_argument("--decodes", type=int, default=None, help="custom batch: number of decode rows")
     p.add_argument("--decode-ctx", type=int, default=256, help="context tokens before each decode token")
-    p.add_argument("--prefill-chunks", default="64", help="comma-separated prefill chunk sizes")
+    p.add_argument("--prefill-chunks", default=None, help="custom batch: comma-separated prefill chunk sizes")
     p.add_argument("--prefill-ctx", default="0", help="prior context per chunk (one value or one per chunk)")
-    p.add_argument("--num-q-heads", type=int, default=8)
-    p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--cases", default=None,
+                   help="suite: comma-separated indices into SUITE (default: all six issue-13 rows)")
+    p.add_argument("--heads", default="mistral7b",
+                   help=f"one of {sorted(HEADS)} or 'Q,KV,D' (query heads, KV heads, head_dim)")
+    p.add_argument("--num-q-heads", type=int, default=None, help="overrides --heads")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="overrides --heads")
+    p.add_argument("--head-dim", type=int, default=None, help="overrides --heads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--block-q", type=int, default=None)
-    p.add_argument("--kv-pages-per-block", type=int, default=None)
+    p.add_argument("--block-q", type=int, default=None, help="override: prefill tiles' query rows")
+    p.add_argument("--kv-pages-per-block", type=int, default=None, help="override: pages per KV step")
     p.add_argument("--num-warps", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
+    p.add_argument("--num-kv-splits", type=int, default=None, help="override: split bound (1 = no split-KV)")
     p.add_argument("--pad-seqs", type=int, default=2, help="padding sequence slots (max_num_seqs - num_seqs)")
     p.add_argument("--pad-rows", type=int, default=0, help="extra padding rows beyond the 16-row bucket")
     p.add_argument("--shuffle-seqs", action="store_true", help="interleave decodes and prefills")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 on GPU, 3 on CPU)")
+    p.add_argument("--iters", type=int, default=None, help="calls per timed run (default 20 on GPU, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs, best kept (default 3 on GPU, 1 on CPU)")
+    p.add_argument("--xla", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the jnp path and compare outputs (default on)")
+    p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with torch scaled_dot_product_attention when PyTorch with CUDA is importable")
     p.add_argument("--interpret", action=argparse.BooleanOptionalAction, default=None,
                    help="Pallas interpret mode (default: on when the backend is CPU)")
     p.add_argument("--matmul-n", type=int, default=None, help="size of the square matmul used to measure peak")
     p.add_argument("--copy-mib", type=int, default=None, help="MiB copied to measure bandwidth")
+    p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+
+    heads = HEADS.get(args.heads) or tuple(_ints(args.heads))
+    if len(heads) != 3:
+        raise SystemExit(f"--heads: one of {sorted(HEADS)} or Q,KV,D")
+    args.heads = (args.num_q_heads or heads[0], args.num_kv_heads or heads[1], args.head_dim or heads[2])
+
+    if args.decodes is not None or args.prefill_chunks is not None:
+        chunks = _ints(args.prefill_chunks or "")
+        ctxs = _ints(args.prefill_ctx) or [0]
+        if len(ctxs) == 1:
+            ctxs = ctxs * len(chunks)
+        if len(ctxs) != len(chunks):
+            raise SystemExit("--prefill-ctx needs one value or one per --prefill-chunks entry")
+        cases = [Case("custom", decodes=args.decodes or 0, decode_ctx=args.decode_ctx, chunks=tuple(chunks),
+                      chunk_ctx=tuple(ctxs))]
+        if not cases[0].seqs():
+            raise SystemExit("empty batch: give --decodes and/or --prefill-chunks")
+    else:
+        cases = [SUITE[int(i)] for i in _ints(args.cases)] if args.cases else list(SUITE)
 
     backend = jax.default_backend()
     on_cpu = backend == "cpu"
     interpret = on_cpu if args.interpret is None else args.interpret
-    iters = args.iters or (3 if on_cpu else 20)
+    args.iters = args.iters or (1 if on_cpu else 20)
+    args.repeats = args.repeats or (1 if on_cpu else 3)
     matmul_n = args.matmul_n or (512 if on_cpu else 8192)
     copy_mib = args.copy_mib or (64 if on_cpu else 1024)
     dtype = jnp.dtype(args.dtype)
-
-    rng = np.random.default_rng(args.seed)
-    arrays, seqs = build_batch(args, rng)
-    q, k_pages = arrays[0], arrays[1]
-    flops, min_bytes = count_work(
-        seqs, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-        itemsize=dtype.itemsize,
-    )
-    peak_flops, peak_bw = measure_device(dtype, matmul_n=matmul_n, copy_mib=copy_mib, iters=iters)
-    t_compute, t_memory = flops / peak_flops, min_bytes / peak_bw
-    floor = max(t_compute, t_memory)
-
-    print(f"device: {jax.devices()[0].device_kind} ({backend}); dtype {dtype.name}; "
-          f"heads q/kv {args.num_q_heads}/{args.num_kv_heads}, head_dim {args.head_dim}, block_size {args.block_size}")
-    n_dec = sum(1 for ql, kv in seqs if ql == 1)
-    print(f"batch: {len(seqs)} seqs ({n_dec} decode rows), {sum(ql for ql, _ in seqs)} query rows "
-          f"padded to T={q.shape[0]}, max_num_seqs={arrays[3].shape[0]}, kv tokens {sum(kv for _, kv in seqs)}, "
-          f"cache {k_pages.shape[0]} pages")
-    print(f"work: {flops / 1e9:.4g} GFLOP, min bytes {min_bytes / 1e6:.4g} MB, "
-          f"intensity {flops / min_bytes:.3g} FLOP/B")
+    peak_flops, peak_bw = measure_device(dtype, matmul_n=matmul_n, copy_mib=copy_mib, iters=max(args.iters, 3))
+    torch, torch_msg = torch_status() if args.torch else (None, "disabled (--no-torch)")
+    device = jax.devices()[0].device_kind
+    hq, hkv, d = args.heads
+    print(f"device: {device} ({backend}); dtype {dtype.name}; heads q/kv {hq}/{hkv}, head_dim {d}, "
+          f"block_size {args.block_size}")
     print(f"measured: matmul {peak_flops / 1e12:.4g} TFLOP/s ({matmul_n}^3 {dtype.name}), "
           f"copy {peak_bw / 1e9:.4g} GB/s ({copy_mib} MiB)")
-    print(f"floors: compute {t_compute * 1e6:.4g} us, memory {t_memory * 1e6:.4g} us "
-          f"-> {'memory' if t_memory >= t_compute else 'compute'} bound, floor {floor * 1e6:.4g} us")
+    print(f"FlashAttention comparison: {torch_msg}")
 
-    kernel = jax.jit(
-        lambda *a: ragged_paged_attention(
-            *a, interpret=interpret, block_q=args.block_q, num_kv_pages_per_block=args.kv_pages_per_block,
-            num_warps=args.num_warps, num_stages=args.num_stages,
-        )
-    )
-    xla = jax.jit(ragged_paged_attention_xla)
-    results = {}
-    for name, fn in (("pallas" + (" (interpret)" if interpret else ""), kernel), ("xla", xla)):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*arrays))
-        compile_s = time.perf_counter() - t0
-        t = time_fn(fn, *arrays, iters=iters, warmup=0)
-        results[name] = out
-        print(f"{name:>20}: {t * 1e6:10.1f} us  {flops / t / 1e12:8.4g} TFLOP/s  {min_bytes / t / 1e9:8.4g} GB/s  "
-              f"{t / floor:8.3g}x floor   (first call incl. compile {compile_s:.2f} s)")
-    (_, a), (_, b) = results.items()
-    rows = int(arrays[5][len(seqs)])
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    rel = np.abs(a[:rows] - b[:rows]).max() / max(np.abs(b[:rows]).max(), 1e-30)
-    pad_ok = bool(np.all(a[rows:] == 0)) and not np.isnan(a).any()
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    print(f"pallas vs xla: max rel diff {rel:.3g} ({'OK' if rel <= tol else 'MISMATCH'}, tol {tol:g}); "
-          f"padding rows zero and no NaN: {pad_ok}")
+    rng = np.random.default_rng(args.seed)
+    records = [run_case(c, args, peak_flops=peak_flops, peak_bw=peak_bw, interpret=interpret, torch=torch, rng=rng)
+               for c in cases]
+
+    print("\n| batch | Pallas us | floor us | x floor | FA us | Pallas / FA | config |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in records:
+        fa = f"{r['flash_us']:.1f}" if "flash_us" in r else "-"
+        ratio = f"{r['pallas_over_flash']:.3g}" if "pallas_over_flash" in r else "-"
+        print(f"| {r['case']} | {r['pallas_us']:.1f} | {r['floor_us']:.1f} | {r['pallas_over_floor']:.3g} | {fa} | "
+              f"{ratio} | {r['config_source']} |")
     if interpret:
         print("note: interpret mode; the Pallas times above measure the Pallas interpreter, not the kernel.")
-    if rel > tol or not pad_ok:
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=device, backend=backend, dtype=dtype.name, heads=list(args.heads),
+                           block_size=args.block_size, interpret=interpret, matmul_tflops=peak_flops / 1e12,
+                           copy_gbps=peak_bw / 1e9, flash=torch_msg, cases=records), f, indent=1)
+        print(f"wrote {args.out}")
+    if not all(r.get("ok", True) for r in records):
         raise SystemExit(1)
 
 

@@ -1,4 +1,4 @@
-"""Ragged paged attention as a Pallas kernel (GPU / Triton backend, or interpret mode anywhere).
+"""Ragged paged attention as Pallas kernels (GPU / Triton backend, or interpret mode anywhere).
 
 Same arguments, shapes and semantics as `ragged_paged_attention_xla` (see that module and
 `docs/design.md`), so the engine can swap one for the other; the float64 numpy reference of those semantics is
@@ -14,61 +14,94 @@ Same arguments, shapes and semantics as `ragged_paged_attention_xla` (see that m
   returns       [T, num_q_heads, head_dim] in q.dtype; rows at or past cu_q_lens[num_seqs] are zeros.
 
 Query row j of sequence i sits at position kv_lens[i] - q_len_i + j and attends causally to positions
-0 .. kv_lens[i] - q_len_i + j of the same sequence.
+0 .. kv_lens[i] - q_len_i + j of the same sequence. A sequence with q_len 0 owns no rows and produces nothing.
 
 How the work is split
 ---------------------
-The query rows of every sequence are cut into *query tiles* of at most `block_q` rows; a tile never spans
-two sequences. A handful of cheap jnp ops outside the kernel (on `[max_num_seqs]`-sized metadata) number
-the tiles of all sequences consecutively, followed by "zero tiles" that cover the padding rows
-`cu_q_lens[num_seqs] .. T`. The number of tiles is data dependent but bounded by the static
+GQA: the `G = num_q_heads // num_kv_heads` query heads that share KV head `h` are processed together as the
+rows of one matrix (`G_pad = next_power_of_2(G)`, padded with zero heads in the wrapper only when G is not a
+power of two), so each KV page is read once per query tile for the whole group. A *query tile* is
+`block_q` consecutive query rows of one sequence, i.e. a `[block_q * G_pad, head_dim]` matrix.
 
-    max_tiles = cdiv(T, block_q) + min(max_num_seqs, T) + 1
+There are two tile kinds, with separate static shapes (`KernelConfig.decode` / `KernelConfig.prefill`):
 
-The kernel grid is `(max_tiles, num_kv_heads)`. Grid step `(t, h)`:
+* decode tiles: a sequence with 1 <= q_len <= decode.block_q (decodes, and very short chunks) is one tile.
+  decode.block_q is chosen so that `block_q * G_pad` is Triton's minimum of 16 matmul rows (or G_pad).
+* prefill tiles: the rows of every longer sequence cut into tiles of prefill.block_q rows (64-128 matmul
+  rows by default), followed by *zero tiles* that cover the padding rows cu_q_lens[num_seqs] .. T.
 
-  * reads its tile's metadata (kind, sequence, first row, row limit, first query position, KV extent) with
-    scalar loads from an ordinary int32 input;
-  * kind 0 (unused tile): does nothing;
-  * kind 2 (zero tile): stores zeros to its padding rows (masked store, so rows >= T are never touched);
-  * kind 1 (compute tile): loads the `block_q x G` query rows of the `G = num_q_heads // num_kv_heads` query
-    heads that share KV head `h` as one `[block_q * G_pad, head_dim]` matrix (GQA: each KV page is read
-    once for the whole group; `G_pad = next_power_of_2(G)`, padded with zero heads in the wrapper only when
-    G is not a power of two). It then runs a `lax.fori_loop` over KV blocks of `num_kv_pages_per_block`
-    pages, *only up to the last position the tile's last query row may see* (so no work for blocks past
-    the sequence's length or causally in the future). Each iteration reads the page ids from
-    `block_tables`, gathers the pages' K and V for head `h`, and folds them into an online softmax
-    (running max / sum / accumulator, all float32; scores in float32; the probabilities are cast to the
-    value dtype for the second matmul, as in flash attention; float32 inputs use full-precision IEEE
-    matmuls, not Triton's TF32 default). Finally it stores the rows that belong to
-    the tile with a masked store, so rows of neighbouring sequences are never clobbered.
+The metadata pass (`ragged_paged_attention_tiles.py`, a few jnp ops on [max_num_seqs]-sized arrays) assigns
+each sequence to a kind and numbers the tiles of each kind consecutively into int32 metadata (kind, sequence,
+rows, first query position, KV extent; decode tiles also their KV split). Tile counts are data dependent but
+bounded by static numbers (`tiles.max_tiles`); unused tiles exit at once. Then up to three `pallas_call`s:
 
-Every output row is written by the kernel (valid rows by compute tiles, padding rows by zero tiles), so
-the output buffer needs no initialisation. Keys/values at positions a query may not see are masked in the
-scores *and* zeroed in V, so stale or non-finite data in unused cache slots cannot leak into the output.
+1. prefill, grid `(max_prefill_tiles, num_kv_heads)`: zero tiles store zeros to their padding rows; compute
+   tiles run the flash-attention loop below over KV steps of prefill.kv_pages_per_block pages and store
+   their normalised rows. Decode rows of the output are left unwritten here.
+2. decode, grid `(max_decode_tiles, num_kv_heads, max_splits)` (*split-KV*, flash-decoding): the KV range of
+   a decode tile, in steps of decode.kv_pages_per_block pages, is cut into NUM_SPLITS contiguous,
+   non-empty, step-aligned sub-ranges, one per program along the third grid axis. Each program stores the
+   float32 softmax state of its sub-range (unnormalised accumulator, running max, running sum; an empty
+   sub-range would store the neutral state max = mask value, sum = 0) into scratch outputs of shape
+   `[max_splits, max_decode_tiles, num_kv_heads, rows(, head_dim)]` (the accumulator with a masked store of
+   the tile's real rows only); programs past the tile's NUM_SPLITS do nothing, and a tile with NUM_SPLITS
+   == 1 stores its normalised rows straight into the output (aliased), skipping the scratch and the merge.
+   NUM_SPLITS is computed per tile from the data: enough splits that about
+   `split_target_programs` programs run, each at least `min_split_kv` tokens long, at most `max_splits`.
+   `max_splits` (the grid size) is static (from the tuning table or rules: a function of the cache's max
+   context), so nothing recompiles at serving time.
+3. merge, grid `(max_decode_tiles, num_kv_heads)`: folds a decode tile's NUM_SPLITS > 1 states (rescaling by
+   the running maxima) into normalised rows and stores them into the output of step 1, aliased
+   (`input_output_aliases`), so the two kinds write disjoint rows of one buffer.
+   With `max_splits == 1` steps 2 and 3 are one direct call (decode tiles store normalised rows into the
+   aliased output); with decode.block_q == 0 there are no decode tiles and only step 1 runs.
 
-Block-size constraints
-----------------------
-`block_q` and `num_kv_pages_per_block` must be powers of two, `block_q * G_pad >= 16` and
-`num_kv_pages_per_block * block_size >= 16` (Triton's `tt.dot` needs every matmul dim >= 16). For the
-compiled Triton path (`interpret=False`) `block_size` and `head_dim` must also be powers of two and
-`head_dim >= 16` (Triton tensors have power-of-two sizes); interpret mode does not need these two.
+The per-tile loop (steps 1 and 2): the tile's `[block_q * G_pad, head_dim]` query matrix is loaded once (masked
+to its rows); then `lax.fori_loop`s walk KV steps, only up to the last position the tile's last row may see
+(causal early exit; nothing past the sequence's length). Steps that every row of the tile sees entirely
+(they end at or before the first row's position) run without masks; only the remaining steps at the causal
+diagonal and the sequence end mask scores and values. Each step reads the page ids from `block_tables`,
+gathers the pages' K and V for head `h`, and folds them into an online softmax (running max / sum /
+accumulator, all float32; scores in float32; the probabilities are cast to the value dtype for the second
+matmul, as in flash attention; float32 inputs use full-precision IEEE matmuls, not Triton's TF32 default).
+Rows are stored with masked stores, so rows of neighbouring sequences are never clobbered.
 
-Limitations
------------
-There is no split over the KV length (flash-decoding): one program walks a sequence's whole context, so a
-batch of a few very long sequences keeps only `num_seqs * num_kv_heads` programs busy. Decode tiles use a
-`block_q * G_pad`-row matmul of which only `G` rows are real (harmless while decode is memory bound). The
-default block sizes are not tuned.
+Every output row is written exactly once (prefill rows and padding rows by step 1, decode rows by step 3 or
+the direct decode call), so the output buffer needs no initialisation. Keys/values at positions a query may
+not see are masked in the scores *and* zeroed in V, and page ids are clipped into the cache, so stale or
+non-finite data in unused cache slots (or block-table entries past a sequence's last page) cannot leak into
+the output.
 
-Static arguments: `sm_scale`, `interpret`, `block_q`, `num_kv_pages_per_block`, `num_warps`,
-`num_stages` (all keyword-only; the function is wrapped in `jax.jit` with these static).
+Static configuration
+--------------------
+`KernelConfig` (`pallas_kernels/tuning.py`): per tile kind `block_q`, `kv_pages_per_block`, `num_warps`,
+`num_stages`; and `max_splits`, `min_split_kv`, `split_target_programs`. It is resolved at trace time from the
+shapes (dtype, head_dim, G_pad, block_size, T and max context bucketed to powers of two) in the tuning table
+`pallas_kernels/tuning_table.json` (written by `python -m pallas_kernels.tune` on a GPU; the committed table
+holds rule-based defaults, `"tuned": false`), falling back to rules where the table has no entry.
+`resolve_kernel_config` says which config (and which table entry) a shape gets. Arguments `block_q`,
+`num_kv_pages_per_block`, `num_warps`, `num_stages`, `num_kv_splits` override single fields; `config`
+replaces the lookup. All are static (the jitted implementation takes `sm_scale`, `interpret` and the
+resolved `config` as static arguments).
+
+Block-size constraints: `block_q` (each kind) and `kv_pages_per_block` are powers of two,
+`block_q * G_pad >= 16` and `kv_pages_per_block * block_size >= 16` (Triton's `tt.dot` needs every matmul dim
+>= 16); `max_splits` is a power of two. For the compiled Triton path (`interpret=False`) `block_size` and
+`head_dim` must also be powers of two and `head_dim >= 16` (Triton tensors have power-of-two sizes);
+interpret mode does not need these two.
+
+Costs and limits: a decode tile of q_len rows uses `block_q * G_pad >= 16` matmul rows of which `q_len * G`
+are real (at most 4x padding for G = 4; decode is memory bound, so this costs issue slots, not bandwidth).
+Sequences are never packed together into one tile (their KV differs). The scratch of the split path is
+`max_splits * max_decode_tiles * num_kv_heads * block_q * G_pad * (head_dim + 2)` float32 (allocated per call,
+touched only for the splits actually used). Prefill tiles are not split over KV, so a short chunk just above
+decode.block_q rows after a very long context keeps only `num_kv_heads` programs per tile busy.
 
 Backends
 --------
 * GPU: lowers through Pallas's Triton backend (`jax.experimental.pallas.triton`); no TPU-only primitives
   and no scalar prefetch are used.
-* CPU (or anywhere): `interpret=True` runs the same kernel body through the Pallas interpreter (slow;
+* CPU (or anywhere): `interpret=True` runs the same kernel bodies through the Pallas interpreter (slow;
   for tests).
 * TPU: not provided. JAX ships a TPU ragged paged attention kernel
   (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), but it wants K and V interleaved in a single
@@ -87,14 +120,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["ragged_paged_attention", "DEFAULT_MASK_VALUE"]
+from pallas_kernels import ragged_paged_attention_tiles as tiles
+from pallas_kernels.ragged_paged_attention_tiles import cdiv as _cdiv
+from pallas_kernels.tuning import KernelConfig, TileConfig, next_pow2 as _next_pow2, resolve_config
+
+__all__ = ["ragged_paged_attention", "resolve_kernel_config", "KernelConfig", "TileConfig", "DEFAULT_MASK_VALUE"]
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-# Rows of the int32 tile-metadata array passed to the kernel.
-_KIND, _SEQ, _ROW0, _ROW_END, _POS0, _KV_END = range(6)
-_NUM_META = 6
-_KIND_EMPTY, _KIND_COMPUTE, _KIND_ZERO = 0, 1, 2
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -103,61 +135,61 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _kernel(
-    meta_ref,  # int32[_NUM_META, max_tiles]
-    block_tables_ref,  # int32[max_num_seqs, max_blocks_per_seq_padded]
-    q_ref,  # [T, G_pad, head_dim]            (KV head squeezed by the BlockSpec)
-    k_ref,  # [num_blocks, block_size, head_dim]
-    v_ref,  # [num_blocks, block_size, head_dim]
-    o_ref,  # [T, G_pad, head_dim]
-    *,
-    sm_scale: float,
-    block_q: int,
-    num_kv_pages_per_block: int,
-    num_blocks: int,
-    mask_value: float,
-):
+def _attention_kernel(meta_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs, sm_scale, block_q,
+                      num_kv_pages_per_block, num_blocks, mask_value, mode):
+    """One program: query tile `program_id(0)`, KV head `program_id(1)`, and in mode "partial" KV split
+    `program_id(2)`. Modes: "direct" writes normalised rows (and zero tiles) to the output; "aliased" does
+    the same with the output aliased to an extra (unread) input; "partial" (output aliased too) writes the
+    float32 softmax state (acc, running max, running sum) of its KV split for the merge pass, or, for a tile
+    with a single split, its normalised rows straight to the output."""
+    if mode == "partial":
+        _, o_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        o_ref = refs[-1]
     t = pl.program_id(0)
     _, g_pad, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     block_kv = num_kv_pages_per_block * block_size
     rows = block_q * g_pad
 
-    kind = meta_ref[_KIND, t]
-    row0 = meta_ref[_ROW0, t]
-    row_end = meta_ref[_ROW_END, t]
+    kind = meta_ref[tiles.KIND, t]
+    row0 = meta_ref[tiles.ROW0, t]
+    row_end = meta_ref[tiles.ROW_END, t]
     # Rows [row0, row_end) of this tile are ours; mask for a [block_q, g_pad, head_dim] tile.
-    row_ids = lax.broadcasted_iota(jnp.int32, (block_q, g_pad, head_dim), 0)
-    row_mask = row_ids < (row_end - row0)
+    row_mask = lax.broadcasted_iota(jnp.int32, (block_q, g_pad, head_dim), 0) < (row_end - row0)
 
-    @pl.when(kind == _KIND_ZERO)
-    def _zero():
-        plgpu.store(
-            o_ref.at[pl.ds(row0, block_q)], jnp.zeros((block_q, g_pad, head_dim), o_ref.dtype), mask=row_mask
-        )
+    if mode != "partial":
+        @pl.when(kind == tiles.KIND_ZERO)
+        def _zero():
+            plgpu.store(o_ref.at[pl.ds(row0, block_q)], jnp.zeros((block_q, g_pad, head_dim), o_ref.dtype),
+                        mask=row_mask)
 
-    @pl.when(kind == _KIND_COMPUTE)
+    seq = meta_ref[tiles.SEQ, t]
+    pos0 = meta_ref[tiles.POS0, t]  # position of the tile's first query row
+    kv_end = meta_ref[tiles.KV_END, t]  # KV positions [0, kv_end) are visible to some row of the tile
+    num_steps = _cdiv(kv_end, block_kv)
+    if mode == "partial":
+        split = pl.program_id(2)
+        split_steps = meta_ref[tiles.SPLIT_STEPS, t]
+        active = (kind == tiles.KIND_COMPUTE) & (split < meta_ref[tiles.NUM_SPLITS, t])
+        lo = split * split_steps
+        hi = jnp.minimum(lo + split_steps, num_steps)
+    else:
+        active = kind == tiles.KIND_COMPUTE
+        lo, hi = 0, num_steps
+    # Steps [lo, full) are visible to every row of the tile (they end at or before the first row's
+    # position): no causal or length mask there. Steps [full, hi) are masked.
+    full = jnp.clip((pos0 + 1) // block_kv, lo, hi)
+
+    @pl.when(active)
     def _compute():
-        seq = meta_ref[_SEQ, t]
-        pos0 = meta_ref[_POS0, t]  # position of the tile's first query row
-        kv_end = meta_ref[_KV_END, t]  # KV positions [0, kv_end) are visible to some row of the tile
-
         # float32 inputs: full-precision (IEEE) matmuls; Triton's default for float32 would be TF32.
         precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
-        q = plgpu.load(q_ref.at[pl.ds(row0, block_q)], mask=row_mask, other=0)
-        q = q.reshape(rows, head_dim)
+        q = plgpu.load(q_ref.at[pl.ds(row0, block_q)], mask=row_mask, other=0).reshape(rows, head_dim)
         # Query position of each of the block_q * g_pad matrix rows (row r is query r // g_pad).
         q_pos = pos0 + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // g_pad
         kv_iota = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
@@ -165,93 +197,100 @@ def _kernel(
         page_iota = lax.broadcasted_iota(jnp.int32, (num_kv_pages_per_block,), 0)
         num_pages = _cdiv(kv_end, block_size)
 
-        def body(b, carry):
+        def step(masked, b, carry):
             m_prev, l_prev, acc_prev = carry
             first_page = b * num_kv_pages_per_block
             pages = block_tables_ref[seq, pl.ds(first_page, num_kv_pages_per_block)]
-            # Pages past the sequence's end may hold anything: point them at page 0 (their scores are
-            # masked and their values zeroed below) and never index outside the cache.
-            pages = jnp.where(page_iota + first_page < num_pages, pages, 0)
-            pages = jnp.clip(pages, 0, num_blocks - 1)
+            if masked:
+                # Pages past the sequence's end may hold anything: point them at page 0 (their scores are
+                # masked and their values zeroed below).
+                pages = jnp.where(page_iota + first_page < num_pages, pages, 0)
+            pages = jnp.clip(pages, 0, num_blocks - 1)  # never index outside the cache
             k = k_ref[pages].reshape(block_kv, head_dim)
             v = v_ref[pages].reshape(block_kv, head_dim)
-
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) * sm_scale  # [rows, block_kv]
             kv_start = b * block_kv
-            s = lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-            )  # [rows, block_kv]
-            s = s * sm_scale
-            kv_pos = kv_start + kv_iota
-            visible = (kv_pos <= q_pos) & (kv_pos < kv_end)
-            s = jnp.where(visible, s, mask_value)
-            m_cur = jnp.max(s, axis=1)
-            m_next = jnp.maximum(m_prev, m_cur)
+            if masked:
+                kv_pos = kv_start + kv_iota
+                visible = (kv_pos <= q_pos) & (kv_pos < kv_end)
+                s = jnp.where(visible, s, mask_value)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
             alpha = jnp.exp(m_prev - m_next)
             p = jnp.exp(s - m_next[:, None])
-            p = jnp.where(visible, p, 0.0)
+            if masked:
+                p = jnp.where(visible, p, 0.0)
+                v = jnp.where(kv_start + kv_iota_1d < kv_end, v, jnp.zeros_like(v))
             l_next = l_prev * alpha + jnp.sum(p, axis=1)
-            v = jnp.where(kv_start + kv_iota_1d < kv_end, v, jnp.zeros_like(v))
-            pv = lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                preferred_element_type=jnp.float32,
-            )  # [rows, head_dim]
-            acc_next = acc_prev * alpha[:, None] + pv
-            return m_next, l_next, acc_next
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32)  # [rows, head_dim]
+            return m_next, l_next, acc_prev * alpha[:, None] + pv
+
+        carry = (
+            jnp.full((rows,), mask_value, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32),
+        )
+        carry = lax.fori_loop(lo, full, functools.partial(step, False), carry)
+        m, l, acc = lax.fori_loop(full, hi, functools.partial(step, True), carry)
+        def store_rows():
+            l_safe = jnp.where(l > 0.0, l, 1.0)
+            out = (acc / l_safe[:, None]).astype(o_ref.dtype).reshape(block_q, g_pad, head_dim)
+            plgpu.store(o_ref.at[pl.ds(row0, block_q)], out, mask=row_mask)
+
+        if mode == "partial":
+            single = meta_ref[tiles.NUM_SPLITS, t] == 1
+            pl.when(single)(store_rows)
+
+            @pl.when(~single)
+            def _store_partial():
+                # Only the tile's real rows travel (a decode tile is mostly padding rows). An empty split
+                # (lo >= hi) would store the neutral state: max = mask_value, sum = 0, acc = 0.
+                real = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) // g_pad < (row_end - row0)
+                plgpu.store(acc_ref, acc, mask=real)
+                m_ref[...] = m
+                l_ref[...] = l
+        else:
+            store_rows()
+
+
+def _merge_kernel(meta_ref, acc_ref, m_ref, l_ref, _aliased_out_ref, o_ref, *, block_q, mask_value):
+    """One program per (decode tile, KV head): folds the tile's NUM_SPLITS (> 1) partial states (in split
+    order) into normalised rows and stores them (masked) into the aliased output. Tiles with one split
+    already wrote their rows."""
+    t = pl.program_id(0)
+    _, g_pad, head_dim = o_ref.shape
+    rows = block_q * g_pad
+    kind = meta_ref[tiles.KIND, t]
+    row0 = meta_ref[tiles.ROW0, t]
+    row_end = meta_ref[tiles.ROW_END, t]
+
+    num_splits = meta_ref[tiles.NUM_SPLITS, t]
+    real = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) // g_pad < (row_end - row0)
+
+    @pl.when((kind == tiles.KIND_COMPUTE) & (num_splits > 1))
+    def _merge():
+        def body(s, carry):
+            m, l, acc = carry
+            m_s, l_s = m_ref[s], l_ref[s]
+            acc_s = plgpu.load(acc_ref.at[s], mask=real, other=0.0)
+            m_next = jnp.maximum(m, m_s)
+            a, b = jnp.exp(m - m_next), jnp.exp(m_s - m_next)
+            return m_next, l * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
 
         init = (
             jnp.full((rows,), mask_value, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32),
         )
-        _, l, acc = lax.fori_loop(0, _cdiv(kv_end, block_kv), body, init)
+        _, l, acc = lax.fori_loop(0, num_splits, body, init)
         l = jnp.where(l > 0.0, l, 1.0)
         out = (acc / l[:, None]).astype(o_ref.dtype).reshape(block_q, g_pad, head_dim)
+        row_mask = lax.broadcasted_iota(jnp.int32, (block_q, g_pad, head_dim), 0) < (row_end - row0)
         plgpu.store(o_ref.at[pl.ds(row0, block_q)], out, mask=row_mask)
 
 
-def _tile_metadata(kv_lens, cu_q_lens, num_seqs, *, num_tokens, block_q, max_tiles, max_kv_len):
-    """int32[_NUM_META, max_tiles]: which rows each query tile covers and how much KV it needs."""
-    max_num_seqs = kv_lens.shape[0]
-    seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
-    seq_valid = seq_ids < num_seqs
-    q_lens = jnp.where(seq_valid, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    q_lens = jnp.maximum(q_lens, 0)
-    tiles_per_seq = _cdiv(q_lens, block_q)
-    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # exclusive end of each sequence's tiles
-    num_compute = tile_end[-1]
-    pad_start = jnp.minimum(cu_q_lens[num_seqs], num_tokens)
-    num_zero = _cdiv(num_tokens - pad_start, block_q)
-
-    t = jnp.arange(max_tiles, dtype=jnp.int32)
-    seq = jnp.sum(tile_end[None, :] <= t[:, None], axis=1).astype(jnp.int32)
-    seq = jnp.minimum(seq, max_num_seqs - 1)
-    local = t - (tile_end[seq] - tiles_per_seq[seq])
-    is_compute = t < num_compute
-    is_zero = (~is_compute) & (t - num_compute < num_zero)
-    kind = jnp.where(is_compute, _KIND_COMPUTE, jnp.where(is_zero, _KIND_ZERO, _KIND_EMPTY))
-
-    seq_start = cu_q_lens[seq]
-    seq_end = cu_q_lens[seq + 1]
-    row0 = jnp.where(is_compute, seq_start + local * block_q, pad_start + (t - num_compute) * block_q)
-    row_end = jnp.where(is_compute, seq_end, num_tokens)
-    kv_len = jnp.minimum(kv_lens[seq], max_kv_len)
-    context = kv_len - (seq_end - seq_start)
-    pos0 = context + (row0 - seq_start)
-    last_row = jnp.minimum(row0 + block_q, row_end)  # exclusive
-    kv_end = jnp.clip(context + (last_row - seq_start), 0, kv_len)
-    zeros = jnp.zeros_like(t)
-    meta = [
-        kind,
-        jnp.where(is_compute, seq, zeros),
-        jnp.where(is_compute | is_zero, row0, zeros),
-        jnp.where(is_compute | is_zero, row_end, zeros),
-        jnp.where(is_compute, pos0, zeros),
-        jnp.where(is_compute, kv_end, zeros),
-    ]
-    return jnp.stack([x.astype(jnp.int32) for x in meta])
-
-
-def _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, block_q, num_kv_pages_per_block, interpret):
+def _validate_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, interpret):
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -272,6 +311,8 @@ def _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *
         raise ValueError(f"head_dim mismatch: q has {head_dim}, k_pages/v_pages have {head_dim_k}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if block_size == 0 or num_blocks == 0:
+        raise ValueError(f"empty KV cache: k_pages shape {k_pages.shape}")
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens must be [max_num_seqs], got shape {kv_lens.shape}")
     max_num_seqs = kv_lens.shape[0]
@@ -287,78 +328,95 @@ def _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *
         raise ValueError(f"cu_q_lens must be [max_num_seqs + 1 = {max_num_seqs + 1}], got {cu_q_lens.shape}")
     if num_seqs.size != 1:
         raise ValueError(f"num_seqs must be a scalar or have shape [1], got shape {num_seqs.shape}")
-    for name, x in (("kv_lens", kv_lens), ("block_tables", block_tables), ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+    for name, x in (("kv_lens", kv_lens), ("block_tables", block_tables), ("cu_q_lens", cu_q_lens),
+                    ("num_seqs", num_seqs)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got {x.dtype}")
-
-    group = num_q_heads // num_kv_heads
-    g_pad = _next_pow2(group)
-    if not _is_pow2(block_q):
-        raise ValueError(f"block_q={block_q} must be a power of two")
-    if block_q * g_pad < 16:
-        raise ValueError(
-            f"block_q * next_power_of_2(num_q_heads // num_kv_heads) = {block_q} * {g_pad} must be >= 16"
-        )
-    if not _is_pow2(num_kv_pages_per_block):
-        raise ValueError(f"num_kv_pages_per_block={num_kv_pages_per_block} must be a power of two")
-    if num_kv_pages_per_block * block_size < 16:
-        raise ValueError(
-            f"num_kv_pages_per_block * block_size = {num_kv_pages_per_block} * {block_size} must be >= 16"
-        )
     if not interpret:
         if not _is_pow2(block_size):
             raise ValueError(f"the Triton path needs a power-of-two block_size, got {block_size}")
         if not _is_pow2(head_dim) or head_dim < 16:
             raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16, got {head_dim}")
 
-    # Value checks, only where the metadata is concrete (not traced under jit).
-    if all(_is_concrete(x) for x in (kv_lens, cu_q_lens, num_seqs)):
-        kv = np.asarray(kv_lens).astype(np.int64)
-        cu = np.asarray(cu_q_lens).astype(np.int64)
-        n = int(np.asarray(num_seqs).reshape(()))
-        if not 0 <= n <= max_num_seqs:
-            raise ValueError(f"num_seqs={n} must be in [0, max_num_seqs={max_num_seqs}]")
-        if cu[0] != 0 or np.any(np.diff(cu[: n + 1]) < 0):
-            raise ValueError("cu_q_lens must start at 0 and be non-decreasing over the first num_seqs + 1 entries")
-        if cu[n] > num_tokens:
-            raise ValueError(f"cu_q_lens[num_seqs]={cu[n]} exceeds the number of query rows {num_tokens}")
-        q_lens = np.diff(cu[: n + 1])
-        if np.any(kv[:n] < q_lens):
-            bad = int(np.argmax(kv[:n] < q_lens))
-            raise ValueError(f"sequence {bad}: kv_lens={kv[bad]} is shorter than its query length {q_lens[bad]}")
-        capacity = block_tables.shape[1] * block_size
-        if n and kv[:n].max() > capacity:
-            bad = int(np.argmax(kv[:n]))
+
+def _validate_config(config: KernelConfig, *, group_pad: int, block_size: int):
+    for kind, tile in (("decode", config.decode), ("prefill", config.prefill)):
+        if kind == "decode" and tile.block_q == 0:
+            continue  # decode tiles disabled
+        if not _is_pow2(tile.block_q):
+            raise ValueError(f"{kind} block_q={tile.block_q} must be a power of two")
+        if tile.block_q * group_pad < 16:
             raise ValueError(
-                f"sequence {bad}: kv_lens={kv[bad]} needs {-(-int(kv[bad]) // block_size)} blocks but block_tables "
-                f"has only max_blocks_per_seq={block_tables.shape[1]} (capacity {capacity} tokens)"
+                f"{kind} block_q * next_power_of_2(num_q_heads // num_kv_heads) = {tile.block_q} * {group_pad} "
+                "must be >= 16"
             )
+        if not _is_pow2(tile.kv_pages_per_block):
+            raise ValueError(f"{kind} num_kv_pages_per_block={tile.kv_pages_per_block} must be a power of two")
+        if tile.kv_pages_per_block * block_size < 16:
+            raise ValueError(
+                f"{kind} num_kv_pages_per_block * block_size = {tile.kv_pages_per_block} * {block_size} must be >= 16"
+            )
+    if not _is_pow2(config.max_splits):
+        raise ValueError(f"num_kv_splits (max_splits)={config.max_splits} must be a power of two")
+    if config.min_split_kv < 1 or config.split_target_programs < 1:
+        raise ValueError("min_split_kv and split_target_programs must be positive")
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "interpret", "block_q", "num_kv_pages_per_block", "num_warps", "num_stages"),
-)
-def _ragged_paged_attention(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, interpret, block_q,
-    num_kv_pages_per_block, num_warps, num_stages,
-):
+def _validate_values(q, k_pages, kv_lens, block_tables, cu_q_lens, num_seqs):
+    """Value checks, only where the metadata is concrete (not traced under jit)."""
+    if not all(_is_concrete(x) for x in (kv_lens, cu_q_lens, num_seqs)):
+        return
+    num_tokens, block_size, max_num_seqs = q.shape[0], k_pages.shape[1], kv_lens.shape[0]
+    kv = np.asarray(kv_lens).astype(np.int64)
+    cu = np.asarray(cu_q_lens).astype(np.int64)
+    n = int(np.asarray(num_seqs).reshape(()))
+    if not 0 <= n <= max_num_seqs:
+        raise ValueError(f"num_seqs={n} must be in [0, max_num_seqs={max_num_seqs}]")
+    if cu[0] != 0 or np.any(np.diff(cu[: n + 1]) < 0):
+        raise ValueError("cu_q_lens must start at 0 and be non-decreasing over the first num_seqs + 1 entries")
+    if cu[n] > num_tokens:
+        raise ValueError(f"cu_q_lens[num_seqs]={cu[n]} exceeds the number of query rows {num_tokens}")
+    q_lens = np.diff(cu[: n + 1])
+    if np.any(kv[:n] < q_lens):
+        bad = int(np.argmax(kv[:n] < q_lens))
+        raise ValueError(f"sequence {bad}: kv_lens={kv[bad]} is shorter than its query length {q_lens[bad]}")
+    capacity = block_tables.shape[1] * block_size
+    if n and kv[:n].max() > capacity:
+        bad = int(np.argmax(kv[:n]))
+        raise ValueError(
+            f"sequence {bad}: kv_lens={kv[bad]} needs {-(-int(kv[bad]) // block_size)} blocks but block_tables "
+            f"has only max_blocks_per_seq={block_tables.shape[1]} (capacity {capacity} tokens)"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config"))
+def _ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
+                            interpret, config: KernelConfig):
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
     max_num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
     g_pad = _next_pow2(group)
+    dec, pre = config.decode, config.prefill
+    num_splits = config.max_splits
     kv_lens = kv_lens.astype(jnp.int32)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
 
-    max_tiles = _cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens) + 1
-    meta = _tile_metadata(
-        kv_lens, cu_q_lens, num_seqs, num_tokens=num_tokens, block_q=block_q, max_tiles=max_tiles,
-        max_kv_len=max_blocks * block_size,
+    max_dec, max_pre = tiles.max_tiles(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
+                                       decode_block_q=dec.block_q, prefill_block_q=pre.block_q)
+    dec_block_kv = dec.kv_pages_per_block * block_size
+    meta_dec, meta_pre = tiles.tile_metadata(
+        kv_lens, cu_q_lens, num_seqs, num_tokens=num_tokens, decode_block_q=dec.block_q,
+        prefill_block_q=pre.block_q, max_decode_tiles=max_dec, max_prefill_tiles=max_pre,
+        max_kv_len=max_blocks * block_size, decode_block_kv=dec_block_kv, max_splits=num_splits,
+        min_split_steps=max(1, _cdiv(config.min_split_kv, dec_block_kv)),
+        split_target_programs=config.split_target_programs, num_kv_heads=num_kv_heads,
     )
-    padded_blocks = _cdiv(max_blocks, num_kv_pages_per_block) * num_kv_pages_per_block
+    # Whole KV steps of either tile kind never read past the (padded) block table.
+    step_pages = max(dec.kv_pages_per_block if max_dec else 1, pre.kv_pages_per_block)
+    padded_blocks = _cdiv(max_blocks, step_pages) * step_pages
     if padded_blocks != max_blocks:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
 
@@ -366,31 +424,99 @@ def _ragged_paged_attention(
     if g_pad != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
 
-    kernel = functools.partial(
-        _kernel,
-        sm_scale=float(sm_scale),
-        block_q=block_q,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_blocks=num_blocks,
-        mask_value=DEFAULT_MASK_VALUE,
-    )
-    grid = (max_tiles, num_kv_heads)
-    full = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))
-    per_head_q = pl.BlockSpec((num_tokens, None, g_pad, head_dim), lambda t, h: (0, h, 0, 0))
-    per_head_kv = pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda t, h: (0, 0, h, 0))
+    def kernel(tile: TileConfig, mode: str):
+        return functools.partial(
+            _attention_kernel, sm_scale=float(sm_scale), block_q=tile.block_q,
+            num_kv_pages_per_block=tile.kv_pages_per_block, num_blocks=num_blocks, mask_value=DEFAULT_MASK_VALUE,
+            mode=mode,
+        )
+
+    def params(tile: TileConfig):
+        return plgpu.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+    def full(shape):
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    per_head_q = pl.BlockSpec((num_tokens, None, g_pad, head_dim), lambda t, h, *_: (0, h, 0, 0))
+    per_head_kv = pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda t, h, *_: (0, 0, h, 0))
+    out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    common_specs = [full(block_tables.shape), per_head_q, per_head_kv, per_head_kv]
+
+    # 1. Prefill tiles and the zero tiles of the padding rows; decode rows are left for step 2.
     out = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[full(meta.shape), full(block_tables.shape), per_head_q, per_head_kv, per_head_kv],
-        out_specs=per_head_q,
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"ragged_paged_attention_bq{block_q}_kvp{num_kv_pages_per_block}",
-    )(meta, block_tables, qg, k_pages, v_pages)
+        kernel(pre, "direct"), grid=(max_pre, num_kv_heads), in_specs=[full(meta_pre.shape)] + common_specs,
+        out_specs=per_head_q, out_shape=out_shape, interpret=interpret, compiler_params=params(pre),
+        name=f"rpa_prefill_bq{pre.block_q}_kvp{pre.kv_pages_per_block}",
+    )(meta_pre, block_tables, qg, k_pages, v_pages)
+
+    # 2. Decode tiles, written into the same buffer (aliased): directly, or as KV splits and a merge.
+    if max_dec and num_splits == 1:
+        out = pl.pallas_call(
+            kernel(dec, "aliased"), grid=(max_dec, num_kv_heads),
+            in_specs=[full(meta_dec.shape)] + common_specs + [per_head_q], out_specs=per_head_q,
+            out_shape=out_shape, input_output_aliases={5: 0}, interpret=interpret, compiler_params=params(dec),
+            name=f"rpa_decode_bq{dec.block_q}_kvp{dec.kv_pages_per_block}",
+        )(meta_dec, block_tables, qg, k_pages, v_pages, out)
+    elif max_dec:
+        rows = dec.block_q * g_pad
+        part = lambda *s: jax.ShapeDtypeStruct((num_splits, max_dec, num_kv_heads, *s), jnp.float32)
+        part_spec = lambda *s: pl.BlockSpec((None, None, None, *s), lambda t, h, i: (i, t, h) + (0,) * len(s))
+        out, acc, m, l = pl.pallas_call(
+            kernel(dec, "partial"), grid=(max_dec, num_kv_heads, num_splits),
+            in_specs=[full(meta_dec.shape)] + common_specs + [per_head_q],
+            out_specs=[per_head_q, part_spec(rows, head_dim), part_spec(rows), part_spec(rows)],
+            out_shape=[out_shape, part(rows, head_dim), part(rows), part(rows)], input_output_aliases={5: 0},
+            interpret=interpret, compiler_params=params(dec),
+            name=f"rpa_decode_split{num_splits}_bq{dec.block_q}_kvp{dec.kv_pages_per_block}",
+        )(meta_dec, block_tables, qg, k_pages, v_pages, out)
+        all_splits = lambda *s: pl.BlockSpec((num_splits, None, None, *s), lambda t, h: (0, t, h) + (0,) * len(s))
+        out = pl.pallas_call(
+            functools.partial(_merge_kernel, block_q=dec.block_q, mask_value=DEFAULT_MASK_VALUE),
+            grid=(max_dec, num_kv_heads),
+            in_specs=[full(meta_dec.shape), all_splits(rows, head_dim), all_splits(rows), all_splits(rows),
+                      per_head_q],
+            out_specs=per_head_q, out_shape=out_shape, input_output_aliases={4: 0}, interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            name=f"rpa_merge_split{num_splits}_bq{dec.block_q}",
+        )(meta_dec, acc, m, l, out)
+
     if g_pad != group:
         out = out[:, :, :group, :]
     return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def resolve_kernel_config(
+    q_shape, k_pages_shape, block_tables_shape, dtype, *, config: KernelConfig | None = None,
+    block_q: int | None = None, num_kv_pages_per_block: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, num_kv_splits: int | None = None,
+) -> tuple[KernelConfig, str]:
+    """The static `KernelConfig` a call with these shapes uses, and where it came from (tuning-table entry
+    or rules; see `pallas_kernels/tuning.py`). Explicit arguments override it: `block_q` the prefill
+    tiles' query rows, `num_kv_pages_per_block`, `num_warps` and `num_stages` both tile kinds, and
+    `num_kv_splits` the static split bound (1: no split-KV pass)."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    _, block_size, num_kv_heads, _ = k_pages_shape
+    g_pad = _next_pow2(num_q_heads // num_kv_heads)
+    source = "explicit config"
+    if config is None:
+        config, source = resolve_config(
+            dtype=jnp.dtype(dtype).name, head_dim=head_dim, group=g_pad, block_size=block_size,
+            tokens=num_tokens, max_context=block_tables_shape[1] * block_size,
+        )
+    overrides = dict(block_q=block_q, kv_pages_per_block=num_kv_pages_per_block, num_warps=num_warps,
+                     num_stages=num_stages)
+    if any(v is not None for v in overrides.values()) or num_kv_splits is not None:
+        source += " + explicit " + ", ".join(
+            k for k, v in dict(overrides, num_kv_splits=num_kv_splits).items() if v is not None)
+    both = {k: v for k, v in overrides.items() if v is not None and k != "block_q"}
+    config = KernelConfig(
+        decode=TileConfig(**{**config.decode.__dict__, **both}),
+        prefill=TileConfig(**{**config.prefill.__dict__, **both, **({"block_q": block_q} if block_q else {})}),
+        max_splits=config.max_splits if num_kv_splits is None else num_kv_splits,
+        min_split_kv=config.min_split_kv,
+        split_target_programs=config.split_target_programs,
+    )
+    return config, source
 
 
 def ragged_paged_attention(
@@ -408,8 +534,10 @@ def ragged_paged_attention(
     num_kv_pages_per_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_kv_splits: int | None = None,
+    config: KernelConfig | None = None,
 ) -> jax.Array:
-    """Ragged paged attention (flash-style, GQA-grouped) as a Pallas kernel.
+    """Ragged paged attention (flash-style, GQA-grouped, split-KV for decodes) as Pallas kernels.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim] queries of all scheduled tokens, sequence after sequence,
@@ -422,11 +550,14 @@ def ragged_paged_attention(
       num_seqs: int32 scalar or int32[1], number of real sequences; the rest are padding.
       sm_scale: softmax scale (static); defaults to head_dim ** -0.5.
       interpret: run through the Pallas interpreter (static); required on CPU.
-      block_q: query rows per tile (static, power of two, block_q * next_pow2(group) >= 16); default
-        max(1, 64 // next_pow2(group)).
-      num_kv_pages_per_block: pages per KV step (static, power of two, times block_size >= 16); default
-        the largest power of two with num_kv_pages_per_block * block_size <= 64 (raised to reach 16).
-      num_warps, num_stages: Triton compiler parameters (static); Pallas defaults when None.
+      block_q: query rows per prefill tile (static, power of two, block_q * next_pow2(group) >= 16).
+      num_kv_pages_per_block: pages per KV step of both tile kinds (static, power of two, times block_size
+        >= 16).
+      num_warps, num_stages: Triton compiler parameters of both tile kinds (static).
+      num_kv_splits: static bound on the KV splits of a decode tile (power of two; 1 disables split-KV).
+      config: the full static `KernelConfig` (both tile kinds and the split parameters). When None, it
+        comes from the tuning table, or the rules where the table has no entry (`resolve_kernel_config`);
+        the arguments above override single fields of it.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype. Row r of sequence i holds softmax(q k^T * sm_scale) v
@@ -438,32 +569,24 @@ def ragged_paged_attention(
         concrete, i.e. not traced) on metadata values the cache cannot hold, such as a kv_len larger than
         max_blocks_per_seq * block_size.
 
-    See the module docstring for the grid and what each grid step does.
+    See the module docstring for the grids and what each program does.
     """
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
     kv_lens = kv_lens if isinstance(kv_lens, jax.Array) else jnp.asarray(kv_lens)
     block_tables = block_tables if isinstance(block_tables, jax.Array) else jnp.asarray(block_tables)
     cu_q_lens = cu_q_lens if isinstance(cu_q_lens, jax.Array) else jnp.asarray(cu_q_lens)
     num_seqs = num_seqs if isinstance(num_seqs, jax.Array) else jnp.asarray(num_seqs)
-    if q.ndim == 3 and k_pages.ndim == 4 and k_pages.shape[2] and q.shape[1] % k_pages.shape[2] == 0:
-        g_pad = _next_pow2(q.shape[1] // k_pages.shape[2])
-        if block_q is None:
-            block_q = max(1, 64 // g_pad)
-        if num_kv_pages_per_block is None and k_pages.shape[1]:
-            # The largest power of two with num_kv_pages_per_block * block_size <= 64, but at least 16 tokens.
-            num_kv_pages_per_block = 1 << (max(1, 64 // k_pages.shape[1]).bit_length() - 1)
-            while num_kv_pages_per_block * k_pages.shape[1] < 16:
-                num_kv_pages_per_block *= 2
-    block_q = 16 if block_q is None else int(block_q)
-    num_kv_pages_per_block = 1 if num_kv_pages_per_block is None else int(num_kv_pages_per_block)
-    _validate(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        block_q=block_q, num_kv_pages_per_block=num_kv_pages_per_block, interpret=interpret,
+    _validate_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, interpret=interpret)
+    config, _ = resolve_kernel_config(
+        q.shape, k_pages.shape, block_tables.shape, q.dtype, config=config, block_q=block_q,
+        num_kv_pages_per_block=num_kv_pages_per_block, num_warps=num_warps, num_stages=num_stages,
+        num_kv_splits=num_kv_splits,
     )
+    _validate_config(config, group_pad=_next_pow2(q.shape[1] // k_pages.shape[2]), block_size=k_pages.shape[1])
+    _validate_values(q, k_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     return _ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=float(sm_scale), interpret=bool(interpret), block_q=block_q,
-        num_kv_pages_per_block=num_kv_pages_per_block, num_warps=num_warps, num_stages=num_stages,
+        sm_scale=float(sm_scale), interpret=bool(interpret), config=config,
     )

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import get_attention_fn, ragged_paged_attention, ragged_paged_attention_xla
-from pallas_kernels.ragged_paged_attention import _next_pow2, _tile_metadata
+from pallas_kernels.ragged_paged_attention import KernelConfig, TileConfig, _next_pow2, resolve_kernel_config
+from pallas_kernels import ragged_paged_attention_tiles as tiles
 from pallas_kernels.reference import ragged_paged_attention_reference as reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -44,6 +45,7 @@ class Cfg:
     block_size: int
     block_q: int | None = None  # None: the kernel's default
     num_kv_pages_per_block: int | None = None
+    config: KernelConfig | None = None  # a full static config (decode tiles, splits), instead of the two above
 
     @property
     def max_blocks(self):
@@ -57,8 +59,18 @@ class Cfg:
         g = self.num_q_heads // self.num_kv_heads
         return (
             f"{self.dtype}-g{g}-hkv{self.num_kv_heads}-d{self.head_dim}-bs{self.block_size}"
-            f"-bq{self.block_q}-kvp{self.num_kv_pages_per_block}"
+            f"-bq{self.block_q}-kvp{self.num_kv_pages_per_block}" + (f"-{_cfg_id(self.config)}" if self.config else "")
         )
+
+
+def _cfg_id(c: KernelConfig) -> str:
+    return (f"dec{c.decode.block_q}x{c.decode.kv_pages_per_block}-pre{c.prefill.block_q}x{c.prefill.kv_pages_per_block}"
+            f"-s{c.max_splits}-min{c.min_split_kv}-tp{c.split_target_programs}")
+
+
+def _split_cfg(decode_bq, decode_kvp, prefill_bq, prefill_kvp, max_splits, min_split_kv=16, target=10**6):
+    return KernelConfig(decode=TileConfig(decode_bq, decode_kvp), prefill=TileConfig(prefill_bq, prefill_kvp),
+                        max_splits=max_splits, min_split_kv=min_split_kv, split_target_programs=target)
 
 
 # GQA ratios 1, 2, 3 (not a power of two: padded group), 4, 8; head_dim 64 and 128; block sizes 16 and 32;
@@ -71,6 +83,17 @@ CONFIGS = [
     Cfg("bfloat16", 8, 2, 64, 32, block_q=4, num_kv_pages_per_block=1),
     Cfg("bfloat16", 8, 1, 128, 16, block_q=2, num_kv_pages_per_block=2),
     Cfg("bfloat16", 2, 1, 128, 16),  # default block sizes
+    # Split-KV decode tiles (and decode tiles holding short chunks of up to decode block_q rows): KV steps of
+    # 16-32 tokens, at most 4 or 8 splits of at least one step each, so decodes split into up to 8 parts
+    # (CAPACITY = 128). A huge split target splits as far as the bounds allow; target 8 makes the number of
+    # splits depend on how many decode tiles the batch has.
+    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(8, 1, 16, 2, max_splits=4)),
+    Cfg("float32", 3, 1, 64, 16, config=_split_cfg(4, 2, 8, 1, max_splits=8, target=8)),
+    Cfg("bfloat16", 8, 2, 128, 16, config=_split_cfg(4, 1, 4, 2, max_splits=8)),
+    Cfg("bfloat16", 4, 4, 64, 32, config=_split_cfg(16, 1, 32, 1, max_splits=2, min_split_kv=64)),
+    # Decode tiles without splits (aliased direct write), and decode tiles disabled (prefill tiles only).
+    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(8, 2, 16, 1, max_splits=1)),
+    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(0, 1, 8, 4, max_splits=1)),
 ]
 
 
@@ -121,7 +144,8 @@ def _xla_jitted():
 
 def run_kernel(cfg: Cfg, args):
     return ragged_paged_attention(
-        *args, interpret=True, block_q=cfg.block_q, num_kv_pages_per_block=cfg.num_kv_pages_per_block
+        *args, interpret=True, block_q=cfg.block_q, num_kv_pages_per_block=cfg.num_kv_pages_per_block,
+        config=cfg.config,
     )
 
 
@@ -191,60 +215,85 @@ EDGE_CASES = {
     "all_decodes": Batch([1] * MAX_NUM_SEQS, [0, 15, 16, 17, CAPACITY - 1]),
     "num_seqs_0": Batch([], []),
     "ends_exactly_at_budget": Batch([1, 31, 32], [5, 0, 64]),
+    # Sequences with no query rows this step (q_len 0) own no rows and produce nothing.
+    "zero_q_len_seqs": Batch([3, 0, 1, 0, 2], [5, 10, 7, 0, 100]),
+    # Decodes at the full capacity: every split of the longest KV range is used.
+    "long_decodes_and_a_chunk": Batch([1, 1, 6, 40], [CAPACITY - 1, 100, 90, 20]),
 }
 
 
 @pytest.mark.parametrize("case", list(EDGE_CASES))
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[5]], ids=str)
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[5], CONFIGS[7], CONFIGS[8],
+                                 CONFIGS[9], CONFIGS[12]], ids=str)
 def test_edge_cases(cfg, case):
     check(cfg, EDGE_CASES[case], seed=hash(case) % 1000)
 
 
 @functools.cache
-def _jitted_metadata(num_tokens, block_q, max_tiles):
-    return jax.jit(
-        functools.partial(
-            _tile_metadata, num_tokens=num_tokens, block_q=block_q, max_tiles=max_tiles, max_kv_len=10**6
-        )
-    )
+def _jitted_metadata(**static):
+    return jax.jit(functools.partial(tiles.tile_metadata, max_kv_len=10**6, **static))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_tile_metadata_partitions_rows(data):
-    """The query tiles handed to the grid cover every row of [0, T) exactly once, a compute tile never
-    spans two sequences, and its KV extent is what its last row may see. (Interpret mode runs the grid
-    in order, so an overlapping store could go unnoticed in the end-to-end tests; on a GPU it would race.)"""
-    num_tokens, max_num_seqs = 40, 12
-    block_q = data.draw(st.sampled_from([1, 4, 16]))
+    """The decode and prefill tiles handed to the grids cover every row of [0, T) exactly once, a compute
+    tile never spans two sequences, its KV extent is what its last row may see, a sequence's rows are all
+    in decode tiles (1 <= q_len <= decode block_q) or all in prefill tiles, and a decode tile's KV splits
+    cover its KV steps exactly, none empty, at most max_splits of them. (Interpret mode runs the grid in
+    order, so an overlapping store could go unnoticed in the end-to-end tests; on a GPU it would race.)"""
+    num_tokens, max_num_seqs, num_kv_heads = 40, 12, 2
+    bq_d = data.draw(st.sampled_from([0, 1, 2, 4, 8]))
+    bq_p = data.draw(st.sampled_from([1, 4, 16]))
+    block_kv = data.draw(st.sampled_from([16, 32]))
+    max_splits = data.draw(st.sampled_from([1, 2, 8]))
+    min_steps = data.draw(st.sampled_from([1, 3]))
+    target = data.draw(st.sampled_from([1, 16, 10**6]))
     q_lens = data.draw(st.lists(st.integers(0, 20), min_size=0, max_size=max_num_seqs))
     while sum(q_lens) > num_tokens:
         q_lens.pop()
     n = len(q_lens)
-    ctx = data.draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    ctx = data.draw(st.lists(st.integers(0, 300), min_size=n, max_size=n))
     kv_lens = np.zeros(max_num_seqs, np.int32)
     kv_lens[:n] = np.array(q_lens, np.int64) + np.array(ctx, np.int64)
     cu = np.zeros(max_num_seqs + 1, np.int32)
     cu[1 : n + 1] = np.cumsum(q_lens)
     cu[n + 1 :] = cu[n]
-    max_tiles = -(-num_tokens // block_q) + min(max_num_seqs, num_tokens) + 1
-    meta = np.asarray(_jitted_metadata(num_tokens, block_q, max_tiles)(kv_lens, cu, np.int32(n)))
-    kind, seq, row0, row_end, pos0, kv_end = meta
+    max_dec, max_pre = tiles.max_tiles(num_tokens=num_tokens, max_num_seqs=max_num_seqs, decode_block_q=bq_d,
+                                       prefill_block_q=bq_p)
+    fn = _jitted_metadata(num_tokens=num_tokens, decode_block_q=bq_d, prefill_block_q=bq_p,
+                          max_decode_tiles=max_dec, max_prefill_tiles=max_pre, decode_block_kv=block_kv,
+                          max_splits=max_splits, min_split_steps=min_steps, split_target_programs=target,
+                          num_kv_heads=num_kv_heads)
+    meta_dec, meta_pre = (np.asarray(m) for m in fn(kv_lens, cu, np.int32(n)))
+    assert meta_dec.shape == (tiles.NUM_META, max_dec) and meta_pre.shape == (tiles.NUM_META, max_pre)
     covered = np.zeros(num_tokens, np.int64)
-    for t in range(max_tiles):
-        if kind[t] == 0:
-            continue
-        lo, hi = row0[t], min(row0[t] + block_q, row_end[t])
-        assert lo < hi <= num_tokens
-        covered[lo:hi] += 1
-        if kind[t] == 1:
-            i = seq[t]
-            assert i < n and cu[i] <= lo and hi <= cu[i + 1] == row_end[t]
-            assert pos0[t] == kv_lens[i] - q_lens[i] + (lo - cu[i])
-            assert kv_end[t] == pos0[t] + (hi - lo)
-        else:
-            assert lo >= cu[n] and row_end[t] == num_tokens
+    seq_kind = {}
+    for kind_name, meta, bq in (("decode", meta_dec, bq_d), ("prefill", meta_pre, bq_p)):
+        kind, seq, row0, row_end, pos0, kv_end, num_splits, split_steps = meta
+        for t in range(meta.shape[1]):
+            if kind[t] == tiles.KIND_EMPTY:
+                continue
+            lo, hi = row0[t], min(row0[t] + bq, row_end[t])
+            assert lo < hi <= num_tokens
+            covered[lo:hi] += 1
+            if kind[t] == tiles.KIND_COMPUTE:
+                i = seq[t]
+                assert i < n and cu[i] <= lo and hi <= cu[i + 1] == row_end[t]
+                assert seq_kind.setdefault(i, kind_name) == kind_name
+                assert (kind_name == "decode") == (1 <= q_lens[i] <= bq_d)
+                assert pos0[t] == kv_lens[i] - q_lens[i] + (lo - cu[i])
+                assert kv_end[t] == pos0[t] + (hi - lo)
+                if kind_name == "decode":
+                    assert lo == cu[i] and hi == cu[i + 1]  # one tile per decode sequence
+                    steps = -(-kv_end[t] // block_kv)
+                    assert 1 <= num_splits[t] <= max_splits and split_steps[t] >= 1
+                    # splits [s * split_steps, ...) for s < num_splits: all non-empty, covering every step
+                    assert (num_splits[t] - 1) * split_steps[t] < steps <= num_splits[t] * split_steps[t]
+            else:
+                assert kind_name == "prefill" and lo >= cu[n] and row_end[t] == num_tokens
     assert np.all(covered == 1)
+    assert not (set(np.unique(meta_dec[tiles.KIND])) - {tiles.KIND_EMPTY, tiles.KIND_COMPUTE})
 
 
 def test_under_jit_with_traced_metadata():
@@ -333,6 +382,10 @@ def test_valid_args_pass():
         (dict(block_q=4), ">= 16"),  # 4 * next_pow2(2) = 8 rows: too small for tt.dot
         (dict(num_kv_pages_per_block=3), "power of two"),
         (dict(k_pages=jnp.zeros((8, 8, 2, 64)), v_pages=jnp.zeros((8, 8, 2, 64)), num_kv_pages_per_block=1), ">= 16"),
+        (dict(num_kv_splits=3), "power of two"),
+        (dict(config=KernelConfig(TileConfig(3, 1), TileConfig(8, 1))), "decode block_q=3"),
+        (dict(config=KernelConfig(TileConfig(4, 1), TileConfig(8, 1))), "decode block_q \\* next_power_of_2"),
+        (dict(config=KernelConfig(TileConfig(8, 1), TileConfig(8, 1), min_split_kv=0)), "positive"),
     ],
 )
 def test_validation_errors(overrides, match):
@@ -386,65 +439,110 @@ def test_get_attention_fn():
 
 
 @pytest.mark.parametrize(
-    "dtype, hq, hkv, d, bs, block_q",
-    [("bfloat16", 32, 8, 128, 16, None), ("float32", 8, 8, 64, 32, 16), ("bfloat16", 28, 4, 128, 16, None)],
+    "dtype, hq, hkv, d, bs, max_blocks, kwargs",
+    [
+        # Mistral-7B heads, default (rule or table) config: prefill tiles, split decode tiles and the merge.
+        ("bfloat16", 32, 8, 128, 16, 64, {}),
+        # Long context: the split bound reaches 16.
+        ("bfloat16", 32, 8, 128, 16, 1024, {}),
+        ("float32", 8, 8, 64, 32, 32, dict(block_q=16)),
+        # GQA group 7 (padded to 8), llama-1b-like head_dim 64.
+        ("bfloat16", 28, 4, 128, 16, 32, {}),
+        ("bfloat16", 32, 8, 64, 16, 256, {}),
+        # Decode tiles written directly (no split), and decode tiles disabled.
+        ("bfloat16", 32, 8, 128, 16, 64, dict(num_kv_splits=1)),
+        ("float16", 32, 8, 128, 16, 64, dict(config=KernelConfig(TileConfig(0, 4), TileConfig(16, 4)))),
+    ],
 )
-def test_lowers_for_gpu_through_triton(monkeypatch, dtype, hq, hkv, d, bs, block_q):
-    """Lowers the kernel for the "cuda" platform (no GPU needed): the Pallas Triton lowering runs every
-    rule and builds the Triton (tt) MLIR module, which must pass MLIR verification, and the StableHLO
-    module carries it as a `__gpu$xla.gpu.triton` custom call. Triton-to-PTX compilation itself happens in
-    XLA's GPU compiler, which needs a GPU build, so it is not exercised here."""
+def test_lowers_for_gpu_through_triton(monkeypatch, dtype, hq, hkv, d, bs, max_blocks, kwargs):
+    """Lowers the kernels for the "cuda" platform (no GPU needed): the Pallas Triton lowering runs every
+    rule and builds the Triton (tt) MLIR modules (prefill tiles; decode tiles, split or direct; the merge),
+    which must pass MLIR verification, and the StableHLO module carries them as `__gpu$xla.gpu.triton`
+    custom calls. Triton-to-PTX compilation itself happens in XLA's GPU compiler, which needs a GPU build,
+    so it is not exercised here."""
     from jax._src.pallas.triton import lowering as triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module
 
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
+    def capture(*args, **kw):
+        result = original(*args, **kw)
         op = result.module.operation
         with op.context:
             modules.append((op.verify(), op.get_asm()))
         return result
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
-    t, nb, s, mb = 128, 256, 16, 32
+    t, nb, s = 128, 256, 16
     dt = jnp.dtype(dtype)
     args = (
         jax.ShapeDtypeStruct((t, hq, d), dt),
         jax.ShapeDtypeStruct((nb, bs, hkv, d), dt),
         jax.ShapeDtypeStruct((nb, bs, hkv, d), dt),
         jax.ShapeDtypeStruct((s,), jnp.int32),
-        jax.ShapeDtypeStruct((s, mb), jnp.int32),
+        jax.ShapeDtypeStruct((s, max_blocks), jnp.int32),
         jax.ShapeDtypeStruct((s + 1,), jnp.int32),
         jax.ShapeDtypeStruct((1,), jnp.int32),
     )
-    fn = functools.partial(ragged_paged_attention, interpret=False, block_q=block_q)
+    config, _ = resolve_kernel_config((t, hq, d), (nb, bs, hkv, d), (s, max_blocks), dt, **kwargs)
+    fn = functools.partial(ragged_paged_attention, interpret=False, **kwargs)
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
-    assert len(modules) == 1
-    verified, asm = modules[0]
-    assert verified
-    assert asm.count("tt.dot") == 2  # q k^T and p v
-    assert "scf.for" in asm  # the KV loop with a data-dependent trip count
-    if dtype == "float32":
-        # Full float32 (IEEE, the printer's default, so not spelled out) matmuls, not Triton's TF32 default.
-        assert "tf32" not in asm
+    text = lowered.as_text()
+    expected = ["rpa_prefill"]
+    if config.decode.block_q:
+        expected += ["rpa_decode_split", "rpa_merge"] if config.max_splits > 1 else ["rpa_decode_bq"]
+    assert text.count("__gpu$xla.gpu.triton") == len(expected)
+    assert len(modules) == len(expected)
     g_pad = _next_pow2(hq // hkv)
-    rows = (block_q or 64 // g_pad) * g_pad
-    assert f"tensor<{rows}x{d}x" in asm  # the GQA group is folded into one matrix
+    for name, (verified, asm) in zip(expected, modules):
+        assert verified
+        assert f"tt.func public @{name}" in asm
+        if name == "rpa_merge":
+            assert "tt.dot" not in asm and "scf.for" in asm  # a loop over the used splits
+            continue
+        # q k^T and p v, in the unmasked loop over fully visible KV steps and in the masked loop.
+        assert asm.count("tt.dot") == 4
+        assert asm.count("scf.for") == 2
+        if dtype == "float32":
+            # Full float32 (IEEE, the printer's default, so not spelled out) matmuls, not Triton's TF32 default.
+            assert "tf32" not in asm
+        tile = config.prefill if name == "rpa_prefill" else config.decode
+        assert f"tensor<{tile.block_q * g_pad}x{d}x" in asm  # the GQA group is folded into one matrix
+        if name == "rpa_decode_split":
+            assert f"_split{config.max_splits}_" in asm
+    if max_blocks == 1024 and not kwargs:
+        assert config.max_splits == 16
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Benchmark script smoke test
 
 
-def test_bench_runs(capsys):
+def test_bench_runs(capsys, tmp_path):
+    import json
+
     from pallas_kernels import bench
 
+    out_file = tmp_path / "bench.json"
     bench.main([
         "--decodes", "3", "--decode-ctx", "40", "--prefill-chunks", "17,5", "--prefill-ctx", "0,30",
         "--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "float32",
-        "--iters", "1", "--matmul-n", "64", "--copy-mib", "1", "--shuffle-seqs",
+        "--iters", "1", "--matmul-n", "64", "--copy-mib", "1", "--shuffle-seqs", "--num-kv-splits", "2",
+        "--out", str(out_file),
     ])
     out = capsys.readouterr().out
     assert "pallas vs xla" in out and "(OK" in out and "floor" in out
+    assert "FlashAttention comparison:" in out and "config: rules decode; rules prefill + explicit num_kv_splits" in out
+    result = json.loads(out_file.read_text())
+    (case,) = result["cases"]
+    assert case["ok"] and case["config"]["max_splits"] == 2 and case["floor_us"] > 0 and case["pallas_us"] > 0
+
+
+def test_bench_suite_has_the_issue_rows():
+    from pallas_kernels import bench
+
+    rows = {(c.decodes, c.decode_ctx, c.chunks, c.chunk_ctx) for c in bench.SUITE}
+    assert rows == {
+        (64, 1024, (), ()), (256, 2048, (), ()), (8, 16384, (), ()), (32, 1024, (512,), (1536,)),
+        (0, 0, (2048,), (0,)), (0, 0, (512,), (1536,)),
+    }
