@@ -105,7 +105,9 @@ def rule_tile_config(kind: str, *, dtype: str, head_dim: int, group: int, block_
         )
     if kind == "prefill":
         # Flash-attention-like tiles: 128 matmul rows against 64-token KV steps (head_dim <= 128).
-        rows = 128 if head_dim <= 128 else 64
+        # float32 tiles are twice the bytes: 64 rows keeps q, the pipelined K/V steps and the probabilities
+        # well inside a Hopper SM's 227 KiB of shared memory.
+        rows = 128 if head_dim <= 128 and dtype != "float32" else 64
         return TileConfig(
             block_q=max(1, rows // group), kv_pages_per_block=_kv_pages(block_size, 64),
             num_warps=8 if head_dim >= 128 else 4, num_stages=3 if dtype != "float32" else 2,

@@ -44,7 +44,9 @@ def test_rules():
     assert tuning.rule_config(max_context=1024, **KEY).max_splits == 4
     assert tuning.rule_config(max_context=128, **KEY).max_splits == 1
     g1 = tuning.rule_config(dtype="float32", head_dim=64, group=1, block_size=32, max_context=4096)
-    assert g1.decode.block_q == 16 and g1.decode.kv_pages_per_block == 4 and g1.prefill.block_q == 128
+    assert g1.decode.block_q == 16 and g1.decode.kv_pages_per_block == 4
+    assert g1.prefill.block_q == 64  # float32: half the rows of bfloat16, for shared memory
+    assert tuning.rule_config(dtype="bfloat16", head_dim=64, group=1, block_size=32, max_context=4096).prefill.block_q == 128
 
 
 def test_lookup_nearest_entry(table):
