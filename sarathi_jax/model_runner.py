@@ -56,8 +56,15 @@ def _to_host(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(local_copy(x)))
 
 
+COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
+
+
 def _compile_threads() -> int:
-    """Threads that compile at warm-up: one per CPU core this process may use, at most 8."""
+    """Threads that compile at warm-up: $SARATHI_JAX_COMPILE_THREADS when set, else one per CPU core this
+    process may use, at most 8."""
+    env = os.environ.get(COMPILE_THREADS_ENV)
+    if env:
+        return max(1, int(env))
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
