@@ -39,7 +39,9 @@ _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per executable, cache hit or not
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_SPAN_EVENTS = (_TRACE_EVENT, _LOWER_EVENT, _COMPILE_EVENT)
+# Ours: loading a ready-made executable (sarathi_jax/executable_cache.py), counted as compile time.
+EXECUTABLE_LOAD_EVENT = "/sarathi_jax/executable_cache/load_duration"
+_SPAN_EVENTS = (_TRACE_EVENT, _LOWER_EVENT, _COMPILE_EVENT, EXECUTABLE_LOAD_EVENT)
 
 
 def default_cache_dir() -> Path:

@@ -31,6 +31,7 @@ from sarathi_jax.config import (
     resolve_scan_layers,
 )
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
+from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
 from sarathi_jax.models.layers import unstack_layer_params
@@ -111,6 +112,7 @@ class LLMEngine:
                     max_step_tokens=sizing.max_step_tokens,
                     plan=self.parallel_plan,
                     scan_layers=scan_layers,
+                    executable_cache=ExecutableCache.in_compilation_cache(cache_dir),
                 )
             with timer.phase("warmup"):
                 if warmup:
@@ -132,6 +134,8 @@ class LLMEngine:
             never_fits=self.scheduler.never_fits,
         )
         num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
+        store = self.runner.executable_cache
+        loaded = store.hits if store is not None else 0  # ready-made executables: neither traced nor compiled
         peak = [(m or {}).get("peak_bytes_in_use") for m in _memory_stats(num_devices)]
         self._startup_stats = {
             "load_s": timer.seconds["load"],
@@ -154,9 +158,10 @@ class LLMEngine:
             "peak_bytes_in_use": max(peak) if all(p is not None for p in peak) else None,
             "scan_layers": scan_layers,
             "compilation_cache_dir": cache_dir,
-            "executables": compiles.executables,
-            "cache_hits": compiles.cache_hits if cache_dir else 0,
+            "executables": compiles.executables + loaded,
+            "cache_hits": compiles.cache_hits + loaded if cache_dir else 0,
             "cache_misses": compiles.executables - compiles.cache_hits if cache_dir else None,
+            "executables_loaded": loaded,
         }
 
     def _kv_budget(self, config: EngineConfig, platform: str):

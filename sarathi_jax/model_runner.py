@@ -23,6 +23,8 @@ device, and the code below reads as the single-device runner it then is.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
@@ -51,6 +54,31 @@ from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, unpa
 def _to_host(x: Any) -> np.ndarray:
     # Explicit transfers (jax.device_get): the engine loop runs clean under jax.transfer_guard("disallow").
     return np.asarray(jax.device_get(local_copy(x)))
+
+
+COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
+
+
+def _compile_threads() -> int:
+    """Threads that compile at warm-up: $SARATHI_JAX_COMPILE_THREADS when set, else 1 on up to 4 CPU cores
+    (this process's), else half of them, at most 8."""
+    env = os.environ.get(COMPILE_THREADS_ENV)
+    if env:
+        return max(1, int(env))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    # XLA:CPU already compiles one program on several threads: on a 2-core CPU two compiles at once were
+    # slower (smollm2-135m cold 51.5 s against 31.8 s), so small machines compile one at a time.
+    return 1 if cores <= 4 else min(cores // 2, 8)
+
+
+def _devices(stage: Stage) -> list:
+    """The devices a stage's executables run on: its mesh's, else those its parameters live on."""
+    if stage.mesh is not None:
+        return list(stage.mesh.devices.flat)
+    return sorted(jax.tree.leaves(stage.params)[0].devices(), key=lambda d: d.id)
 
 
 def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
@@ -108,6 +136,7 @@ class ModelRunner:
         max_step_tokens: int,
         plan: Any = None,
         scan_layers: bool = True,
+        executable_cache: ExecutableCache | None = None,
     ) -> None:
         self.model_config = model_config
         self.block_size = block_size
@@ -133,10 +162,15 @@ class ModelRunner:
             if self.plan is None:
                 self.model = self.stages[0].model
         self._stage_traces = [0] * len(self.stages)
+        self._trace_lock = threading.Lock()
         self._capture_logits = False
         for stage in self.stages:
             stage.step = self._make_stage_step(stage)
         self._sampler_traces = 0  # sampler variants this runner compiled (others came from the shared cache)
+        # Executables `precompile` loaded from `executable_cache` (no tracing): (stage index, batch length) ->
+        # model step, SamplerVariant -> sampler. Dispatch prefers them to the jitted functions.
+        self.executable_cache = executable_cache
+        self._loaded: dict[Any, Callable] = {}
         # The previous step: its sampled token ids (device) and which row sampled for which sequence, so a
         # pending input token is read on the device. Pipelines never schedule a sequence in flight, so only
         # a single stage feeds it back; stage 0 otherwise gets a constant.
@@ -154,7 +188,8 @@ class ModelRunner:
         s, b = self.max_num_seqs, self.max_blocks_per_seq
 
         def step_impl(params, kv_cache, x, batch, prev_tokens):
-            self._stage_traces[index] += 1  # Python side effect: runs once per trace, never per call
+            with self._trace_lock:  # buckets may be traced on several threads at once (`precompile`)
+                self._stage_traces[index] += 1  # Python side effect: runs once per trace, never per call
             layout = BatchLayout.of_packed(batch.shape[0], s, b)
             token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
             if is_first:  # a pending token is the previous step's sample in row src_rows[t]
@@ -203,15 +238,93 @@ class ModelRunner:
             return bucket
         raise ValueError(f"a batch of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
-    def warmup(self) -> None:
-        """Compile every bucket and every sampler variant with all-padding batches (num_seqs = 0 writes
-        nothing to the cache; temperature -1 rows are no-ops)."""
-        for i, bucket in enumerate(self.buckets):
+    def warmup(self, compile_threads: int | None = None) -> None:
+        """Compile every bucket and every sampler variant, then run each once with all-padding batches
+        (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
+
+        The executables are first built ahead of time on `compile_threads` threads (default: see
+        `_compile_threads`; 1 thread still loads ready-made executables): XLA compiles release the GIL,
+        so the compiles (or persistent-cache loads) of several buckets overlap each other and the tracing
+        of the next. The runs that follow then find every executable in JAX's in-memory caches and compile
+        nothing; they are what makes serving never compile again."""
+        work = [(bucket, SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]) for i, bucket in enumerate(self.buckets)]
+        self.precompile(compile_threads)
+        for bucket, variants in work:
             packed = self._layout(bucket).empty()
-            for variant in SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]:
+            for variant in variants:
                 self._dispatch(packed, variant, timed=False)
         for stage in self.stages:
             jax.block_until_ready(stage.kv_cache)
+
+    def precompile(self, threads: int | None = None) -> None:
+        """Build every bucket's step executables and every sampler variant ahead of time, on `threads`
+        threads: each is loaded from `executable_cache` when it holds it (no tracing, no lowering), else
+        compiled with `jit(...).lower(...).compile()` (which fills the same caches a first call would, JAX's
+        persistent cache included) and saved there. Nothing runs and the KV cache is not touched. With one
+        thread and no cache (or in a multi-process engine) it does nothing: the first run of each compiles it."""
+        threads = _compile_threads() if threads is None else threads
+        if jax.process_count() > 1 or (threads <= 1 and self.executable_cache is None):
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        cache = self.executable_cache
+        s, b = self.max_num_seqs, self.max_blocks_per_seq
+
+        def build(entry: Any, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict, devices: list) -> Any:
+            """The executable for `jitted(*args, **kwargs)`: loaded (and kept for dispatch) or compiled."""
+            key = cache.key(name, closure, args) if cache is not None else None
+            exe = cache.load(key, devices) if key is not None else None
+            if exe is not None:
+                with self._trace_lock:
+                    self._loaded[entry] = exe
+                    if isinstance(entry, SamplerVariant):
+                        self._sampler_traces += 1
+                    else:
+                        self._stage_traces[entry[0]] += 1
+                return exe
+            exe = jitted.lower(*args, **kwargs).compile()
+            if key is not None:
+                cache.save(key, exe)
+            return exe
+
+        def compile_bucket(bucket: int) -> Any:
+            """Lower and compile each stage's step for `bucket`; returns the last stage's output (the logits)
+            and the uploaded sampling array, as the sampler's lowering arguments."""
+            packed = self._layout(bucket).empty()
+            on_device = x = None
+            for stage in self.stages:
+                if on_device is None:
+                    on_device = PackedStep(*stage.upload(tuple(packed)))
+                else:
+                    on_device = PackedStep(*stage.place(tuple(on_device)))
+                prev = self._no_tokens if stage.index == 0 else None
+                closure = ("model step", stage.model, stage.index, stage.layer_range, stage.is_last, s, b,
+                           stage.mesh, stage.tensor_parallel_size, stage.shard_vocab, stage.kv_sharding)
+                args = (stage.params, stage.kv_cache, x, on_device.batch, prev)
+                compiled = build((stage.index, packed.batch.shape[0]), "step", closure, stage.step, args, {},
+                                 _devices(stage))
+                out = compiled.out_info[0]
+                # The next stage gets these activations placed on its own devices (`Stage.place`).
+                nxt = self.stages[stage.index + 1] if not stage.is_last else None
+                if nxt is not None:
+                    x = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=nxt.replicated)
+                else:  # off a mesh the step's inputs, so its logits, are uncommitted: no sharding to lower with
+                    x = out if stage.mesh is not None else jax.ShapeDtypeStruct(out.shape, out.dtype)
+            return x, on_device.sampling
+
+        def compile_sampler(logits: Any, sampling: jax.Array, variant: SamplerVariant) -> None:
+            build(variant, "sampler", ("sampler", variant), _sample_packed_jit, (logits, sampling), {"variant": variant},
+                  _devices(self.stages[-1]))
+
+        # Longest first: the first bucket (whose logits the sampler variants need), then the sampler
+        # variants and the other buckets from the largest down.
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="sarathi-compile") as pool:
+            first = pool.submit(compile_bucket, self.buckets[0])
+            others = [pool.submit(compile_bucket, bucket) for bucket in reversed(self.buckets[1:])]
+            logits, sampling = first.result()
+            samplers = [pool.submit(compile_sampler, logits, sampling, v) for v in reversed(SAMPLER_VARIANTS)]
+            for future in others + samplers:
+                future.result()
 
     def execute(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> SamplerOutput:
         """Run one step; row i of the result is chunk i's sample (meaningful where chunk.needs_sample)."""
@@ -253,12 +366,17 @@ class ModelRunner:
             else:
                 on_device = PackedStep(*stage.place(tuple(on_device)))
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
-            x, stage.kv_cache = stage.step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
+            step = self._loaded.get((stage.index, packed.batch.shape[0]), stage.step)
+            x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
             if stage.is_last:
                 logits = x
-                before = _sample_packed_jit._cache_size()
-                x = _sample_packed_jit(logits, on_device.sampling, variant=variant)
-                self._sampler_traces += _sample_packed_jit._cache_size() - before
+                sampler = self._loaded.get(variant)
+                if sampler is not None:
+                    x = sampler(logits, on_device.sampling)
+                else:
+                    before = _sample_packed_jit._cache_size()
+                    x = _sample_packed_jit(logits, on_device.sampling, variant=variant)
+                    self._sampler_traces += _sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)
         if single:

@@ -19,6 +19,8 @@ from sarathi_jax.compile_cache import (
     enable_compilation_cache,
     resolve_cache_dir,
 )
+from sarathi_jax.executable_cache import SUBDIR
+from sarathi_jax.sampling import SAMPLER_VARIANTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +83,15 @@ from sarathi_jax import EngineConfig, LLMEngine
 engine = LLMEngine(EngineConfig("tiny-llama", token_budget=32, max_num_seqs=4, block_size=16, num_blocks=8,
                                 max_model_len=64, compilation_cache_dir=sys.argv[1]))
 print("STATS " + json.dumps(engine.startup_stats()))
+from sarathi_jax import SamplingParams
+engine.add_request("greedy", [1, 5, 9, 3], SamplingParams(max_tokens=5, temperature=0.0))
+engine.add_request("sampled", [2, 7], SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=3, logprobs=2))
+out = {}
+while engine.has_unfinished_requests():
+    for o in engine.step():
+        out[o.request_id] = list(o.token_ids)
+print("TOKENS " + json.dumps({"tokens": out, "loaded": len(engine.runner._loaded),
+                              "compilations": engine.runner.num_compilations}))
 """
 
 
@@ -90,8 +101,10 @@ def _start_in_fresh_process(cache_dir: Path) -> dict:
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("STATS "))
-    return json.loads(line[len("STATS "):])
+    lines = proc.stdout.splitlines()
+    stats = json.loads(next(x for x in lines if x.startswith("STATS "))[len("STATS "):])
+    stats["run"] = json.loads(next(x for x in lines if x.startswith("TOKENS "))[len("TOKENS "):])
+    return stats
 
 
 def _cache_entries(cache_dir: Path) -> list[str]:
@@ -111,3 +124,45 @@ def test_second_engine_in_a_fresh_process_hits_the_cache(tmp_path):
     assert warm["executables"] == cold["executables"]
     assert warm["cache_hits"] == warm["executables"] and warm["cache_misses"] == 0
     assert _cache_entries(cache) == entries  # nothing new was compiled or written
+    # The model steps and sampler variants came ready-made (sarathi_jax/executable_cache.py): not even traced.
+    assert cold["executables_loaded"] == 0 and cold["run"]["loaded"] == 0
+    assert warm["executables_loaded"] == warm["run"]["loaded"] == 2 + len(SAMPLER_VARIANTS)  # buckets 16, 32
+    assert len(list((cache / SUBDIR).iterdir())) == warm["executables_loaded"]
+    # Same tokens from the loaded executables, and serving compiled nothing in either process.
+    assert warm["run"]["tokens"] == cold["run"]["tokens"]
+    assert warm["run"]["compilations"] == cold["run"]["compilations"] == 2 + len(SAMPLER_VARIANTS)
+
+
+def test_executable_cache_keys_and_fallbacks(tmp_path):
+    """Keys are computed without tracing from what the function closes over and the arguments' shapes; a
+    value that only has an address cannot be keyed (not cached); a damaged entry is a miss, not an error."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from sarathi_jax.executable_cache import ExecutableCache, Undescribable, describe
+
+    cache = ExecutableCache(tmp_path / SUBDIR)
+    args = (jnp.zeros((4, 8)), None)
+    key = cache.key("f", ("step", 3), args)
+    assert key is not None and key == cache.key("f", ("step", 3), args)  # stable
+    assert key != cache.key("f", ("step", 4), args)  # another closure
+    assert key != cache.key("f", ("step", 3), (jnp.zeros((4, 9)), None))  # another shape
+    assert key != cache.key("f", ("step", 3), (jnp.zeros((4, 8), jnp.int32), None))  # another dtype
+
+    def scale(x, factor=2.0):
+        return x * factor
+
+    assert describe(functools.partial(scale, factor=3.0)) != describe(functools.partial(scale, factor=4.0))
+    with pytest.raises(Undescribable):
+        describe(object())
+    assert cache.key("f", object(), args) is None  # not cacheable, silently
+
+    import jax
+
+    compiled = jax.jit(scale).lower(args[0]).compile()
+    cache.save(key, compiled)
+    loaded = cache.load(key, jax.devices()[:1])
+    assert loaded is not None and float(loaded(jnp.ones((4, 8)))[0, 0]) == 2.0
+    (tmp_path / SUBDIR / f"{key}.exe").write_bytes(b"not an executable")
+    assert cache.load(key, jax.devices()[:1]) is None and cache.misses == 1
