@@ -7,8 +7,9 @@ executables themselves (`jax.experimental.serialize_executable`) under a key com
 
   * the environment: the jax, jaxlib and flax versions, the backend's platform and version, the devices,
     the XLA/JAX/SARATHI environment variables, the JAX configuration (every `jax_*` option except the cache
-    and logging ones), and a hash of the source of every module of `sarathi_jax` and `pallas_kernels`, so
-    that a changed line of the model or kernel code is a miss;
+    and logging ones), and a hash of the source of every module of `sarathi_jax` and `pallas_kernels` (and
+    their JSON files, such as the kernel's tuning table), so that a changed line of the model or kernel code
+    is a miss;
   * the function: a name and a description of everything the traced function closes over (`describe`:
     the model's Flax fields, functions by module, name, defaults and closure, `functools.partial`s by their
     parts, dataclasses by their repr; anything whose repr carries a memory address cannot be described, and
@@ -110,7 +111,8 @@ def _source_hash() -> str:
         except ImportError:
             continue
         root = Path(module.__file__).parent
-        for path in sorted(root.rglob("*.py")):
+        # Source, and data read while tracing (the Pallas kernel's tuning table).
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.json")]):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
