@@ -19,7 +19,8 @@ EXPECTED_VARIANTS = {
 
 
 def test_format_table_aligns_text_left_and_numbers_right():
-    text = sampler_cost.format_table(["S x V", "case", "ms"], [["2x64", "greedy", "1.50"], ["2x64", "top-k 50", "12.25"]])
+    rows = [["2x64", "greedy", "1.50"], ["2x64", "top-k 50", "12.25"]]
+    text = sampler_cost.format_table(["S x V", "case", "ms"], rows)
     assert text.splitlines() == [
         "S x V  case         ms",
         "-----  --------  -----",
