@@ -86,12 +86,16 @@ print("STATS " + json.dumps(engine.startup_stats()))
 from sarathi_jax import SamplingParams
 engine.add_request("greedy", [1, 5, 9, 3], SamplingParams(max_tokens=5, temperature=0.0))
 engine.add_request("sampled", [2, 7], SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=3, logprobs=2))
+engine.add_request("long", list(range(3, 23)), SamplingParams(max_tokens=3, temperature=0.0))
+from sarathi_jax.compile_cache import record_compiles
 out = {}
-while engine.has_unfinished_requests():
-    for o in engine.step():
-        out[o.request_id] = list(o.token_ids)
+with record_compiles() as serving:  # both buckets are used: 4 + 2 + 20 prompt tokens (32), then decodes (16)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] = list(o.token_ids)
 print("TOKENS " + json.dumps({"tokens": out, "loaded": len(engine.runner._loaded),
-                              "compilations": engine.runner.num_compilations}))
+                              "compilations": engine.runner.num_compilations,
+                              "serving_executables": serving.executables}))
 """
 
 
@@ -131,6 +135,9 @@ def test_second_engine_in_a_fresh_process_hits_the_cache(tmp_path):
     # Same tokens from the loaded executables, and serving compiled nothing in either process.
     assert warm["run"]["tokens"] == cold["run"]["tokens"]
     assert warm["run"]["compilations"] == cold["run"]["compilations"] == 2 + len(SAMPLER_VARIANTS)
+    # Nothing at all (not even a small host-side program) compiled or loaded while serving, also when the
+    # warm start skipped running the buckets that came ready-made.
+    assert warm["run"]["serving_executables"] == cold["run"]["serving_executables"] == 0
 
 
 def test_executable_cache_keys_and_fallbacks(tmp_path):
