@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -296,12 +296,8 @@ class ModelRunner:
             """Lower and compile each stage's step for `bucket`; returns the last stage's output (the logits)
             and the uploaded sampling array, as the sampler's lowering arguments."""
             packed = self._layout(bucket).empty()
-            on_device = x = None
-            for stage in self.stages:
-                if on_device is None:
-                    on_device = PackedStep(*stage.upload(tuple(packed)))
-                else:
-                    on_device = PackedStep(*stage.place(tuple(on_device)))
+            x = on_device = None
+            for stage, on_device in self._on_stages(packed):
                 prev = self._no_tokens if stage.index == 0 else None
                 closure = ("model step", stage.model, stage.index, stage.layer_range, stage.is_last, s, b,
                            stage.mesh, stage.tensor_parallel_size, stage.shard_vocab, stage.kv_sharding)
@@ -358,18 +354,22 @@ class ModelRunner:
     def _layout(self, bucket: int) -> BatchLayout:
         return BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
 
+    def _on_stages(self, packed: PackedStep) -> Iterator[tuple[Stage, PackedStep]]:
+        """Each stage with the step's packed inputs on its devices: one upload (both arrays in one call) to
+        the first stage; later stages get device-to-device copies."""
+        on_device = None
+        for stage in self.stages:
+            on_device = PackedStep(*(stage.upload(tuple(packed)) if on_device is None
+                                     else stage.place(tuple(on_device))))
+            yield stage, on_device
+
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
         timeline = self.timeline if timed else None
         record = timeline.begin(BatchLayout.of_packed(packed.batch.size, self.max_num_seqs,
                                                       self.max_blocks_per_seq).num_tokens) if timeline else None
         single = len(self.stages) == 1
-        x = on_device = None
-        for stage in self.stages:
-            # One upload (both arrays in one call) to the first stage; later stages get device-to-device copies.
-            if on_device is None:
-                on_device = PackedStep(*stage.upload(tuple(packed)))
-            else:
-                on_device = PackedStep(*stage.place(tuple(on_device)))
+        x = None
+        for stage, on_device in self._on_stages(packed):
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
             step = self._loaded.get((stage.index, packed.batch.shape[0]), stage.step)
             x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
