@@ -4,8 +4,8 @@ Every step runs at one of a few fixed token counts (`buckets`): tile-aligned siz
 the scheduler can produce. The sampler is a separate jitted function with one variant per sampling need
 (`sampling.SamplerVariant`: greedy only, sampled, top-k/top-p, logprobs), chosen on the host, so no step
 contains a conditional whose predicate lives on the device (on a GPU that is a host sync mid-step). Every
-bucket and every variant is compiled by `warmup()`, so serving never compiles again; `num_compilations`
-counts traces and lets tests check that.
+bucket and every variant is compiled by `warmup()` (built ahead of time on threads: `sarathi_jax.precompile`),
+so serving never compiles again; `num_compilations` counts traces and lets tests check that.
 
 Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
 settings) go up as two int32 arrays in one call (`sarathi_jax.step_inputs`), parameters and the KV cache stay on the
@@ -23,7 +23,6 @@ device, and the code below reads as the single-device runner it then is.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +37,7 @@ from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
 from sarathi_jax.parallel.stages import Stage, build_stages, copy_to_every_process, local_copy
+from sarathi_jax.precompile import build_executables
 from sarathi_jax.sampling import (
     SAMPLER_VARIANTS,
     SamplerOutput,
@@ -54,31 +54,6 @@ from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, unpa
 def _to_host(x: Any) -> np.ndarray:
     # Explicit transfers (jax.device_get): the engine loop runs clean under jax.transfer_guard("disallow").
     return np.asarray(jax.device_get(local_copy(x)))
-
-
-COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
-
-
-def _compile_threads() -> int:
-    """Threads that compile at warm-up: $SARATHI_JAX_COMPILE_THREADS when set, else 1 on up to 4 CPU cores
-    (this process's), else half of them, at most 8."""
-    env = os.environ.get(COMPILE_THREADS_ENV)
-    if env:
-        return max(1, int(env))
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    # XLA:CPU already compiles one program on several threads: on a 2-core CPU two compiles at once were
-    # slower (smollm2-135m cold 51.5 s against 31.8 s), so small machines compile one at a time.
-    return 1 if cores <= 4 else min(cores // 2, 8)
-
-
-def _devices(stage: Stage) -> list:
-    """The devices a stage's executables run on: its mesh's, else those its parameters live on."""
-    if stage.mesh is not None:
-        return list(stage.mesh.devices.flat)
-    return sorted(jax.tree.leaves(stage.params)[0].devices(), key=lambda d: d.id)
 
 
 def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
@@ -243,7 +218,7 @@ class ModelRunner:
         (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
 
         The executables are first built ahead of time on `compile_threads` threads (default: see
-        `_compile_threads`; 1 thread still loads ready-made executables): XLA compiles release the GIL,
+        `sarathi_jax.precompile.compile_threads`; 1 thread still loads ready-made executables): XLA compiles release the GIL,
         so the compiles (or persistent-cache loads) of several buckets overlap each other and the tracing
         of the next. The runs that follow then find every executable in JAX's in-memory caches and compile
         nothing; they are what makes serving never compile again. The first bucket always runs (with every
@@ -262,70 +237,22 @@ class ModelRunner:
             jax.block_until_ready(stage.kv_cache)
 
     def precompile(self, threads: int | None = None) -> None:
-        """Build every bucket's step executables and every sampler variant ahead of time, on `threads`
-        threads: each is loaded from `executable_cache` when it holds it (no tracing, no lowering), else
-        compiled with `jit(...).lower(...).compile()` (which fills the same caches a first call would, JAX's
-        persistent cache included) and saved there. Nothing runs and the KV cache is not touched. With one
-        thread and no cache (or in a multi-process engine) it does nothing: the first run of each compiles it."""
-        threads = _compile_threads() if threads is None else threads
-        if jax.process_count() > 1 or (threads <= 1 and self.executable_cache is None):
-            return
-        from concurrent.futures import ThreadPoolExecutor
+        """Build every bucket's step executables and every sampler variant ahead of time on `threads`
+        threads, loading those `executable_cache` holds (`sarathi_jax.precompile.build_executables`)."""
+        build_executables(self.stages, self.buckets, lambda bucket: self._on_stages(self._layout(bucket).empty()),
+                   no_tokens=self._no_tokens, max_num_seqs=self.max_num_seqs,
+                   max_blocks_per_seq=self.max_blocks_per_seq, sampler=_sample_packed_jit,
+                   cache=self.executable_cache, threads=threads, on_loaded=self._use_loaded)
 
-        cache = self.executable_cache
-        s, b = self.max_num_seqs, self.max_blocks_per_seq
-
-        def build(entry: Any, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict, devices: list) -> Any:
-            """The executable for `jitted(*args, **kwargs)`: loaded (and kept for dispatch) or compiled."""
-            key = cache.key(name, closure, args) if cache is not None else None
-            exe = cache.load(key, devices) if key is not None else None
-            if exe is not None:
-                with self._trace_lock:
-                    self._loaded[entry] = exe
-                    if isinstance(entry, SamplerVariant):
-                        self._sampler_traces += 1
-                    else:
-                        self._stage_traces[entry[0]] += 1
-                return exe
-            exe = jitted.lower(*args, **kwargs).compile()
-            if key is not None:
-                cache.save(key, exe)
-            return exe
-
-        def compile_bucket(bucket: int) -> Any:
-            """Lower and compile each stage's step for `bucket`; returns the last stage's output (the logits)
-            and the uploaded sampling array, as the sampler's lowering arguments."""
-            packed = self._layout(bucket).empty()
-            x = on_device = None
-            for stage, on_device in self._on_stages(packed):
-                prev = self._no_tokens if stage.index == 0 else None
-                closure = ("model step", stage.model, stage.index, stage.layer_range, stage.is_last, s, b,
-                           stage.mesh, stage.tensor_parallel_size, stage.shard_vocab, stage.kv_sharding)
-                args = (stage.params, stage.kv_cache, x, on_device.batch, prev)
-                compiled = build((stage.index, packed.batch.shape[0]), "step", closure, stage.step, args, {},
-                                 _devices(stage))
-                out = compiled.out_info[0]
-                # The next stage gets these activations placed on its own devices (`Stage.place`).
-                nxt = self.stages[stage.index + 1] if not stage.is_last else None
-                if nxt is not None:
-                    x = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=nxt.replicated)
-                else:  # off a mesh the step's inputs, so its logits, are uncommitted: no sharding to lower with
-                    x = out if stage.mesh is not None else jax.ShapeDtypeStruct(out.shape, out.dtype)
-            return x, on_device.sampling
-
-        def compile_sampler(logits: Any, sampling: jax.Array, variant: SamplerVariant) -> None:
-            build(variant, "sampler", ("sampler", variant), _sample_packed_jit, (logits, sampling), {"variant": variant},
-                  _devices(self.stages[-1]))
-
-        # Longest first: the first bucket (whose logits the sampler variants need), then the sampler
-        # variants and the other buckets from the largest down.
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="sarathi-compile") as pool:
-            first = pool.submit(compile_bucket, self.buckets[0])
-            others = [pool.submit(compile_bucket, bucket) for bucket in reversed(self.buckets[1:])]
-            logits, sampling = first.result()
-            samplers = [pool.submit(compile_sampler, logits, sampling, v) for v in reversed(SAMPLER_VARIANTS)]
-            for future in others + samplers:
-                future.result()
+    def _use_loaded(self, entry: Any, executable: Callable) -> None:
+        """Dispatch `executable`, loaded from the executable cache, for `entry` (see `build_executables`); it
+        counts as a compilation of its model step or sampler variant."""
+        with self._trace_lock:
+            self._loaded[entry] = executable
+            if isinstance(entry, SamplerVariant):
+                self._sampler_traces += 1
+            else:
+                self._stage_traces[entry[0]] += 1
 
     def execute(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> SamplerOutput:
         """Run one step; row i of the result is chunk i's sample (meaningful where chunk.needs_sample)."""
