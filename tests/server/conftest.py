@@ -25,6 +25,42 @@ def llama_engine(hf_checkpoint):
     return make_engine(hf_checkpoint("llama"))
 
 
+@pytest.fixture(scope="session")
+def vocab(llama_engine):
+    return llama_engine[0].model_config.vocab_size
+
+
+@pytest.fixture(scope="module")
+def engine_before_server():
+    """What a module does with the engine directly before its gRPC `server` takes it over: nothing, unless the
+    module overrides this fixture (test_grpc_generation.py runs its offline reference)."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(llama_engine, engine_before_server):
+    """A gRPC server (Prometheus metrics on a free port too) over the shared engine, one per test module.
+    Module scope, not session: the other server modules (test_grpc_drain.py, test_http_server.py, whose own
+    `server` overrides this one) take the same engine over once it has stopped, and two servers must never
+    drive it at once."""
+    from server.service import GenerationServer
+
+    engine, config = llama_engine
+    srv = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, metrics_port=0)
+    srv.start_in_thread()
+    yield srv
+    srv.stop(grace=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    from grpc_test_utils import stub_for
+
+    channel, stub = stub_for(server.target)
+    yield stub
+    channel.close()
+
+
 @pytest.fixture
 def engine_resumed(server):
     """Tests that pause the engine of their module's `server` get it resumed (and the back-pressure limits

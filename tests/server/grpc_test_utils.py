@@ -1,4 +1,4 @@
-"""Helpers for the server tests: engine construction, a module-scoped server, polling, stubs."""
+"""Helpers for the server tests: engine construction, greedy sampling keywords, polling, stubs."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def make_engine(model: Any, **overrides: Any):
 
     config = EngineConfig(model=str(model), **{**ENGINE_KW, **overrides})
     return LLMEngine(config), config
+
+
+def greedy(**kw: Any) -> dict[str, Any]:
+    """Sampling keywords for `make_request`: greedy, generating `max_tokens` whatever the EOS."""
+    return dict(temperature=0.0, ignore_eos=True, **kw)
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, what: str = "condition") -> Any:

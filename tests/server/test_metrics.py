@@ -1,6 +1,6 @@
 """`server.metrics.ServerMetrics` on its own registry: the engine's stats become gauges, its cumulative totals
 (preemptions, prefix-cache queries and hits) counters that never double-count, and requests are counted by reason. The /metrics
-endpoint of a running server is in test_grpc_server.py."""
+endpoint of a running server is in test_grpc_operations.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+"""Shared inputs of the ragged paged attention tests: the kernel configurations (`CONFIGS`), ragged batches
+(`Batch`) and `make_inputs`, which poisons everything the kernels must not read with NaN (padding query rows,
+cache pages no sequence owns, cache slots past a sequence's kv_len, block-table entries past its last block)
+and rounds to the input dtype so that the float64 reference sees exactly what the kernels see."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention import KernelConfig, TileConfig
+
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+NUM_TOKENS = 64  # T, the padded token budget
+MAX_NUM_SEQS = 5
+CAPACITY = 128  # max_blocks_per_seq * block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    dtype: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    block_q: int | None = None  # None: the kernel's default
+    num_kv_pages_per_block: int | None = None
+    config: KernelConfig | None = None  # a full static config (decode tiles, splits), instead of the two above
+
+    @property
+    def max_blocks(self):
+        return CAPACITY // self.block_size
+
+    @property
+    def num_blocks(self):
+        return MAX_NUM_SEQS * self.max_blocks + 3
+
+    def __str__(self):
+        g = self.num_q_heads // self.num_kv_heads
+        return (
+            f"{self.dtype}-g{g}-hkv{self.num_kv_heads}-d{self.head_dim}-bs{self.block_size}"
+            f"-bq{self.block_q}-kvp{self.num_kv_pages_per_block}" + (f"-{_cfg_id(self.config)}" if self.config else "")
+        )
+
+
+def _cfg_id(c: KernelConfig) -> str:
+    return (f"dec{c.decode.block_q}x{c.decode.kv_pages_per_block}-pre{c.prefill.block_q}x{c.prefill.kv_pages_per_block}"
+            f"-s{c.max_splits}-min{c.min_split_kv}-tp{c.split_target_programs}")
+
+
+def _split_cfg(decode_bq, decode_kvp, prefill_bq, prefill_kvp, max_splits, min_split_kv=16, target=10**6):
+    return KernelConfig(decode=TileConfig(decode_bq, decode_kvp), prefill=TileConfig(prefill_bq, prefill_kvp),
+                        max_splits=max_splits, min_split_kv=min_split_kv, split_target_programs=target)
+
+
+# GQA ratios 1, 2, 3 (not a power of two: padded group), 4, 8; head_dim 64 and 128; block sizes 16 and 32;
+# small query tiles so sequences span several tiles, and small KV blocks so the KV loop runs several times.
+CONFIGS = [
+    Cfg("float32", 2, 2, 64, 16, block_q=16, num_kv_pages_per_block=1),
+    Cfg("float32", 4, 2, 128, 32, block_q=8, num_kv_pages_per_block=1),
+    Cfg("float32", 3, 1, 64, 16, block_q=4, num_kv_pages_per_block=2),
+    Cfg("float32", 8, 1, 64, 32),  # default block sizes
+    Cfg("bfloat16", 8, 2, 64, 32, block_q=4, num_kv_pages_per_block=1),
+    Cfg("bfloat16", 8, 1, 128, 16, block_q=2, num_kv_pages_per_block=2),
+    Cfg("bfloat16", 2, 1, 128, 16),  # default block sizes
+    # Split-KV decode tiles (and decode tiles holding short chunks of up to decode block_q rows): KV steps of
+    # 16-32 tokens, at most 4 or 8 splits of at least one step each, so decodes split into up to 8 parts
+    # (CAPACITY = 128). A huge split target splits as far as the bounds allow; target 8 makes the number of
+    # splits depend on how many decode tiles the batch has.
+    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(8, 1, 16, 2, max_splits=4)),
+    Cfg("float32", 3, 1, 64, 16, config=_split_cfg(4, 2, 8, 1, max_splits=8, target=8)),
+    Cfg("bfloat16", 8, 2, 128, 16, config=_split_cfg(4, 1, 4, 2, max_splits=8)),
+    Cfg("bfloat16", 4, 4, 64, 32, config=_split_cfg(16, 1, 32, 1, max_splits=2, min_split_kv=64)),
+    # Decode tiles without splits (aliased direct write), and decode tiles disabled (prefill tiles only).
+    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(8, 2, 16, 1, max_splits=1)),
+    Cfg("float32", 4, 2, 64, 16, config=_split_cfg(0, 1, 8, 4, max_splits=1)),
+]
+
+
+@dataclasses.dataclass
+class Batch:
+    q_lens: list[int]
+    ctx_lens: list[int]  # tokens already in the cache before this step
+
+
+def make_inputs(cfg: Cfg, batch: Batch, seed: int):
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(cfg.dtype)
+    n = len(batch.q_lens)
+    kv_lens = np.zeros(MAX_NUM_SEQS, np.int32)
+    cu_q_lens = np.zeros(MAX_NUM_SEQS + 1, np.int32)
+    for i, (ql, ctx) in enumerate(zip(batch.q_lens, batch.ctx_lens)):
+        kv_lens[i] = ql + ctx
+        cu_q_lens[i + 1] = cu_q_lens[i] + ql
+    cu_q_lens[n + 1 :] = cu_q_lens[n]
+    assert cu_q_lens[n] <= NUM_TOKENS and kv_lens.max() <= CAPACITY
+
+    shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+    k_pages = np.full(shape, np.nan, np.float32)
+    v_pages = np.full(shape, np.nan, np.float32)
+    # Garbage entries (past each sequence's last block) point at random pages, often unowned NaN pages.
+    block_tables = rng.integers(0, cfg.num_blocks, (MAX_NUM_SEQS, cfg.max_blocks)).astype(np.int32)
+    free = list(rng.permutation(cfg.num_blocks))  # shuffled: non-contiguous block tables
+    for i in range(n):
+        kv_len = int(kv_lens[i])
+        for b in range(-(-kv_len // cfg.block_size)):
+            page = free.pop()
+            block_tables[i, b] = page
+            used = min(cfg.block_size, kv_len - b * cfg.block_size)
+            # Slots past kv_len in the last page stay NaN.
+            k_pages[page, :used] = rng.standard_normal((used, cfg.num_kv_heads, cfg.head_dim))
+            v_pages[page, :used] = rng.standard_normal((used, cfg.num_kv_heads, cfg.head_dim))
+    q = rng.standard_normal((NUM_TOKENS, cfg.num_q_heads, cfg.head_dim)).astype(np.float32)
+    q[cu_q_lens[n] :] = np.nan  # padding rows
+    # Round to the input dtype first so that the reference sees exactly what the kernels see.
+    q, k_pages, v_pages = (np.asarray(jnp.asarray(x, dtype)) for x in (q, k_pages, v_pages))
+    return q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, np.array([n], np.int32)
