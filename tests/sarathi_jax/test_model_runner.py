@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.sampling import make_sampling_arrays
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence
@@ -31,6 +32,16 @@ def _seq(seq_id: str, num_tokens: int, table: list[int]) -> Sequence:
 
 def _views(runner, packed) -> dict[str, np.ndarray]:
     return BatchLayout.of_packed(packed.batch.size, S, runner.max_blocks_per_seq).host_views(packed.batch)
+
+
+def test_without_a_plan_the_runner_is_one_stage_on_one_device(runner):
+    assert isinstance(runner, ModelRunner)
+    assert runner.plan is None and runner.timeline is None and len(runner.stages) == 1
+    (stage,) = runner.stages
+    assert stage.mesh is None and stage.is_last and stage.layer_range == (0, runner.model_config.num_hidden_layers)
+    assert runner.params is stage.params and len(runner.kv_caches) == 1 and runner.kv_caches[0] is stage.kv_cache
+    assert runner.max_blocks_per_seq == 64 // BLOCK
+    assert runner.num_compilations == 0  # built without warm-up, and packing compiles nothing
 
 
 def test_a_decode_and_a_prompt_chunk(runner):
