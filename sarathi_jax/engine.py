@@ -30,7 +30,7 @@ from sarathi_jax.config import (
     resolve_dtype,
     resolve_scan_layers,
 )
-from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
+from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
@@ -43,7 +43,7 @@ from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_bu
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer, load_tokenizer
 
 
-class LLMEngine:
+class LLMEngine(CoreFrontEnd):
     def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
         """Build the engine: load the weights, size the KV cache and the scheduler, compile and warm up.
 
@@ -196,17 +196,6 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         banned = self.admission.banned_until_min_tokens(params)
         self.core.add(RequestState(seq, seed, banned, detokenizer, StopStringChecker(params.stop)))
-
-    def abort(self, request_id: str) -> bool:
-        """Abort a request now: its KV blocks are freed at once and its last output says finish_reason='abort'."""
-        return self.core.abort(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use stay with their requests; nothing is reused after)."""
-        self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         """One iteration of the engine core: schedule and dispatch a batch, retire the oldest in flight.

@@ -320,3 +320,22 @@ class EngineCore:
 
     def stats(self) -> dict:
         return self.scheduler.stats()
+
+
+class CoreFrontEnd:
+    """The requests-facing calls that an engine built on an `EngineCore` (`LLMEngine`, `SimulatedEngine`)
+    hands straight to it. The engine sets `core` and `block_manager`."""
+
+    core: EngineCore
+    block_manager: Any
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request now: its KV blocks are freed at once and its last output says finish_reason='abort'."""
+        return self.core.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their requests; nothing is reused after)."""
+        self.block_manager.reset_prefix_cache()

@@ -18,7 +18,7 @@ from collections.abc import Sequence as Sequence_
 
 from sarathi_jax.bench.metrics import percentile  # numpy only
 from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
+from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 from sarathi_jax.outputs import IterationRecord, RequestOutput
 from sarathi_jax.sampling_params import SamplingParams
@@ -117,7 +117,7 @@ class CostModelExecutor:
         return self.clock
 
 
-class SimulatedEngine:
+class SimulatedEngine(CoreFrontEnd):
     """The engine API on a virtual clock: the engine core (scheduler, block manager, postprocessing, outputs)
     with a cost model for an executor. Times in RequestMetrics and IterationRecord are virtual seconds.
     Synchronous by default: a virtual device has no host work to hide."""
@@ -182,15 +182,6 @@ class SimulatedEngine:
         seq = Sequence(request_id, list(prompt), params, self.clock if arrival_time is None else arrival_time)
         self.core.add(RequestState(seq, seed=0, banned_until_min_tokens=(), detokenizer=None,
                                    stop_checker=StopStringChecker(())))
-
-    def abort(self, request_id: str) -> bool:
-        return self.core.abort(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
-
-    def reset_prefix_cache(self) -> None:
-        self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         return self.core.step()
