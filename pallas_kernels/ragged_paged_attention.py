@@ -1,7 +1,7 @@
 """Ragged paged attention as Pallas kernels (GPU / Triton backend, or interpret mode anywhere).
 
-Same arguments, shapes and semantics as `ragged_paged_attention_xla` (see that module and
-`docs/design.md`), so the engine can swap one for the other; the float64 numpy reference of those semantics is
+The same arguments, shapes and semantics as `ragged_paged_attention_xla` (which points here for them), so
+the engine can swap one for the other; the float64 numpy reference of those semantics is
 `pallas_kernels/reference.py` (`ragged_paged_attention_reference`):
 
   q:            [T, num_q_heads, head_dim]            T = padded token count (the bucket)

@@ -1,19 +1,9 @@
 """Ragged paged attention in plain jnp: the portable path and the engine's `"xla"` backend (its float64
 oracle is `pallas_kernels/reference.py`).
 
-Shapes and semantics (shared with the Pallas kernel in `ragged_paged_attention.py`):
-
-  q:            [T, num_q_heads, head_dim]            T = padded token count (the bucket)
-  k_pages:      [num_blocks, block_size, num_kv_heads, head_dim]   one layer's cache
-  v_pages:      same shape and dtype as k_pages
-  kv_lens:      int32[max_num_seqs]   tokens of each sequence in the cache, this step's included
-  block_tables: int32[max_num_seqs, max_blocks_per_seq]
-  cu_q_lens:    int32[max_num_seqs + 1]   sequence i's query rows are cu_q_lens[i]:cu_q_lens[i+1]
-  num_seqs:     int32 scalar or int32[1]
-  returns       [T, num_q_heads, head_dim] in q.dtype; rows at or past cu_q_lens[num_seqs] are zeros.
-
-Query row j of sequence i sits at position kv_lens[i] - q_len_i + j and attends causally to positions
-0 .. kv_lens[i] - q_len_i + j of the same sequence.
+Arguments, shapes and semantics: exactly those of the Pallas kernel, written once in the docstring of
+`pallas_kernels/ragged_paged_attention.py` (q [T, Hq, D], the paged K/V cache, kv_lens, block_tables,
+cu_q_lens and num_seqs; causal attention within each sequence; rows past the last sequence are zeros).
 
 How the work is split (the cost tracks the real work, not T x the longest sequence)
 ---------------------------------------------------------------------------------
