@@ -8,9 +8,8 @@ Per non-greedy row: logits / temperature, then the top-k, top-p and min-p masks 
 top-k keeps every token >= the k-th largest logit, ties kept; top-p keeps the smallest top set whose mass is
 >= top_p * total mass of the top-k-renormalised distribution, i.e. `probs >= t` for the largest t with
 mass(probs >= t) >= top_p * total; min-p keeps p >= min_p * p_max), then inverse-CDF sampling with one
-uniform, `uniform(fold_in(PRNGKey(seed), step))`, which the host computes (`sampling_inputs.row_uniforms`) and
-passes in `arrays.uniforms`. It depends only on the request's seed and its number of generated tokens, and every
-operation is row-wise, so a seeded request gets the same tokens whatever else
+uniform drawn from `fold_in(PRNGKey(seed), step)`. The key depends only on the request's seed and its number
+of generated tokens, and every operation is row-wise, so a seeded request gets the same tokens whatever else
 is in the batch and whichever row it lands in (given the same logits).
 
 No data-dependent control flow: on a GPU every `lax.cond` / `while_loop` on a device predicate copies the
@@ -256,6 +255,14 @@ def _first_true_or_last(cond: jax.Array, fallback: jax.Array) -> jax.Array:
     return jnp.where(first < n, first, last)
 
 
+def _row_uniforms(keys: jax.Array, steps: jax.Array) -> jax.Array:
+    def one(key_data: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+        return jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
+
+    return jax.vmap(one)(keys, steps)
+
+
 def _sample_rows(
     masked: jax.Array,
     masked_max: jax.Array,
@@ -296,7 +303,7 @@ def _sample_rows(
             keep &= x >= _rowwise(kth, x)
         return jnp.where(keep, p, 0.0)
 
-    tokens = _inverse_cdf_sample(masked, probs_of, arrays.uniforms)
+    tokens = _inverse_cdf_sample(masked, probs_of, _row_uniforms(arrays.keys, arrays.steps))
     # A row whose every token is banned has no finite max: fall back to the greedy pick (in range).
     return jnp.where(jnp.isfinite(masked_max), tokens, greedy_tokens)
 

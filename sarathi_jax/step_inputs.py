@@ -17,8 +17,8 @@ B = max_blocks_per_seq:
     num_seqs       [1]
     logits_indices [S]
     block_tables   [S * B]
-Sampling part (`sampling_len(S)` = S(6 + M) entries, M = MAX_BANNED):
-    temperature [S] f32, top_k [S], top_p [S] f32, min_p [S] f32, uniforms [S] f32,
+Sampling part (`sampling_len(S)` = S(8 + M) entries, M = MAX_BANNED):
+    temperature [S] f32, top_k [S], top_p [S] f32, min_p [S] f32, keys [S * 2] u32, steps [S],
     banned_token_ids [S * M], num_logprobs [S]
 """
 
@@ -36,7 +36,7 @@ from sarathi_jax.sampling_inputs import MAX_BANNED, SamplingArrays, make_samplin
 
 
 def sampling_len(max_num_seqs: int) -> int:
-    return max_num_seqs * (6 + MAX_BANNED)
+    return max_num_seqs * (8 + MAX_BANNED)
 
 
 class PackedStep(NamedTuple):
@@ -126,7 +126,8 @@ def unpack_sampling(part: jax.Array, max_num_seqs: int) -> SamplingArrays:
         top_k=part[s : 2 * s],
         top_p=as_f32(part[2 * s : 3 * s]),
         min_p=as_f32(part[3 * s : 4 * s]),
-        uniforms=as_f32(part[4 * s : 5 * s]),
-        banned_token_ids=part[5 * s : (5 + m) * s].reshape(s, m),
-        num_logprobs=part[(5 + m) * s : (6 + m) * s],
+        keys=jax.lax.bitcast_convert_type(part[4 * s : 6 * s], jnp.uint32).reshape(s, 2),
+        steps=part[6 * s : 7 * s],
+        banned_token_ids=part[7 * s : (7 + m) * s].reshape(s, m),
+        num_logprobs=part[(7 + m) * s : (8 + m) * s],
     )
