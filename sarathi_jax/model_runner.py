@@ -218,9 +218,9 @@ class ModelRunner:
         (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
 
         The executables are first built ahead of time on `compile_threads` threads (default: see
-        `sarathi_jax.precompile.compile_threads`; 1 thread still loads ready-made executables): XLA compiles release the GIL,
-        so the compiles (or persistent-cache loads) of several buckets overlap each other and the tracing
-        of the next. The runs that follow then find every executable in JAX's in-memory caches and compile
+        `sarathi_jax.precompile.compile_threads`; 1 thread still loads ready-made executables): XLA compiles
+        release the GIL, so the compiles (or persistent-cache loads) of several buckets overlap each other and
+        the tracing of the next. The runs that follow then find every executable in JAX's in-memory caches and compile
         nothing; they are what makes serving never compile again. The first bucket always runs (with every
         sampler variant: the host-side dispatch path); a later bucket whose steps all came ready-made from
         the executable cache needs no run, as nothing about it is left to compile."""
@@ -239,10 +239,11 @@ class ModelRunner:
     def precompile(self, threads: int | None = None) -> None:
         """Build every bucket's step executables and every sampler variant ahead of time on `threads`
         threads, loading those `executable_cache` holds (`sarathi_jax.precompile.build_executables`)."""
-        build_executables(self.stages, self.buckets, lambda bucket: self._on_stages(self._layout(bucket).empty()),
-                   no_tokens=self._no_tokens, max_num_seqs=self.max_num_seqs,
-                   max_blocks_per_seq=self.max_blocks_per_seq, sampler=_sample_packed_jit,
-                   cache=self.executable_cache, threads=threads, on_loaded=self._use_loaded)
+        build_executables(
+            self.stages, self.buckets, lambda bucket: self._on_stages(self._layout(bucket).empty()),
+            no_tokens=self._no_tokens, max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
+            sampler=_sample_packed_jit, cache=self.executable_cache, threads=threads, on_loaded=self._use_loaded,
+        )
 
     def _use_loaded(self, entry: Any, executable: Callable) -> None:
         """Dispatch `executable`, loaded from the executable cache, for `entry` (see `build_executables`); it
