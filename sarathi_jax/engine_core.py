@@ -324,10 +324,9 @@ class EngineCore:
 
 class CoreFrontEnd:
     """The requests-facing calls that an engine built on an `EngineCore` (`LLMEngine`, `SimulatedEngine`)
-    hands straight to it. The engine sets `core` and `block_manager`."""
+    hands straight to it. The engine sets `core`."""
 
     core: EngineCore
-    block_manager: Any
 
     def abort(self, request_id: str) -> bool:
         """Abort a request now: its KV blocks are freed at once and its last output says finish_reason='abort'."""
@@ -338,4 +337,4 @@ class CoreFrontEnd:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their requests; nothing is reused after)."""
-        self.block_manager.reset_prefix_cache()
+        self.core.scheduler.block_manager.reset_prefix_cache()
