@@ -95,6 +95,11 @@ class EngineConfig:
     compilation_cache_dir: JAX's persistent compilation cache. "auto": $SARATHI_JAX_COMPILATION_CACHE (a
         directory, or "0"/"off"/"" for none), else ~/.cache/sarathi-jax/jax ($XDG_CACHE_HOME honoured); a
         path; None or "off": no cache. Process-wide; see sarathi_jax/compile_cache.py.
+    background_compile: the engine is ready once the largest bucket's step and the general sampler are built;
+        the other buckets and sampler variants are then built on background threads while it serves (until
+        one is built, a batch runs padded to a larger bucket, with the same tokens). False: everything is
+        built before the engine is ready. Either way serving never compiles; see
+        `ModelRunner.warmup` and `LLMEngine.wait_until_compiled`.
     """
 
     model: str = "tiny-llama"
@@ -118,6 +123,7 @@ class EngineConfig:
     scan_layers: bool | None = None
     enable_prefix_caching: bool = True
     compilation_cache_dir: str | None = "auto"
+    background_compile: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -127,7 +133,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("async_scheduling", "enable_prefix_caching"):
+        for name in ("async_scheduling", "enable_prefix_caching", "background_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.token_budget % 16:

@@ -116,7 +116,7 @@ class LLMEngine(CoreFrontEnd):
                 )
             with timer.phase("warmup"):
                 if warmup:
-                    self.runner.warmup()  # runs each bucket once: its compile time is counted as "compile"
+                    self.runner.warmup(background=config.background_compile)
         self._seed_rng = np.random.default_rng(config.seed)
         self.core = EngineCore(
             self.scheduler,
@@ -162,6 +162,7 @@ class LLMEngine(CoreFrontEnd):
             "cache_hits": compiles.cache_hits + loaded if cache_dir else 0,
             "cache_misses": compiles.executables - compiles.cache_hits if cache_dir else None,
             "executables_loaded": loaded,
+            "background_executables": self.runner.background.num_builds if self.runner.background else 0,
         }
 
     def _kv_budget(self, config: EngineConfig, platform: str):
@@ -242,6 +243,11 @@ class LLMEngine(CoreFrontEnd):
     def stats(self) -> dict:
         return self.core.stats()
 
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the executables left to background threads at start-up (`background_compile`) are all
+        built: True, or False after `timeout` seconds. Benchmarks call it before they time anything."""
+        return self.runner.wait_for_executables(timeout)
+
     def startup_stats(self) -> dict:
         """How start-up went. Seconds: `load_s` (weights and tokenizer), `init_s` (sizing, scheduler, model
         runner and KV cache), `compile_s` (tracing, lowering and XLA compiling, or loading executables from the
@@ -254,8 +260,12 @@ class LLMEngine(CoreFrontEnd):
         `activation_bytes_estimate` (set aside per device under memory-fraction sizing, else 0),
         `peak_bytes_in_use` (the most any device held by the end of start-up; None where not reported),
         `compilation_cache_dir` (None: no persistent cache), `executables` (built during start-up),
-        `cache_hits` (of those, loaded from the cache) and `cache_misses` (compiled; None without a cache)."""
-        return dict(self._startup_stats)
+        `cache_hits` (of those, loaded from the cache) and `cache_misses` (compiled; None without a cache),
+        `background_executables` (left to background threads when the engine was ready) and
+        `background_compile_s` (how long those took; None until they are all built)."""
+        background = self.runner.background
+        return {**self._startup_stats,
+                "background_compile_s": background.seconds if background is not None and background.done else None}
 
 
 def _memory_stats(num_devices: int) -> list[dict | None]:
@@ -277,6 +287,10 @@ def format_startup(stats: dict) -> str:
     else:
         cache = f"{s['executables']} executables, no compilation cache"
     warm = f"warm-up {s['warmup_s']:.1f} s" if s["warmed_up"] else "no warm-up"
+    if s.get("background_executables"):
+        n, seconds = s["background_executables"], s.get("background_compile_s")
+        cache += (f"; {n} more building in the background" if seconds is None
+                  else f"; {n} more built in the background in {seconds:.1f} s")
     return (f"engine ready in {s['total_s']:.1f} s (load {s['load_s']:.1f} s, init {s['init_s']:.1f} s, "
             f"compile {s['compile_s']:.1f} s, {warm}; {cache}) on {s['platform']} "
             f"[{s['device']} x{s['num_devices']}], {backend} attention, "

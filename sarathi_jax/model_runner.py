@@ -4,8 +4,10 @@ Every step runs at one of a few fixed token counts (`buckets`): tile-aligned siz
 the scheduler can produce. The sampler is a separate jitted function with one variant per sampling need
 (`sampling.SamplerVariant`: greedy only, sampled, top-k/top-p, logprobs), chosen on the host, so no step
 contains a conditional whose predicate lives on the device (on a GPU that is a host sync mid-step). Every
-bucket and every variant is compiled by `warmup()` (built ahead of time on threads: `sarathi_jax.precompile`),
-so serving never compiles again; `num_compilations` counts traces and lets tests check that.
+bucket and every variant is built by `warmup()` (`sarathi_jax.precompile`): the largest bucket and the
+general sampler before the engine is ready, the others there too or on a background thread while the engine
+serves (a batch then runs in the smallest bucket already built that holds it). Serving never compiles;
+`num_compilations` counts traces and lets tests check that.
 
 Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
 settings) go up as two int32 arrays in one call (`sarathi_jax.step_inputs`), parameters and the KV cache stay on the
@@ -23,7 +25,7 @@ device, and the code below reads as the single-device runner it then is.
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -37,8 +39,10 @@ from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
 from sarathi_jax.parallel.stages import Stage, build_stages, copy_to_every_process, local_copy
-from sarathi_jax.precompile import build_executables
+from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, run_builds
+from sarathi_jax.precompile import compile_threads as _default_compile_threads
 from sarathi_jax.sampling import (
+    FULL_VARIANT,
     SAMPLER_VARIANTS,
     SamplerOutput,
     SamplerVariant,
@@ -62,6 +66,15 @@ def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVa
 
 # Module level: engines with the same shapes share the compiled sampler variants.
 _sample_packed_jit = jax.jit(_sample_packed, static_argnames=("variant",))
+
+
+def _on_stages(stages: Sequence[Stage], packed: PackedStep) -> Iterator[tuple[Stage, PackedStep]]:
+    """Each stage with the step's packed inputs on its devices: one upload (both arrays in one call) to the
+    first stage; later stages get device-to-device copies."""
+    on_device = None
+    for stage in stages:
+        on_device = PackedStep(*(stage.upload(tuple(packed)) if on_device is None else stage.place(tuple(on_device))))
+        yield stage, on_device
 
 
 class PendingStep:
@@ -136,16 +149,15 @@ class ModelRunner:
                     stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
             if self.plan is None:
                 self.model = self.stages[0].model
-        self._stage_traces = [0] * len(self.stages)
-        self._trace_lock = threading.Lock()
+        # Executables built ahead of time, which buckets and sampler variants are ready, and trace counts.
+        # Until `warmup` every bucket counts as ready: each compiles on its first run.
+        self._table = ExecutableTable(self.buckets, len(self.stages))
         self._capture_logits = False
         for stage in self.stages:
             stage.step = self._make_stage_step(stage)
-        self._sampler_traces = 0  # sampler variants this runner compiled (others came from the shared cache)
-        # Executables `precompile` loaded from `executable_cache` (no tracing): (stage index, batch length) ->
-        # model step, SamplerVariant -> sampler. Dispatch prefers them to the jitted functions.
+        self._sampler_traces = 0  # sampler variants the jitted sampler compiled on dispatch
         self.executable_cache = executable_cache
-        self._loaded: dict[Any, Callable] = {}
+        self.background: BackgroundBuild | None = None  # the executables `warmup` left to background threads
         # The previous step: its sampled token ids (device) and which row sampled for which sequence, so a
         # pending input token is read on the device. Pipelines never schedule a sequence in flight, so only
         # a single stage feeds it back; stage 0 otherwise gets a constant.
@@ -160,11 +172,10 @@ class ModelRunner:
         `batch` the packed batch part. Stage 0 takes x = None and reads token ids from `batch` (pending ones
         from `prev_tokens`); the last stage returns float32 logits [S, vocab], the others their activations."""
         model, index, is_first, is_last = stage.model, stage.index, stage.index == 0, stage.is_last
-        s, b = self.max_num_seqs, self.max_blocks_per_seq
+        s, b, table = self.max_num_seqs, self.max_blocks_per_seq, self._table  # not self: see `warmup`
 
         def step_impl(params, kv_cache, x, batch, prev_tokens):
-            with self._trace_lock:  # buckets may be traced on several threads at once (`precompile`)
-                self._stage_traces[index] += 1  # Python side effect: runs once per trace, never per call
+            table.traced(index)  # Python side effect: runs once per trace (on any thread), never per call
             layout = BatchLayout.of_packed(batch.shape[0], s, b)
             token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
             if is_first:  # a pending token is the previous step's sample in row src_rows[t]
@@ -184,13 +195,18 @@ class ModelRunner:
     @property
     def num_step_compilations(self) -> int:
         """Traces of the model step alone: one per bucket, times the pipeline stages."""
-        return sum(self._stage_traces)
+        return sum(self._table.stage_traces)
 
     @property
     def num_compilations(self) -> int:
         """Traces of the model step (one per bucket, times the pipeline stages) plus sampler variants this
-        runner compiled (each variant once per process and shape: runners share the sampler's cache)."""
-        return sum(self._stage_traces) + self._sampler_traces
+        runner built or compiled (each variant once per process and shape: runners share the sampler's cache)."""
+        return sum(self._table.stage_traces) + self._table.sampler_builds + self._sampler_traces
+
+    @property
+    def ready_buckets(self) -> tuple[int, ...]:
+        """The buckets a batch may run in now (all of `buckets` once every executable is built)."""
+        return self._table.buckets
 
     @property
     def params(self) -> Any:
@@ -208,52 +224,58 @@ class ModelRunner:
         return [stage.kv_cache for stage in self.stages]
 
     def bucket_for(self, num_tokens: int) -> int:
-        bucket = bucket_for(self.buckets, num_tokens)
+        bucket = bucket_for(self._table.buckets, num_tokens)
         if bucket is not None:
             return bucket
         raise ValueError(f"a batch of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
-    def warmup(self, compile_threads: int | None = None) -> None:
-        """Compile every bucket and every sampler variant, then run each once with all-padding batches
-        (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
+    def warmup(self, compile_threads: int | None = None, *, background: bool = False) -> None:
+        """Build every bucket's step and every sampler variant, then run the largest bucket once with an
+        all-padding batch (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
 
-        The executables are first built ahead of time on `compile_threads` threads (default: see
-        `sarathi_jax.precompile.compile_threads`; 1 thread still loads ready-made executables): XLA compiles
-        release the GIL, so the compiles (or persistent-cache loads) of several buckets overlap each other and
-        the tracing of the next. The runs that follow then find every executable in JAX's in-memory caches and compile
-        nothing; they are what makes serving never compile again. The first bucket always runs (with every
-        sampler variant: the host-side dispatch path); a later bucket whose steps all came ready-made from
-        the executable cache needs no run, as nothing about it is left to compile."""
-        work = [(bucket, SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]) for i, bucket in enumerate(self.buckets)]
-        self.precompile(compile_threads)
-        for i, (bucket, variants) in enumerate(work):
-            packed = self._layout(bucket).empty()
-            rows = packed.batch.shape[0]
-            if i > 0 and all((stage.index, rows) in self._loaded for stage in self.stages):
-                continue
-            for variant in variants:
-                self._dispatch(packed, variant, timed=False)
-        for stage in self.stages:
-            jax.block_until_ready(stage.kv_cache)
-
-    def precompile(self, threads: int | None = None) -> None:
-        """Build every bucket's step executables and every sampler variant ahead of time on `threads`
-        threads, loading those `executable_cache` holds (`sarathi_jax.precompile.build_executables`)."""
-        build_executables(
-            self.stages, self.buckets, lambda bucket: self._on_stages(self._layout(bucket).empty()),
-            no_tokens=self._no_tokens, max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
-            sampler=_sample_packed_jit, cache=self.executable_cache, threads=threads, on_loaded=self._use_loaded,
+        The largest bucket and the general sampler (`FULL_VARIANT`) are built first: every batch can run on
+        them. The other buckets and variants are built here too, or with `background`, on background threads
+        (`self.background`) while the engine serves, each one used from the moment it is built. Until then a
+        batch is padded to the smallest built bucket that holds it, and sampled by FULL_VARIANT (bitwise the
+        tokens and logprobs of the variant it stands in for; see sarathi_jax/sampling.py). Builds use
+        `compile_threads` threads (default: `sarathi_jax.precompile.compile_threads`) and load what the
+        executable cache holds. A multi-process engine builds nothing ahead: every bucket and variant
+        compiles on its first run, here."""
+        if jax.process_count() > 1:
+            for i, bucket in enumerate(self.buckets):
+                for variant in SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]:
+                    self._dispatch(self._layout(bucket).empty(), variant, timed=False)
+            jax.block_until_ready(self.kv_caches)
+            return
+        threads = compile_threads if compile_threads is not None else _default_compile_threads()
+        table, top = self._table, self.buckets[-1]
+        table.only([], [])
+        # The builder and the builds hold the table and the stages, never `self`: a background build stops
+        # when this runner is collected.
+        stages, s, b = self.stages, self.max_num_seqs, self.max_blocks_per_seq
+        builder = ExecutableBuilder(
+            stages, lambda bucket: _on_stages(stages, BatchLayout(bucket, s, b).empty()), no_tokens=self._no_tokens,
+            max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, sampler=_sample_packed_jit,
+            cache=self.executable_cache, table=table,
         )
+        builder.bucket(top)
+        builder.sampler(FULL_VARIANT)
+        # Decodes land in the small buckets and greedy requests need no sampling work: those first.
+        rest = [functools.partial(builder.sampler, SAMPLER_VARIANTS[0])]
+        rest += [functools.partial(builder.bucket, bucket) for bucket in self.buckets[:-1]]
+        rest += [functools.partial(builder.sampler, v) for v in SAMPLER_VARIANTS[1:] if v != FULL_VARIANT]
+        if background:
+            self.background = BackgroundBuild(rest, threads, owner=self)
+        else:
+            run_builds(rest, threads)
+        self._dispatch(self._layout(top).empty(), FULL_VARIANT, timed=False)
+        jax.block_until_ready(self.kv_caches)
+        if self.background is not None:
+            self.background.start()
 
-    def _use_loaded(self, entry: Any, executable: Callable) -> None:
-        """Dispatch `executable`, loaded from the executable cache, for `entry` (see `build_executables`); it
-        counts as a compilation of its model step or sampler variant."""
-        with self._trace_lock:
-            self._loaded[entry] = executable
-            if isinstance(entry, SamplerVariant):
-                self._sampler_traces += 1
-            else:
-                self._stage_traces[entry[0]] += 1
+    def wait_for_executables(self, timeout: float | None = None) -> bool:
+        """Block until every bucket and variant is built (True), or `timeout` seconds pass (False)."""
+        return True if self.background is None else self.background.wait(timeout)
 
     def execute(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> SamplerOutput:
         """Run one step; row i of the result is chunk i's sample (meaningful where chunk.needs_sample)."""
@@ -283,32 +305,29 @@ class ModelRunner:
         return BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
 
     def _on_stages(self, packed: PackedStep) -> Iterator[tuple[Stage, PackedStep]]:
-        """Each stage with the step's packed inputs on its devices: one upload (both arrays in one call) to
-        the first stage; later stages get device-to-device copies."""
-        on_device = None
-        for stage in self.stages:
-            on_device = PackedStep(*(stage.upload(tuple(packed)) if on_device is None
-                                     else stage.place(tuple(on_device))))
-            yield stage, on_device
+        return _on_stages(self.stages, packed)
 
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
         timeline = self.timeline if timed else None
         record = timeline.begin(BatchLayout.of_packed(packed.batch.size, self.max_num_seqs,
                                                       self.max_blocks_per_seq).num_tokens) if timeline else None
         single = len(self.stages) == 1
+        executables, ready_variants = self._table.executables, self._table.variants
+        # A variant not built yet: the general one gives the same tokens (and logprobs, where asked for).
+        run_variant = variant if ready_variants is None or variant in ready_variants else FULL_VARIANT
         x = None
         for stage, on_device in self._on_stages(packed):
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
-            step = self._loaded.get((stage.index, packed.batch.shape[0]), stage.step)
+            step = executables.get((stage.index, packed.batch.shape[0]), stage.step)
             x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
             if stage.is_last:
                 logits = x
-                sampler = self._loaded.get(variant)
+                sampler = executables.get(run_variant)
                 if sampler is not None:
                     x = sampler(logits, on_device.sampling)
                 else:
                     before = _sample_packed_jit._cache_size()
-                    x = _sample_packed_jit(logits, on_device.sampling, variant=variant)
+                    x = _sample_packed_jit(logits, on_device.sampling, variant=run_variant)
                     self._sampler_traces += _sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)

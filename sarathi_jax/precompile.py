@@ -1,15 +1,23 @@
-"""Building a `ModelRunner`'s executables ahead of time, the first half of its warm-up.
+"""Building a `ModelRunner`'s executables ahead of time: in the foreground, or on a background thread.
 
-Owns how many threads compile (`compile_threads`, `$SARATHI_JAX_COMPILE_THREADS`) and `build_executables`:
-every bucket's model step (each pipeline stage's) and every sampler variant, loaded from the
-`ExecutableCache` when it holds them, else lowered and compiled with `jit(...).lower(...).compile()` and
-saved there. The runner keeps what was loaded (through `on_loaded`) and dispatches it instead of the jitted
-function; what was compiled lands in JAX's own caches, so the runner's first call finds it.
+`ExecutableBuilder` builds one executable at a time: a bucket's model step (each pipeline stage's) or a sampler
+variant, loaded from the `ExecutableCache` when it holds it, else lowered and compiled with
+`jit(...).lower(...).compile()` and saved there. Each one is handed to `on_built`; the runner dispatches it
+instead of the jitted function. It lowers from a snapshot of the KV cache's shape (the live cache is donated
+by every step), so it may run while the engine serves.
+
+`BackgroundBuild` runs a list of such builds on daemon threads after the engine is ready, and stops between
+two builds when cancelled (when its runner is collected, or at interpreter exit: waiting for at most the
+build in flight). `compile_threads` (`$SARATHI_JAX_COMPILE_THREADS`) says how many threads build.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,10 +26,13 @@ import jax
 
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.parallel.stages import Stage
-from sarathi_jax.sampling import SAMPLER_VARIANTS, SamplerVariant
+from sarathi_jax.sampling import SamplerVariant
 from sarathi_jax.step_inputs import PackedStep
 
 COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
+
+# What an executable is for: (stage index, packed batch rows) for a model step, or a sampler variant.
+Entry = tuple[int, int] | SamplerVariant
 
 
 def compile_threads() -> int:
@@ -46,73 +57,220 @@ def stage_devices(stage: Stage) -> list:
     return sorted(jax.tree.leaves(stage.params)[0].devices(), key=lambda d: d.id)
 
 
-def build_executables(
-    stages: Sequence[Stage],
-    buckets: Sequence[int],
-    on_stages: Callable[[int], Iterator[tuple[Stage, PackedStep]]],
-    *,
-    no_tokens: jax.Array,
-    max_num_seqs: int,
-    max_blocks_per_seq: int,
-    sampler: Any,
-    cache: ExecutableCache | None,
-    threads: int | None,
-    on_loaded: Callable[[Any, Callable], None],
-) -> None:
-    """Build every bucket's step executables and every sampler variant on `threads` threads (default:
-    `compile_threads()`). `on_stages(bucket)` yields each stage with that bucket's all-padding packed inputs
-    on its devices; `no_tokens` is stage 0's previous-tokens argument; `sampler` is the jitted sampler (its
-    `variant` static). Each executable loaded from `cache` is handed to `on_loaded(entry, executable)`,
-    `entry` being (stage index, packed batch rows) for a model step and the `SamplerVariant` for a sampler.
-    Nothing runs and the KV cache is not touched. With one thread and no cache (or in a multi-process
-    engine) it does nothing: the first run of each compiles it."""
-    threads = compile_threads() if threads is None else threads
-    if jax.process_count() > 1 or (threads <= 1 and cache is None):
-        return
-    s, b = max_num_seqs, max_blocks_per_seq
+def shape_of(tree: Any) -> Any:
+    """`tree` as `ShapeDtypeStruct`s, with the sharding of committed leaves: what lowering needs of it, and
+    the same description for `ExecutableCache.key` as the arrays themselves."""
+    def spec(x: jax.Array) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
 
-    def build(entry: Any, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict, devices: list) -> Any:
-        """The executable for `jitted(*args, **kwargs)`: loaded (and handed to `on_loaded`) or compiled."""
+    return jax.tree.map(spec, tree)
+
+
+class ExecutableBuilder:
+    """Builds the executables of one runner's `stages`.
+
+    `on_stages(bucket)` yields each stage with that bucket's all-padding packed inputs on its devices;
+    `no_tokens` is stage 0's previous-tokens argument; `sampler` is the jitted sampler (its `variant`
+    static). Every executable built goes into `table`, and a bucket is marked ready there once all its
+    stages are built. Thread-safe: builds may run on several threads at once. Nothing runs and the KV cache
+    is not touched.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        on_stages: Callable[[int], Iterator[tuple[Stage, PackedStep]]],
+        *,
+        no_tokens: jax.Array,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        sampler: Any,
+        cache: ExecutableCache | None,
+        table: ExecutableTable,
+    ) -> None:
+        self._stages = list(stages)
+        self._on_stages = on_stages
+        self._no_tokens = no_tokens
+        self._s, self._b = max_num_seqs, max_blocks_per_seq
+        self._sampler = sampler
+        self._cache = cache
+        self._table = table
+        self._kv_shapes = [shape_of(stage.kv_cache) for stage in self._stages]  # taken now: later donated
+        self._sampler_args: tuple | None = None  # (logits, packed sampling): the same for every bucket
+
+    def _build(self, entry: Entry, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict,
+               devices: list) -> Any:
+        cache = self._cache
         key = cache.key(name, closure, args) if cache is not None else None
         exe = cache.load(key, devices) if key is not None else None
-        if exe is not None:
-            on_loaded(entry, exe)
-            return exe
-        exe = jitted.lower(*args, **kwargs).compile()
-        if key is not None:
-            cache.save(key, exe)
+        loaded = exe is not None
+        if not loaded:
+            exe = jitted.lower(*args, **kwargs).compile()
+            if key is not None:
+                cache.save(key, exe)
+        self._table.add(entry, exe, loaded)
         return exe
 
-    def compile_bucket(bucket: int) -> Any:
-        """Lower and compile each stage's step for `bucket`; returns the last stage's output (the logits)
-        and the uploaded sampling array, as the sampler's lowering arguments."""
+    def bucket(self, bucket: int) -> None:
+        """Every stage's model step for `bucket`, the first stage first (each lowers with the previous one's
+        output)."""
         x = on_device = None
-        for stage, on_device in on_stages(bucket):
-            prev = no_tokens if stage.index == 0 else None
-            closure = ("model step", stage.model, stage.index, stage.layer_range, stage.is_last, s, b,
+        for stage, on_device in self._on_stages(bucket):
+            prev = self._no_tokens if stage.index == 0 else None
+            closure = ("model step", stage.model, stage.index, stage.layer_range, stage.is_last, self._s, self._b,
                        stage.mesh, stage.tensor_parallel_size, stage.shard_vocab, stage.kv_sharding)
-            args = (stage.params, stage.kv_cache, x, on_device.batch, prev)
-            compiled = build((stage.index, on_device.batch.shape[0]), "step", closure, stage.step, args, {},
-                             stage_devices(stage))
+            args = (stage.params, self._kv_shapes[stage.index], x, on_device.batch, prev)
+            compiled = self._build((stage.index, on_device.batch.shape[0]), "step", closure, stage.step, args, {},
+                                   stage_devices(stage))
             out = compiled.out_info[0]
             # The next stage gets these activations placed on its own devices (`Stage.place`).
-            nxt = stages[stage.index + 1] if not stage.is_last else None
+            nxt = self._stages[stage.index + 1] if not stage.is_last else None
             if nxt is not None:
                 x = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=nxt.replicated)
             else:  # off a mesh the step's inputs, so its logits, are uncommitted: no sharding to lower with
                 x = out if stage.mesh is not None else jax.ShapeDtypeStruct(out.shape, out.dtype)
-        return x, on_device.sampling
+        if self._sampler_args is None:
+            self._sampler_args = (x, on_device.sampling)
+        self._table.bucket_ready(bucket)
 
-    def compile_sampler(logits: Any, sampling: jax.Array, variant: SamplerVariant) -> None:
-        build(variant, "sampler", ("sampler", variant), sampler, (logits, sampling), {"variant": variant},
-              stage_devices(stages[-1]))
+    def sampler(self, variant: SamplerVariant) -> None:
+        """The sampler for `variant`; after any `bucket` (whose logits it lowers with)."""
+        assert self._sampler_args is not None, "build a bucket first"
+        self._build(variant, "sampler", ("sampler", variant), self._sampler, self._sampler_args,
+                    {"variant": variant}, stage_devices(self._stages[-1]))
 
-    # Longest first: the first bucket (whose logits the sampler variants need), then the sampler
-    # variants and the other buckets from the largest down.
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="sarathi-compile") as pool:
-        first = pool.submit(compile_bucket, buckets[0])
-        others = [pool.submit(compile_bucket, bucket) for bucket in reversed(buckets[1:])]
-        logits, sampling = first.result()
-        samplers = [pool.submit(compile_sampler, logits, sampling, v) for v in reversed(SAMPLER_VARIANTS)]
-        for future in others + samplers:
+
+def run_builds(builds: Sequence[Callable[[], None]], threads: int) -> None:
+    """Run `builds` on `threads` threads (XLA compiles release the GIL) and wait for all of them."""
+    if threads <= 1:
+        for build in builds:
+            build()
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sarathi-compile") as pool:
+        for future in [pool.submit(build) for build in builds]:
             future.result()
+
+
+class BackgroundBuild:
+    """Runs `builds` (in order, on `threads` daemon threads) until done or cancelled.
+
+    `cancel()` stops it between two builds (an XLA compile in flight cannot be interrupted); it is called
+    when `owner` is collected and at interpreter exit, which waits for the builds in flight. A failed build
+    is kept in `error` (and re-raised by `wait`); the others go on. `seconds` is the time from `start` to
+    the last build's end.
+    """
+
+    def __init__(self, builds: Sequence[Callable[[], None]], threads: int, owner: Any) -> None:
+        self._builds = list(builds)
+        self._next = 0
+        self._lock = threading.Lock()
+        self._cancelled = threading.Event()
+        self._finished = threading.Event()
+        self._running = 0
+        self._threads = [threading.Thread(target=self._work, name=f"sarathi-compile-{i}", daemon=True)
+                         for i in range(min(max(1, threads), len(self._builds)))]
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self._start = 0.0
+        weakref.finalize(owner, self.cancel)
+        atexit.register(self._stop_at_exit)
+
+    @property
+    def num_builds(self) -> int:
+        return len(self._builds)
+
+    @property
+    def done(self) -> bool:
+        """Every build ran (or the build was cancelled and the ones in flight ended)."""
+        return self._finished.is_set()
+
+    def start(self) -> BackgroundBuild:
+        self._start = time.monotonic()
+        self._running = len(self._threads)
+        if not self._threads:
+            self._finish()
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (True) or `timeout` seconds passed (False); re-raise a failed build's error."""
+        finished = self._finished.wait(timeout)
+        if self.error is not None:
+            raise RuntimeError("building an executable in the background failed") from self.error
+        return finished
+
+    def _work(self) -> None:
+        while not self._cancelled.is_set():
+            with self._lock:
+                if self._next >= len(self._builds):
+                    break
+                build = self._builds[self._next]
+                self._next += 1
+            try:
+                build()
+            except BaseException as e:  # noqa: BLE001 -- kept for `wait`; serving goes on with what is built
+                self.error = self.error or e
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.seconds = time.monotonic() - self._start
+        self._finished.set()
+        atexit.unregister(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        self.cancel()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+
+
+class ExecutableTable:
+    """The executables a runner dispatches and what is ready to run, filled by `ExecutableBuilder` (maybe on
+    background threads; the fields dispatch reads are replaced, never mutated, so reading needs no lock).
+
+    `buckets`: the ready buckets, ascending (a batch is padded to the smallest that holds it). `variants`:
+    the ready sampler variants; None means any (the jitted sampler compiles one on first use).
+    `stage_traces` and `sampler_builds` count compilations for `ModelRunner.num_compilations`.
+    """
+
+    def __init__(self, buckets: Sequence[int], num_stages: int) -> None:
+        self.executables: dict[Entry, Callable] = {}
+        self.buckets: tuple[int, ...] = tuple(buckets)
+        self.variants: frozenset[SamplerVariant] | None = None
+        self.stage_traces = [0] * num_stages
+        self.sampler_builds = 0
+        self.lock = threading.Lock()
+
+    def traced(self, stage_index: int) -> None:
+        with self.lock:
+            self.stage_traces[stage_index] += 1
+
+    def add(self, entry: Entry, executable: Callable, loaded: bool) -> None:
+        """Use `executable` for `entry` from now on; a sampler variant is then ready. A loaded model step
+        counts as a compilation (a compiled one was counted when it was traced)."""
+        with self.lock:
+            self.executables = {**self.executables, entry: executable}
+            if isinstance(entry, SamplerVariant):
+                self.sampler_builds += 1
+                if self.variants is not None:
+                    self.variants = self.variants | {entry}
+            elif loaded:
+                self.stage_traces[entry[0]] += 1
+
+    def bucket_ready(self, bucket: int) -> None:
+        with self.lock:
+            self.buckets = tuple(sorted({*self.buckets, bucket}))
+
+    def only(self, buckets: Sequence[int], variants: Sequence[SamplerVariant]) -> None:
+        """From now on run only these (until more are added)."""
+        with self.lock:
+            self.buckets = tuple(sorted(buckets))
+            self.variants = frozenset(variants)

@@ -8,7 +8,9 @@ from typing import Any
 def make_llm_engine(config: Any) -> Any:
     from sarathi_jax.engine import LLMEngine
 
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    engine.wait_until_compiled()  # nothing is timed while background threads still compile
+    return engine
 
 
 def make_simulated_engine(config: Any, cost_model: Any = None) -> Any:

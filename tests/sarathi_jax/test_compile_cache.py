@@ -81,7 +81,7 @@ _SCRIPT = """
 import json, sys
 from sarathi_jax import EngineConfig, LLMEngine
 engine = LLMEngine(EngineConfig("tiny-llama", token_budget=32, max_num_seqs=4, block_size=16, num_blocks=8,
-                                max_model_len=64, compilation_cache_dir=sys.argv[1]))
+                                max_model_len=64, compilation_cache_dir=sys.argv[1], background_compile=False))
 print("STATS " + json.dumps(engine.startup_stats()))
 from sarathi_jax import SamplingParams
 engine.add_request("greedy", [1, 5, 9, 3], SamplingParams(max_tokens=5, temperature=0.0))
@@ -93,7 +93,7 @@ with record_compiles() as serving:  # both buckets are used: 4 + 2 + 20 prompt t
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.request_id] = list(o.token_ids)
-print("TOKENS " + json.dumps({"tokens": out, "loaded": len(engine.runner._loaded),
+print("TOKENS " + json.dumps({"tokens": out, "loaded": engine.runner.executable_cache.hits,
                               "compilations": engine.runner.num_compilations,
                               "serving_executables": serving.executables}))
 """

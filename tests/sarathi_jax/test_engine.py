@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+from sarathi_jax.engine import format_startup
+from sarathi_jax.precompile import BackgroundBuild
+from sarathi_jax.sampling import SAMPLER_VARIANTS
 from tests.sarathi_jax.engine_helpers import run_staggered
 
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 129, 200, 300)  # ragged, crossing block and budget boundaries
@@ -88,10 +91,60 @@ def test_no_compilation_after_warmup(llama_dir, prompts):
         EngineConfig(model=llama_dir, token_budget=64, max_num_seqs=8, num_blocks=256, max_model_len=512),
         warmup=True,
     )
+    assert engine.wait_until_compiled(timeout=600)
     compiled = engine.runner.num_compilations
     assert engine.runner.num_step_compilations == len(engine.runner.buckets)
     run_staggered(engine, prompts[:6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert engine.runner.num_compilations == compiled
+
+
+def test_background_compile_gives_the_same_tokens_before_and_after_the_buckets_are_built(
+        llama_dir, prompts, hf_greedy, monkeypatch):
+    # Hold the background build: the engine then has only the largest bucket and the general sampler.
+    start = BackgroundBuild.start
+    monkeypatch.setattr(BackgroundBuild, "start", lambda self: self)
+    engine = LLMEngine(EngineConfig(model=llama_dir, token_budget=64, max_num_seqs=8, num_blocks=256,
+                                    max_model_len=512))
+    runner, top = engine.runner, engine.runner.buckets[-1]
+    assert runner.ready_buckets == (top,) and len(runner.buckets) > 1
+    assert engine.startup_stats()["background_executables"] == len(runner.buckets) - 1 + len(SAMPLER_VARIANTS) - 1
+    assert engine.startup_stats()["background_compile_s"] is None
+    assert "more building in the background" in format_startup(engine.startup_stats())
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def serve() -> tuple[dict, dict]:
+        tokens: dict = {}
+        logprobs: dict = {f"g{i}": [] for i in range(5)}
+        for i, prompt in enumerate(prompts[:5]):
+            engine.add_request(f"g{i}", prompt, greedy)
+            engine.add_request(f"s{i}", prompt, sampled)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] = list(out.token_ids)
+                logprobs.get(out.request_id, []).extend(out.new_logprobs)
+        return tokens, logprobs
+
+    held_tokens, held_logprobs = serve()
+    assert {r.num_padded_tokens for r in engine.iteration_log} == {top}
+    start(runner.background)
+    assert engine.wait_until_compiled(timeout=600) and runner.ready_buckets == runner.buckets
+    assert engine.startup_stats()["background_compile_s"] > 0
+    assert "more built in the background in" in format_startup(engine.startup_stats())
+    compiled = runner.num_compilations
+    assert runner.num_step_compilations == len(runner.buckets)
+    log_start = len(engine.iteration_log)
+    built_tokens, built_logprobs = serve()
+    assert runner.num_compilations == compiled  # serving compiled nothing
+    assert min(r.num_padded_tokens for r in engine.iteration_log[log_start:]) < top  # smaller buckets ran
+    assert built_tokens == held_tokens
+    assert [held_tokens[f"g{i}"] for i in range(5)] == hf_greedy[:5]
+    for rid, held in held_logprobs.items():  # the general sampler stood in for the greedy-with-logprobs one
+        assert len(held) == MAX_TOKENS
+        for step_held, step_built in zip(held, built_logprobs[rid], strict=True):
+            assert (step_held.token_id, step_held.top_token_ids) == (step_built.token_id, step_built.top_token_ids)
+            np.testing.assert_allclose((step_held.logprob, *step_held.top_logprobs),
+                                       (step_built.logprob, *step_built.top_logprobs), rtol=0, atol=1e-5)
 
 
 def test_abort_frees_every_block(llama_dir, prompts):

@@ -184,6 +184,7 @@ def test_overlapped_loop_with_pipeline_parallel(llama_dir, prompts):
 def test_no_compilation_after_warmup_with_every_sampler_variant(llama_dir, prompts, stop_markers):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), token_budget=64, max_num_seqs=8, num_blocks=96,
                                     max_model_len=256), warmup=True)
+    assert engine.wait_until_compiled(timeout=600)
     compiled = engine.runner.num_compilations
     reqs = mixed_requests(prompts, *stop_markers)
     reqs.append((0, "big-k", prompts[1], SamplingParams(temperature=1.0, top_k=200, seed=1, max_tokens=4)))

@@ -1,14 +1,19 @@
-"""`sarathi_jax.precompile`: how many threads compile at warm-up, and when building ahead of time is skipped.
-(Building itself, compiled and loaded from the executable cache, is checked end to end by
-`test_compile_cache.test_second_engine_in_a_fresh_process_hits_the_cache`.)"""
+"""`sarathi_jax.precompile`: how many threads compile at warm-up, the background build (order, cancelling,
+errors) and the table of what is ready. (Building itself, compiled and loaded from the executable cache, is
+checked end to end by `test_compile_cache.test_second_engine_in_a_fresh_process_hits_the_cache`, and serving
+while the background build runs by `test_engine.test_background_compile_gives_the_same_tokens_...`.)"""
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
+import threading
 
 import pytest
 
-from sarathi_jax.precompile import COMPILE_THREADS_ENV, build_executables, compile_threads
+from sarathi_jax.precompile import COMPILE_THREADS_ENV, BackgroundBuild, ExecutableTable, compile_threads
+from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS
 
 
 def test_compile_threads_env_wins_and_is_at_least_one(monkeypatch):
@@ -25,14 +30,91 @@ def test_compile_threads_default_follows_this_process_cores(monkeypatch, cores, 
     assert compile_threads() == threads
 
 
-def test_one_thread_without_a_cache_builds_nothing(monkeypatch):
-    def no_inputs(bucket):
-        raise AssertionError("nothing is built with one thread and no executable cache")
+class _Owner:
+    """Something a `BackgroundBuild` belongs to (a runner, in the engine)."""
 
-    loaded = []
-    build_executables([], [16, 32], no_inputs, no_tokens=None, max_num_seqs=4, max_blocks_per_seq=4, sampler=None,
-                      cache=None, threads=1, on_loaded=lambda entry, exe: loaded.append(entry))
-    monkeypatch.setenv(COMPILE_THREADS_ENV, "1")  # the default thread count, here from the environment
-    build_executables([], [16, 32], no_inputs, no_tokens=None, max_num_seqs=4, max_blocks_per_seq=4, sampler=None,
-                      cache=None, threads=None, on_loaded=lambda entry, exe: loaded.append(entry))
-    assert loaded == []
+
+def _gated_builds(n: int, ran: list[int], gate: threading.Event | None = None) -> list:
+    def build(i: int) -> None:
+        if gate is not None:
+            assert gate.wait(timeout=30)
+        ran.append(i)
+
+    return [functools.partial(build, i) for i in range(n)]
+
+
+def test_background_build_runs_every_build_in_order():
+    ran: list[int] = []
+    owner = _Owner()
+    background = BackgroundBuild(_gated_builds(5, ran), threads=1, owner=owner)
+    assert background.num_builds == 5 and not background.done and background.seconds is None
+    background.start()
+    assert background.wait(timeout=30) and background.done
+    assert ran == [0, 1, 2, 3, 4] and background.seconds >= 0
+
+
+def test_background_build_on_several_threads_runs_each_build_once():
+    ran: list[int] = []
+    owner = _Owner()
+    assert BackgroundBuild(_gated_builds(20, ran), threads=3, owner=owner).start().wait(timeout=30)
+    assert sorted(ran) == list(range(20))
+
+
+def test_cancel_stops_between_builds():
+    ran: list[int] = []
+    gate = threading.Event()
+    owner = _Owner()
+    background = BackgroundBuild(_gated_builds(5, ran, gate), threads=1, owner=owner).start()
+    background.cancel()  # the first build is waiting on the gate: it finishes, no other starts
+    gate.set()
+    assert background.wait(timeout=30)
+    assert ran in ([], [0])
+
+
+def test_collecting_the_owner_cancels_the_build():
+    ran: list[int] = []
+    gate = threading.Event()
+    owner = _Owner()
+    background = BackgroundBuild(_gated_builds(5, ran, gate), threads=1, owner=owner).start()
+    del owner
+    gc.collect()
+    gate.set()
+    assert background.wait(timeout=30)
+    assert ran in ([], [0])
+
+
+def test_a_failed_build_is_reraised_by_wait_and_the_others_still_run():
+    ran: list[int] = []
+    builds = _gated_builds(3, ran)
+
+    def fail() -> None:
+        raise ValueError("no such executable")
+
+    owner = _Owner()
+    background = BackgroundBuild([builds[0], fail, *builds[1:]], threads=1, owner=owner).start()
+    with pytest.raises(RuntimeError, match="in the background failed") as info:
+        background.wait(timeout=30)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert background.done and ran == [0, 1, 2]
+
+
+def test_no_builds_is_done_at_once():
+    owner = _Owner()
+    assert BackgroundBuild([], threads=2, owner=owner).start().wait(timeout=0)
+
+
+def test_executable_table_tracks_what_is_ready():
+    table = ExecutableTable((16, 32, 64), num_stages=2)
+    assert table.buckets == (16, 32, 64) and table.variants is None  # before warm-up: everything, on demand
+    table.only([64], [FULL_VARIANT])
+    greedy = SAMPLER_VARIANTS[0]
+    assert table.buckets == (64,) and table.variants == {FULL_VARIANT}
+    table.bucket_ready(16)
+    assert table.buckets == (16, 64)
+    step, sampler = object(), object()
+    table.add((1, 40), step, loaded=True)  # a model step loaded from the executable cache counts as compiled
+    table.add((0, 40), step, loaded=False)  # a compiled one was counted when it was traced
+    table.traced(0)
+    table.add(greedy, sampler, loaded=False)
+    assert table.variants == {FULL_VARIANT, greedy} and table.executables[greedy] is sampler
+    assert table.stage_traces == [1, 1] and table.sampler_builds == 1
