@@ -14,6 +14,7 @@ build in flight). `compile_threads` (`$SARATHI_JAX_COMPILE_THREADS`) says how ma
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ from sarathi_jax.sampling import SamplerVariant
 from sarathi_jax.step_inputs import PackedStep
 
 COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
+_log = logging.getLogger(__name__)
 
 # What an executable is for: (stage index, packed batch rows) for a model step, or a sampler variant.
 Entry = tuple[int, int] | SamplerVariant
@@ -213,6 +215,7 @@ class BackgroundBuild:
             try:
                 build()
             except BaseException as e:  # noqa: BLE001 -- kept for `wait`; serving goes on with what is built
+                _log.exception("building an executable in the background failed; serving goes on without it")
                 self.error = self.error or e
         with self._lock:
             self._running -= 1
