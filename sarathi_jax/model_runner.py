@@ -234,8 +234,9 @@ class ModelRunner:
         all-padding batch (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
 
         The largest bucket and the general sampler (`FULL_VARIANT`) are built first: every batch can run on
-        them. The other buckets and variants are built here too, or with `background`, on background threads
-        (`self.background`) while the engine serves, each one used from the moment it is built. Until then a
+        them. The other buckets and variants are built here too, or with `background`, loaded here when the
+        executable cache holds them and else compiled on background threads (`self.background`) while the
+        engine serves, each one used from the moment it is built. Until then a
         batch is padded to the smallest built bucket that holds it, and sampled by FULL_VARIANT (bitwise the
         tokens and logprobs of the variant it stands in for; see sarathi_jax/sampling.py). Builds use
         `compile_threads` threads (default: `sarathi_jax.precompile.compile_threads`) and load what the
@@ -264,7 +265,8 @@ class ModelRunner:
         rest = [functools.partial(builder.sampler, SAMPLER_VARIANTS[0])]
         rest += [functools.partial(builder.bucket, bucket) for bucket in self.buckets[:-1]]
         rest += [functools.partial(builder.sampler, v) for v in SAMPLER_VARIANTS[1:] if v != FULL_VARIANT]
-        if background:
+        if background:  # what the executable cache holds loads at once (a warm start has it all); the rest later
+            rest = [build for build in rest if not build(load_only=True)]
             self.background = BackgroundBuild(rest, threads, owner=self)
         else:
             run_builds(rest, threads)

@@ -101,21 +101,24 @@ class ExecutableBuilder:
         self._sampler_args: tuple | None = None  # (logits, packed sampling): the same for every bucket
 
     def _build(self, entry: Entry, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict,
-               devices: list) -> Any:
+               devices: list, load_only: bool) -> Any:
+        """The executable for `entry`: loaded, else compiled (None instead with `load_only`)."""
         cache = self._cache
         key = cache.key(name, closure, args) if cache is not None else None
         exe = cache.load(key, devices) if key is not None else None
         loaded = exe is not None
         if not loaded:
+            if load_only:
+                return None
             exe = jitted.lower(*args, **kwargs).compile()
             if key is not None:
                 cache.save(key, exe)
         self._table.add(entry, exe, loaded)
         return exe
 
-    def bucket(self, bucket: int) -> None:
+    def bucket(self, bucket: int, load_only: bool = False) -> bool:
         """Every stage's model step for `bucket`, the first stage first (each lowers with the previous one's
-        output)."""
+        output). With `load_only`, only what the executable cache holds; False when that was not all."""
         x = on_device = None
         for stage, on_device in self._on_stages(bucket):
             prev = self._no_tokens if stage.index == 0 else None
@@ -123,7 +126,9 @@ class ExecutableBuilder:
                        stage.mesh, stage.tensor_parallel_size, stage.shard_vocab, stage.kv_sharding)
             args = (stage.params, self._kv_shapes[stage.index], x, on_device.batch, prev)
             compiled = self._build((stage.index, on_device.batch.shape[0]), "step", closure, stage.step, args, {},
-                                   stage_devices(stage))
+                                   stage_devices(stage), load_only)
+            if compiled is None:
+                return False
             out = compiled.out_info[0]
             # The next stage gets these activations placed on its own devices (`Stage.place`).
             nxt = self._stages[stage.index + 1] if not stage.is_last else None
@@ -134,15 +139,17 @@ class ExecutableBuilder:
         if self._sampler_args is None:
             self._sampler_args = (x, on_device.sampling)
         self._table.bucket_ready(bucket)
+        return True
 
-    def sampler(self, variant: SamplerVariant) -> None:
-        """The sampler for `variant`; after any `bucket` (whose logits it lowers with)."""
+    def sampler(self, variant: SamplerVariant, load_only: bool = False) -> bool:
+        """The sampler for `variant`, after any `bucket` (whose logits it lowers with). With `load_only`, only
+        if the executable cache holds it; False when it did not."""
         assert self._sampler_args is not None, "build a bucket first"
-        self._build(variant, "sampler", ("sampler", variant), self._sampler, self._sampler_args,
-                    {"variant": variant}, stage_devices(self._stages[-1]))
+        return self._build(variant, "sampler", ("sampler", variant), self._sampler, self._sampler_args,
+                           {"variant": variant}, stage_devices(self._stages[-1]), load_only) is not None
 
 
-def run_builds(builds: Sequence[Callable[[], None]], threads: int) -> None:
+def run_builds(builds: Sequence[Callable[[], Any]], threads: int) -> None:
     """Run `builds` on `threads` threads (XLA compiles release the GIL) and wait for all of them."""
     if threads <= 1:
         for build in builds:
@@ -162,7 +169,7 @@ class BackgroundBuild:
     the last build's end.
     """
 
-    def __init__(self, builds: Sequence[Callable[[], None]], threads: int, owner: Any) -> None:
+    def __init__(self, builds: Sequence[Callable[[], Any]], threads: int, owner: Any) -> None:
         self._builds = list(builds)
         self._next = 0
         self._lock = threading.Lock()

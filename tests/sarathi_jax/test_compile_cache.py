@@ -81,7 +81,8 @@ _SCRIPT = """
 import json, sys
 from sarathi_jax import EngineConfig, LLMEngine
 engine = LLMEngine(EngineConfig("tiny-llama", token_budget=32, max_num_seqs=4, block_size=16, num_blocks=8,
-                                max_model_len=64, compilation_cache_dir=sys.argv[1], background_compile=False))
+                                max_model_len=64, compilation_cache_dir=sys.argv[1],
+                                background_compile=sys.argv[2] == "background"))
 print("STATS " + json.dumps(engine.startup_stats()))
 from sarathi_jax import SamplingParams
 engine.add_request("greedy", [1, 5, 9, 3], SamplingParams(max_tokens=5, temperature=0.0))
@@ -99,10 +100,10 @@ print("TOKENS " + json.dumps({"tokens": out, "loaded": engine.runner.executable_
 """
 
 
-def _start_in_fresh_process(cache_dir: Path) -> dict:
+def _start_in_fresh_process(cache_dir: Path, build: str = "foreground") -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                XLA_PYTHON_CLIENT_PREALLOCATE="false")  # on a GPU this test process already holds most memory
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir), build], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -138,6 +139,11 @@ def test_second_engine_in_a_fresh_process_hits_the_cache(tmp_path):
     # Nothing at all (not even a small host-side program) compiled or loaded while serving, also when the
     # warm start skipped running the buckets that came ready-made.
     assert warm["run"]["serving_executables"] == cold["run"]["serving_executables"] == 0
+    # With background compile (the default) a warm start loads everything before it is ready: nothing is
+    # left to the background.
+    default = _start_in_fresh_process(cache, "background")
+    assert default["background_executables"] == 0 and default["executables_loaded"] == 2 + len(SAMPLER_VARIANTS)
+    assert default["run"]["tokens"] == cold["run"]["tokens"] and default["run"]["serving_executables"] == 0
 
 
 def test_executable_cache_keys_and_fallbacks(tmp_path):
