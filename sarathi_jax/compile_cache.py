@@ -116,10 +116,12 @@ class CompileRecorder:
 _active: list[CompileRecorder] = []  # JAX's monitoring listeners are process-wide: they feed these
 _lock = threading.Lock()
 _listeners_installed = False
+_this_thread = threading.local()  # .cache_hits: persistent-cache hits of the compiles this thread ran
 
 
 def _on_event(event: str, **_: object) -> None:
-    if event == _CACHE_HIT_EVENT:
+    if event == _CACHE_HIT_EVENT:  # recorded by the thread that compiles, while it compiles
+        _this_thread.cache_hits = getattr(_this_thread, "cache_hits", 0) + 1
         for r in tuple(_active):
             r.cache_hits += 1
 
@@ -132,15 +134,27 @@ def _on_span(event: str, start_time: float, end_time: float, **_: object) -> Non
                 r.executables += 1
 
 
-@contextmanager
-def record_compiles() -> Iterator[CompileRecorder]:
-    """Count JAX's compiles (in any thread) while the block runs."""
+def _install_listeners() -> None:
     global _listeners_installed
     with _lock:
         if not _listeners_installed:
             monitoring.register_event_listener(_on_event)
             monitoring.register_event_time_span_listener(_on_span)
             _listeners_installed = True
+
+
+def cache_hits_in_this_thread() -> int:
+    """How many of the compiles the calling thread ran (since the first call of this) JAX loaded from its
+    persistent cache."""
+    _install_listeners()
+    return getattr(_this_thread, "cache_hits", 0)
+
+
+@contextmanager
+def record_compiles() -> Iterator[CompileRecorder]:
+    """Count JAX's compiles (in any thread) while the block runs."""
+    _install_listeners()
+    with _lock:
         recorder = CompileRecorder()
         _active.append(recorder)
     try:

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from sarathi_jax.compile_cache import cache_hits_in_this_thread
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.parallel.stages import Stage
 from sarathi_jax.sampling import SamplerVariant
@@ -110,8 +111,11 @@ class ExecutableBuilder:
         if not loaded:
             if load_only:
                 return None
+            hits = cache_hits_in_this_thread()
             exe = jitted.lower(*args, **kwargs).compile()
-            if key is not None:
+            # XLA:CPU cannot serialize an executable that JAX loaded from its persistent cache: the copy
+            # loads, then fails with "Function ... not found" when run. Only fresh compiles are saved.
+            if key is not None and cache_hits_in_this_thread() == hits:
                 cache.save(key, exe)
         self._table.add(entry, exe, loaded)
         return exe

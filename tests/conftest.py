@@ -26,6 +26,11 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
 
+# pytest-xdist workers (see `pytest_xdist_auto_num_workers`) share the CPU: one torch thread each, else torch's
+# OpenMP threads spin against the other workers (an HF forward ran 16x slower beside a second process).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # JAX's persistent compilation cache (sarathi_jax/compile_cache.py): a fresh directory per test session, so
 # tests neither read nor fill the user's ~/.cache, unless the environment (CI) names one to keep between runs.
 # Set before any engine is built; subprocesses (the server, the cache test) inherit it.

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
                                     token_budget=args.token_budget, max_num_seqs=args.batch + 2,
                                     max_model_len=args.context + 4 * args.steps + 64,
-                                    async_scheduling=not args.no_async))
+                                    async_scheduling=not args.no_async,
+                                    background_compile=False))  # profiled steps: every bucket built before
     print(format_startup(engine.startup_stats()))
     rng = np.random.default_rng(0)
     vocab = engine.model_config.vocab_size

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             model=args.model, scheduler=policy, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, max_num_batched_tokens=args.max_model_len, num_blocks=512,
             tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+            background_compile=False,  # timed from the first request: every bucket built before
         )
         engine = LLMEngine(config, warmup=True)
         elapsed = run(engine, requests)

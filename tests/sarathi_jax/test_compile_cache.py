@@ -179,3 +179,31 @@ def test_executable_cache_keys_and_fallbacks(tmp_path):
     assert loaded is not None and float(loaded(jnp.ones((4, 8)))[0, 0]) == 2.0
     (tmp_path / SUBDIR / f"{key}.exe").write_bytes(b"not an executable")
     assert cache.load(key, jax.devices()[:1]) is None and cache.misses == 1
+
+
+def test_programs_from_jax_cache_are_not_saved_as_ready_made_executables(tmp_path, restore_jax_cache):
+    """XLA:CPU cannot re-serialize an executable that JAX loaded from its persistent cache (the copy loads,
+    then fails with "Function ... not found" when run). An engine without warm-up fills JAX's cache; the next
+    one's warm-up compiles the same programs (JAX cache hits) and must not save them as ready-made
+    executables; a third engine then loads only what can run, and all three give the same tokens."""
+    from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+
+    fields = dict(model="tiny-llama", token_budget=32, max_num_seqs=4, block_size=16, num_blocks=8,
+                  max_model_len=64, compilation_cache_dir=str(tmp_path / "jax-cache"))
+
+    def serve(engine: LLMEngine) -> dict:
+        engine.add_request("greedy", [1, 5, 9, 3], SamplingParams(max_tokens=5, temperature=0.0))
+        engine.add_request("sampled", [2, 7], SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=3))
+        engine.add_request("long", list(range(3, 23)), SamplingParams(max_tokens=3, temperature=0.0))
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id] = list(o.token_ids)
+        return out
+
+    expected = serve(LLMEngine(EngineConfig(**fields), warmup=False))
+    second = LLMEngine(EngineConfig(**fields, background_compile=False))
+    assert second.startup_stats()["cache_hits"] > 0  # the warm-up found programs in JAX's cache
+    assert serve(second) == expected
+    third = LLMEngine(EngineConfig(**fields, background_compile=False))
+    assert serve(third) == expected
