@@ -53,6 +53,8 @@ class SampledBatch(Protocol):
 
 
 class StepHandle(Protocol):
+    num_padded_tokens: int  # the token count the batch really runs at (its bucket)
+
     def result(self) -> SampledBatch:
         """Wait for the batch and return its sampled tokens on the host (cached)."""
         ...
@@ -64,10 +66,6 @@ class Executor(Protocol):
     def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_rows: SequenceOf[SamplingRow]) -> StepHandle:
         """Dispatch one batch without waiting for it. A chunk's tokens may include one pending token (the
         last, `PENDING_TOKEN`), sampled by the batch submitted just before this one."""
-        ...
-
-    def padded_tokens(self, num_tokens: int) -> int:
-        """The token count a batch of `num_tokens` really runs at (its bucket)."""
         ...
 
     def now(self) -> float:
@@ -230,7 +228,7 @@ class EngineCore:
             if state.seq.is_finished:
                 del self._requests[chunk.seq.seq_id]
         # Overlapped or pipelined batches overlap in time: the duration runs from dispatch to retirement.
-        self._record_iteration(batch.sched, batch.start, now)
+        self._record_iteration(batch.sched, batch.start, now, batch.handle.num_padded_tokens)
         return outputs
 
     # ----------------------------------------------------------------------------------- sampled tokens
@@ -305,7 +303,7 @@ class EngineCore:
             error=seq.error,
         )
 
-    def _record_iteration(self, sched: SchedulerOutput, start: float, end: float) -> None:
+    def _record_iteration(self, sched: SchedulerOutput, start: float, end: float, num_padded_tokens: int) -> None:
         self.iteration_log.append(IterationRecord(
             iteration=len(self.iteration_log),
             start_time=start,
@@ -315,7 +313,7 @@ class EngineCore:
             num_seqs=len(sched.chunks),
             chunk_sizes=tuple(c.num_new_tokens for c in sched.chunks if not c.is_decode),
             num_preemptions=len(sched.preempted),
-            num_padded_tokens=self.executor.padded_tokens(sched.num_batched_tokens),
+            num_padded_tokens=num_padded_tokens,
         ))
 
     def stats(self) -> dict:

@@ -84,9 +84,10 @@ class PendingStep:
     `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits `[max_num_seqs, vocab]` on
     the host after `result()`."""
 
-    def __init__(self, out: SamplerOutput, want_logprobs: bool, logits: Any = None, record: Any = None,
-                 timeline: Any = None) -> None:
+    def __init__(self, out: SamplerOutput, want_logprobs: bool, num_padded_tokens: int, logits: Any = None,
+                 record: Any = None, timeline: Any = None) -> None:
         self._out: Any = out if want_logprobs else SamplerOutput(out.token_ids, None, None, None)
+        self.num_padded_tokens = num_padded_tokens  # the step's bucket
         self._device_logits = logits
         self._record = record
         self._timeline = timeline
@@ -234,14 +235,14 @@ class ModelRunner:
         all-padding batch (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
 
         The largest bucket and the general sampler (`FULL_VARIANT`) are built first: every batch can run on
-        them. The other buckets and variants are built here too, or with `background`, loaded here when the
-        executable cache holds them and else compiled on background threads (`self.background`) while the
-        engine serves, each one used from the moment it is built. Until then a
-        batch is padded to the smallest built bucket that holds it, and sampled by FULL_VARIANT (bitwise the
-        tokens and logprobs of the variant it stands in for; see sarathi_jax/sampling.py). Builds use
-        `compile_threads` threads (default: `sarathi_jax.precompile.compile_threads`) and load what the
-        executable cache holds. A multi-process engine builds nothing ahead: every bucket and variant
-        compiles on its first run, here."""
+        them. Each build loads from the executable cache when it holds the executable, else compiles. The
+        other buckets and variants are built here too, or with `background`, loaded here if the cache holds
+        them and else compiled on background threads (`self.background`) while the engine serves, each one
+        used from the moment it is built. Until then a batch is padded to the smallest built bucket that holds
+        it, and sampled by FULL_VARIANT (bitwise the tokens and logprobs of the variant it stands in for; see
+        sarathi_jax/sampling.py). Builds run on `compile_threads` threads (default:
+        `sarathi_jax.precompile.compile_threads`). A multi-process engine builds nothing ahead: every bucket
+        and variant compiles on its first run, here."""
         if jax.process_count() > 1:
             for i, bucket in enumerate(self.buckets):
                 for variant in SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]:
@@ -291,9 +292,6 @@ class ModelRunner:
         self._prev_rows = {c.seq.seq_id: i for i, c in enumerate(chunks) if c.needs_sample}
         return pending
 
-    def padded_tokens(self, num_tokens: int) -> int:
-        return self.bucket_for(num_tokens)
-
     def now(self) -> float:
         return time.monotonic()
 
@@ -311,8 +309,8 @@ class ModelRunner:
 
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
         timeline = self.timeline if timed else None
-        record = timeline.begin(BatchLayout.of_packed(packed.batch.size, self.max_num_seqs,
-                                                      self.max_blocks_per_seq).num_tokens) if timeline else None
+        num_tokens = BatchLayout.of_packed(packed.batch.size, self.max_num_seqs, self.max_blocks_per_seq).num_tokens
+        record = timeline.begin(num_tokens) if timeline else None
         single = len(self.stages) == 1
         executables, ready_variants = self._table.executables, self._table.variants
         # A variant not built yet: the general one gives the same tokens (and logprobs, where asked for).
@@ -336,7 +334,8 @@ class ModelRunner:
         if single:
             self._prev_tokens = x.token_ids
         x = copy_to_every_process(self.stages, x)  # multi-process pipelines only
-        return PendingStep(x, variant.logprobs, logits if self._capture_logits else None, record, timeline)
+        return PendingStep(x, variant.logprobs, num_tokens, logits if self._capture_logits else None, record,
+                           timeline)
 
     def _pack(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> PackedStep:
         """The packed int32 inputs of one step (layout: `sarathi_jax.step_inputs`)."""

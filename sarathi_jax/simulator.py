@@ -86,8 +86,9 @@ class _SimulatedBatch:
 
 
 class _SimulatedStep:
-    def __init__(self, executor: CostModelExecutor, end: float, token_ids: list[int]) -> None:
+    def __init__(self, executor: CostModelExecutor, end: float, token_ids: list[int], num_padded_tokens: int) -> None:
         self._executor, self._end, self._batch = executor, end, _SimulatedBatch(token_ids)
+        self.num_padded_tokens = num_padded_tokens
 
     def result(self) -> _SimulatedBatch:
         """The batch has run once the virtual clock reaches its end."""
@@ -108,10 +109,9 @@ class CostModelExecutor:
         start = max(self.clock, self._device_free_at)
         self._device_free_at = end = start + self.cost_model.iteration_time(SchedulerOutput.of(tuple(chunks)))
         tokens = [((c.start_position + c.num_new_tokens) * 7919) % DUMMY_VOCAB for c in chunks]
-        return _SimulatedStep(self, end, tokens)
-
-    def padded_tokens(self, num_tokens: int) -> int:
-        return self.cost_model.padded(num_tokens)  # BucketCostModel pads like the engine it stands for
+        # BucketCostModel pads like the engine it stands for.
+        padded = self.cost_model.padded(sum(c.num_new_tokens for c in chunks))
+        return _SimulatedStep(self, end, tokens, padded)
 
     def now(self) -> float:
         return self.clock

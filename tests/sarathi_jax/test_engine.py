@@ -100,11 +100,12 @@ def test_no_compilation_after_warmup(llama_dir, prompts):
 
 def test_background_compile_gives_the_same_tokens_before_and_after_the_buckets_are_built(
         llama_dir, prompts, hf_greedy, monkeypatch):
-    # Hold the background build: the engine then has only the largest bucket and the general sampler.
+    # Hold the background build: the engine then has only the largest bucket and the general sampler (no
+    # compilation cache, whose ready-made executables would load before the engine is ready).
     start = BackgroundBuild.start
     monkeypatch.setattr(BackgroundBuild, "start", lambda self: self)
     engine = LLMEngine(EngineConfig(model=llama_dir, token_budget=64, max_num_seqs=8, num_blocks=256,
-                                    max_model_len=512))
+                                    max_model_len=512, compilation_cache_dir=None))
     runner, top = engine.runner, engine.runner.buckets[-1]
     assert runner.ready_buckets == (top,) and len(runner.buckets) > 1
     assert engine.startup_stats()["background_executables"] == len(runner.buckets) - 1 + len(SAMPLER_VARIANTS) - 1

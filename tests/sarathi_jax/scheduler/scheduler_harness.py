@@ -49,6 +49,7 @@ class RunResult:
 class _TrackedStep:
     def __init__(self, executor: TrackingExecutor, batch: _Batch, handle: Any) -> None:
         self._executor, self._batch, self._handle = executor, batch, handle
+        self.num_padded_tokens = handle.num_padded_tokens
 
     def result(self) -> Any:
         sampled = self._handle.result()
@@ -89,9 +90,6 @@ class TrackingExecutor:
 
     def in_flight_seq_ids(self) -> set[str]:
         return {c.seq.seq_id for b in self.in_flight for c in b.chunks}
-
-    def padded_tokens(self, num_tokens: int) -> int:
-        return self.inner.padded_tokens(num_tokens)
 
     def now(self) -> float:
         return self.inner.now()
