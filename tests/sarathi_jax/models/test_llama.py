@@ -304,22 +304,25 @@ def test_attention_fn_is_pluggable(loaded):
         calls.append(q.shape)
         return ragged_paged_attention_xla(q, *args, **kwargs)
 
+    # Traced only (jax.eval_shape): which calls the model makes is all this checks.
     model = get_model(config, jnp.float32, attention_fn=recording_attention)
     token_ids, positions, metadata, logits_indices = make_step([Chunk([3, 4, 5], 0, [0])], 16, 1, 1, 4)
     cache = init_kv_cache(config, 1, 4, jnp.float32)
-    model.apply({"params": params}, token_ids, positions, cache, metadata, logits_indices)
+    logits, _ = jax.eval_shape(model.apply, {"params": params}, token_ids, positions, cache, metadata,
+                               logits_indices)
+    assert logits.shape[-1] == config.vocab_size
     # Scanned: the layer body (and so the attention call) is traced a fixed number of times, whatever the depth.
     assert set(calls) == {(16, config.num_attention_heads, config.head_dim)}
     traces = len(calls)
     deeper = dataclasses.replace(config, num_hidden_layers=3 * config.num_hidden_layers)
     calls.clear()
-    get_model(deeper, jnp.float32, attention_fn=recording_attention).apply(
-        {"params": init_random_params(deeper, jnp.float32)}, token_ids, positions,
-        init_kv_cache(deeper, 1, 4, jnp.float32), metadata, logits_indices)
+    jax.eval_shape(get_model(deeper, jnp.float32, attention_fn=recording_attention).apply,
+                   {"params": init_random_params(deeper, jnp.float32)}, token_ids, positions,
+                   init_kv_cache(deeper, 1, 4, jnp.float32), metadata, logits_indices)
     assert len(calls) == traces
     calls.clear()
-    model.clone(scan_layers=False).apply({"params": unstack_layer_params(params)}, token_ids, positions, cache,
-                                         metadata, logits_indices)
+    jax.eval_shape(model.clone(scan_layers=False).apply, {"params": unstack_layer_params(params)}, token_ids,
+                   positions, cache, metadata, logits_indices)
     assert calls == [(16, config.num_attention_heads, config.head_dim)] * config.num_hidden_layers
 
 
