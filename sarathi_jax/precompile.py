@@ -209,6 +209,10 @@ class BackgroundBuild:
     def cancel(self) -> None:
         self._cancelled.set()
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (True) or `timeout` seconds passed (False); re-raise a failed build's error."""
         finished = self._finished.wait(timeout)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -146,6 +149,17 @@ def test_background_compile_gives_the_same_tokens_before_and_after_the_buckets_a
             assert (step_held.token_id, step_held.top_token_ids) == (step_built.token_id, step_built.top_token_ids)
             np.testing.assert_allclose((step_held.logprob, *step_held.top_logprobs),
                                        (step_built.logprob, *step_built.top_logprobs), rtol=0, atol=1e-5)
+
+
+def test_dropping_an_engine_stops_its_background_build(llama_dir):
+    engine = LLMEngine(EngineConfig(model=llama_dir, token_budget=64, max_num_seqs=8, num_blocks=64,
+                                    max_model_len=256, compilation_cache_dir=None))
+    background, runner = engine.runner.background, weakref.ref(engine.runner)
+    assert background is not None and not background.cancelled
+    del engine
+    gc.collect()
+    assert runner() is None, "the background build keeps the runner alive"
+    assert background.cancelled and background.wait(timeout=120)
 
 
 def test_abort_frees_every_block(llama_dir, prompts):
