@@ -2,9 +2,10 @@
 
 `ExecutableBuilder` builds one executable at a time: a bucket's model step (each pipeline stage's) or a sampler
 variant, loaded from the `ExecutableCache` when it holds it, else lowered and compiled with
-`jit(...).lower(...).compile()` and saved there. Each one is handed to `on_built`; the runner dispatches it
-instead of the jitted function. It lowers from a snapshot of the KV cache's shape (the live cache is donated
-by every step), so it may run while the engine serves.
+`jit(...).lower(...).compile()` and saved there. Each one goes into the runner's `ExecutableTable`, which
+dispatch reads (instead of calling the jitted function) and which says what is ready. It lowers from a
+snapshot of the KV cache's shape (the live cache is donated by every step), so it may run while the engine
+serves.
 
 `BackgroundBuild` runs a list of such builds on daemon threads after the engine is ready, and stops between
 two builds when cancelled (when its runner is collected, or at interpreter exit: waiting for at most the
