@@ -245,7 +245,8 @@ class LLMEngine(CoreFrontEnd):
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until the executables left to background threads at start-up (`background_compile`) are all
-        built: True, or False after `timeout` seconds. Benchmarks call it before they time anything."""
+        built: True, or False after `timeout` seconds; RuntimeError if one of them failed to build (serving
+        goes on without it). Benchmarks call it before they time anything."""
         return self.runner.wait_for_executables(timeout)
 
     def startup_stats(self) -> dict:
