@@ -155,6 +155,24 @@ def test_parallel_engine_matches_single_device(model_dir, prompts, reference, en
     assert engine.runner.num_step_compilations == pp * len(engine.runner.buckets)
 
 
+def test_background_compile_on_a_tp_pp_mesh(model_dir, prompts, reference):
+    """Built ahead of time stage by stage (each stage lowers with the previous one's activations on its own
+    sub-mesh): the largest bucket before the engine is ready, the rest on a background thread while it serves.
+    The same tokens and logits as the lazily compiled single-device engine, and nothing compiles once the
+    build is done."""
+    fields = dict(model=str(model_dir), token_budget=32, max_num_seqs=4, block_size=16, num_blocks=48,
+                  max_model_len=128, tensor_parallel_size=2, pipeline_parallel_size=2, compilation_cache_dir=None)
+    engine = LLMEngine(EngineConfig(**fields))
+    runner = engine.runner
+    assert runner.buckets == (16, 32) and engine.startup_stats()["background_executables"] > 0
+    assert_same_run(run_workload(engine, prompts), reference)
+    assert engine.wait_until_compiled(timeout=600) and runner.ready_buckets == runner.buckets
+    assert runner.num_step_compilations == 2 * len(runner.buckets)  # every bucket of both stages, once
+    compiled = runner.num_compilations
+    assert_same_run(run_workload(engine, prompts), reference)
+    assert runner.num_compilations == compiled
+
+
 def test_abort_while_in_flight_with_pp(model_dir, prompts, reference, engines):
     engine = engines.get((1, 2)) or make_engine(model_dir, 1, 2)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
