@@ -8,6 +8,7 @@ before the next iteration runs.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -64,6 +65,9 @@ class EngineWorker:
         self.engine = engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        # Request ids aborted in the engine whose final "abort" output has not come out of a step yet. It has
+        # no reader, and a new request may take the same id before it comes: it must not reach that one.
+        self._unread_aborts: collections.Counter[str] = collections.Counter()
         self._on_stats = on_stats
         self._paused = False
         self._stopped = threading.Event()
@@ -146,7 +150,8 @@ class EngineWorker:
             rid = cmd[1]
             self._sinks.pop(rid, None)
             try:
-                self.engine.abort(rid)
+                if self.engine.abort(rid):
+                    self._unread_aborts[rid] += 1
             except Exception:
                 log.exception("engine.abort(%r) failed", rid)
         elif kind == "call":
@@ -174,6 +179,11 @@ class EngineWorker:
             return
         self.num_iterations += 1
         for out in outputs:
+            if out.finish_reason == "abort" and self._unread_aborts[out.request_id] > 0:
+                self._unread_aborts[out.request_id] -= 1  # the final output of an abort the worker applied
+                if not self._unread_aborts[out.request_id]:
+                    del self._unread_aborts[out.request_id]
+                continue
             sink = self._sinks.get(out.request_id)
             if out.finished:
                 self._sinks.pop(out.request_id, None)

@@ -23,6 +23,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.remaining: dict[str, int] = {}
         self.aborted: list[str] = []
+        self.pending: list[RequestOutput] = []  # abort outputs: the next step returns them, as the real engine's
         self.iteration_log: list[Any] = []
         self.step_threads: set[int] = set()
         self.fail_next_step = False
@@ -34,17 +35,20 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
-        return self.remaining.pop(request_id, None) is not None
+        if self.remaining.pop(request_id, None) is None:
+            return False
+        self.pending.append(RequestOutput(request_id, (1,), (), (), "", "", (), True, "abort", RequestMetrics(0.0)))
+        return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.remaining)
+        return bool(self.remaining or self.pending)
 
     def step(self) -> list[RequestOutput]:
         self.step_threads.add(threading.get_ident())
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected failure")
-        outputs = []
+        outputs, self.pending = self.pending, []
         for rid in list(self.remaining):
             self.remaining[rid] -= 1
             done = self.remaining[rid] == 0
@@ -118,7 +122,19 @@ def test_pause_then_abort_frees_the_request_before_any_iteration(worker):
     assert worker.call(lambda engine: (dict(engine.remaining), engine.aborted)).result(TIMEOUT) == ({}, ["a"])
     worker.resume()
     assert worker.call(lambda engine: None).result(TIMEOUT) is None
-    assert worker.num_iterations == 0 and sink.items == []  # an aborted request's sink hears nothing more
+    # One iteration returns the abort's final output, which has no reader: the request's sink hears nothing.
+    assert worker.num_iterations == 1 and sink.items == []
+
+
+def test_a_new_request_that_reuses_an_aborted_id_gets_only_its_own_outputs(worker):
+    worker.pause()
+    old, new = Sink(), Sink()
+    worker.submit("dup", 5, 0.0, old)
+    worker.abort("dup")  # its "abort" output comes out of the next step, after the new request is added
+    worker.submit("dup", 2, 0.0, new)
+    worker.resume()
+    assert [(o.finished, o.finish_reason) for o in new.wait()] == [(False, None), (True, "length")]
+    assert old.items == []
 
 
 def test_a_failed_iteration_fails_every_request_and_the_worker_goes_on(worker):
