@@ -3,8 +3,9 @@
 Each run is a fresh Python process (as a user's second start would be) that builds an `LLMEngine`, generates a
 few greedy tokens (timed: the first request meets the background build), waits for the background build, and
 prints its `startup_stats()`: load, init, compile (tracing, lowering and compiling, or loading from JAX's
-persistent compilation cache), warm-up, and how long the executables left to the background took. All runs share one compilation cache directory,
-empty at the start unless `--cache-dir` names an existing one, so run 1 is cold and the others are warm.
+persistent compilation cache), warm-up, and how long the executables left to the background took. All runs
+share one compilation cache directory, empty at the start unless `--cache-dir` names an existing one, so run 1
+is cold and the others are warm.
 The wall time of each process (interpreter and imports included) is printed beside the engine's own figure.
 """
 
