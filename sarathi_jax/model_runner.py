@@ -304,9 +304,6 @@ class ModelRunner:
     def _layout(self, bucket: int) -> BatchLayout:
         return BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
 
-    def _on_stages(self, packed: PackedStep) -> Iterator[tuple[Stage, PackedStep]]:
-        return _on_stages(self.stages, packed)
-
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
         timeline = self.timeline if timed else None
         num_tokens = BatchLayout.of_packed(packed.batch.size, self.max_num_seqs, self.max_blocks_per_seq).num_tokens
@@ -316,7 +313,7 @@ class ModelRunner:
         # A variant not built yet: the general one gives the same tokens (and logprobs, where asked for).
         run_variant = variant if ready_variants is None or variant in ready_variants else FULL_VARIANT
         x = None
-        for stage, on_device in self._on_stages(packed):
+        for stage, on_device in _on_stages(self.stages, packed):
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
             step = executables.get((stage.index, packed.batch.shape[0]), stage.step)
             x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
