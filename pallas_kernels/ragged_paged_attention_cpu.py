@@ -1,0 +1,96 @@
+"""Ragged paged attention on CPUs: the C++ kernel `pallas_kernels/cpu/ragged_paged_attention.cc`, called
+through `jax.ffi` (the engine's `"cpu"` attention backend; its float64 oracle is `pallas_kernels/reference.py`).
+
+Arguments, shapes and semantics: exactly those of the Pallas kernel (the docstring of
+`pallas_kernels/ragged_paged_attention.py`), for float32 or bfloat16 q / k_pages / v_pages of one dtype.
+How the kernel splits the work is in the C++ file's header.
+
+The kernel is built when the package is installed (`setup.py`: a C++17 compiler and jaxlib's FFI headers,
+`-march=native`). Where it was not built, `cpu_kernel_status()` says why, `attention_backend="auto"` uses the
+portable jnp path instead, and calling `ragged_paged_attention_cpu` raises. The FFI target is registered for
+the CPU platform only: on a GPU or TPU the engine uses the Pallas kernel or the jnp path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_TARGET = "sarathi_ragged_paged_attention"
+_MODULE = "pallas_kernels._cpu_attention"
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@functools.cache
+def cpu_kernel_status() -> str | None:
+    """None when the C++ kernel is built and registered with XLA; otherwise why it is not available."""
+    try:
+        spec = importlib.util.find_spec(_MODULE)
+    except ImportError as e:  # pragma: no cover - a broken package
+        return f"{_MODULE}: {e}"
+    if spec is None or not spec.origin:
+        return (f"the CPU attention kernel was not built ({_MODULE} is missing): reinstall with a C++17 compiler, "
+                "`pip install -e .`, and read the build log")
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SarathiRaggedPagedAttention), platform="cpu")
+    except (OSError, AttributeError, RuntimeError, ValueError) as e:
+        return f"the CPU attention kernel at {spec.origin} could not be loaded: {e}"
+    return None
+
+
+def cpu_kernel_available() -> bool:
+    return cpu_kernel_status() is None
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Ragged paged attention by the C++ CPU kernel: `[T, num_q_heads, head_dim]` in q's dtype.
+
+    Raises:
+      RuntimeError: the kernel is not built (see `cpu_kernel_status`).
+      ValueError: shapes or dtypes outside the contract.
+    """
+    status = cpu_kernel_status()
+    if status is not None:
+        raise RuntimeError(status)
+    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
+    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"q {q.shape} must be [T, Hq, D] and k_pages {k_pages.shape} / v_pages {v_pages.shape} "
+                         "one shape [num_blocks, block_size, Hkv, D]")
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} and the cache {k_pages.shape}: head_dim differs, or num_q_heads is not a "
+                         "multiple of num_kv_heads")
+    if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q, k_pages and v_pages must share one dtype of {[str(d) for d in SUPPORTED_DTYPES]}, "
+                         f"got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    block_tables = jnp.asarray(block_tables, jnp.int32)
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables {block_tables.shape} must be [max_num_seqs, max_blocks]")
+    max_num_seqs = block_tables.shape[0]
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    cu_q_lens = jnp.asarray(cu_q_lens, jnp.int32)
+    if kv_lens.shape != (max_num_seqs,) or cu_q_lens.shape != (max_num_seqs + 1,):
+        raise ValueError(f"kv_lens {kv_lens.shape} and cu_q_lens {cu_q_lens.shape} must be [{max_num_seqs}] and "
+                         f"[{max_num_seqs + 1}] for block_tables {block_tables.shape}")
+    num_seqs = jnp.reshape(jnp.asarray(num_seqs, jnp.int32), (1,))
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=np.float32(sm_scale))
