@@ -24,6 +24,10 @@ import numpy as np
 _TARGET = "sarathi_ragged_paged_attention"
 _MODULE = "pallas_kernels._cpu_attention"
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Static split sizes (see the C++ header): matrix rows (query rows x G) per unit and KV head; the shortest KV
+# range that gets a part of its own when a batch has fewer row blocks than twice the threads (split-KV).
+UNIT_ROWS = 64
+MIN_PART_TOKENS = 256
 
 
 @functools.cache
@@ -58,8 +62,12 @@ def ragged_paged_attention_cpu(
     num_seqs: jax.Array,
     *,
     sm_scale: float | None = None,
+    unit_rows: int = UNIT_ROWS,
+    min_part_tokens: int = MIN_PART_TOKENS,
 ) -> jax.Array:
     """Ragged paged attention by the C++ CPU kernel: `[T, num_q_heads, head_dim]` in q's dtype.
+
+    `unit_rows` and `min_part_tokens` are the static split sizes (module constants; the tests use small ones).
 
     Raises:
       RuntimeError: the kernel is not built (see `cpu_kernel_status`).
@@ -92,5 +100,8 @@ def ragged_paged_attention_cpu(
     num_seqs = jnp.reshape(jnp.asarray(num_seqs, jnp.int32), (1,))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
+    if unit_rows < 1 or min_part_tokens < 1:
+        raise ValueError(f"unit_rows={unit_rows} and min_part_tokens={min_part_tokens} must be positive")
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=np.float32(sm_scale))
+    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=np.float32(sm_scale),
+                unit_rows=np.int32(unit_rows), min_part_tokens=np.int32(min_part_tokens))

@@ -42,7 +42,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kChunk = 16;           // KV tokens per chunk: one vector of scores
-constexpr int kMaxMatrixRows = 64;   // query rows x G per unit (bounds the per-thread buffers)
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -108,44 +107,99 @@ struct Shapes {
   int64_t num_blocks, block_size, max_blocks;
 };
 
+// Query rows row0 .. row0 + num_rows - 1 of sequence `seq`, all KV heads, KV positions kv_lo .. kv_hi - 1.
 struct Unit {
-  int32_t seq, kv_head, row0, num_rows;  // rows row0 .. row0 + num_rows - 1 of the sequence
-  int32_t kv_start;                      // position of the sequence's first query row
-  int32_t kv_len;
+  int32_t seq, row0, num_rows;
+  int32_t q_start;       // the sequence's first row in q
+  int32_t kv_start;      // position of the sequence's first query row
+  int32_t kv_lo, kv_hi;  // kv_hi: at most one past the last row's position
+  int32_t part;          // -1: writes normalised rows to out; else its slot of unnormalised partial results
   int64_t cost;
 };
 
-// Per-thread scratch, sized for the largest unit.
+// A 16-wide load of elements of type T as float32 (bfloat16: the bits shifted into place).
+inline v16f load16(const float* p) {
+  v16f x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline v16f load16(const uint16_t* p) {
+  typedef uint16_t v16h __attribute__((vector_size(32)));
+  typedef uint32_t v16u __attribute__((vector_size(64)));
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+// out[t] = sum of the 16 lanes of x[t]: a transposing reduction in four shuffle levels (lane l of the result
+// holds vector l's sum).
+inline v16f reduce16(const v16f* x) {
+  v16f a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    const v16f u = x[2 * i], v = x[2 * i + 1];
+    a[i] = __builtin_shuffle(u, v, v16i{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+           __builtin_shuffle(u, v, v16i{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+  }
+  for (int i = 0; i < 4; ++i) {
+    const v16f u = a[2 * i], v = a[2 * i + 1];
+    b[i] = __builtin_shuffle(u, v, v16i{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+           __builtin_shuffle(u, v, v16i{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  }
+  for (int i = 0; i < 2; ++i) {
+    const v16f u = b[2 * i], v = b[2 * i + 1];
+    c[i] = __builtin_shuffle(u, v, v16i{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+           __builtin_shuffle(u, v, v16i{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  }
+  return __builtin_shuffle(c[0], c[1], v16i{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+         __builtin_shuffle(c[0], c[1], v16i{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+}
+
+// Per-thread scratch, grown to the largest unit seen. Matrix row r of a unit is (KV head h0 + r / hr,
+// query row (r % hr) / G, query head (r % hr) % G), hr = num_rows * G rows per head.
 struct Scratch {
-  std::vector<v16f> kt, vt, q, o, s;
+  std::vector<v16f> q, o, s, tile, kt, vt;
   std::vector<float> m, l;
   void reserve(int64_t dv, int64_t rows) {
-    kt.resize(dv * kChunk);   // [D/16 vectors][16 lanes] per d: kt[d] is a vector over tokens
-    vt.resize(kChunk * dv);   // [16 tokens][D/16 vectors]
-    q.resize(rows * dv);      // [rows][D/16]
-    o.resize(rows * dv);
-    s.resize(rows);
+    if (int64_t(m.size()) >= rows && int64_t(kt.size()) >= dv * kChunk) return;
+    q.resize(rows * dv);           // [rows][D/16] scaled queries, zero-padded to whole vectors
+    o.resize(rows * dv);           // [rows][D/16] unnormalised accumulators
+    s.resize(rows);                // [rows] this chunk's scores, then probabilities
+    tile.resize(rows * kChunk);    // [rows][16 tokens] per-token partial dot products (direct path)
+    kt.resize(dv * kChunk);        // [D][16 tokens]: one head's K chunk transposed (copying path)
+    vt.resize(kChunk * dv);        // [16 tokens][D/16]: one head's V chunk, zero-padded (copying path)
     m.resize(rows);
     l.resize(rows);
   }
 };
 
+// Query rows per head from which the copying path (K transposed once, then one FMA per d and row) beats the
+// direct one (per-token dot products, then a transposing reduction per row).
+constexpr int64_t kCopyRows = 16;
+constexpr int kDirectMaxVectors = 16;  // the direct path holds a head's K row in at most 16 vectors (D <= 256)
+
 template <typename T, int DV>  // DV: head_dim / 16 rounded up, or 0 for "given at run time"
 void run_unit(const Unit& u, const Shapes& sh, int dv_runtime, const T* q, const T* k_pages, const T* v_pages,
-              const int32_t* block_tables, float sm_scale, int32_t q_start, T* out, Scratch& scr) {
+              const int32_t* block_tables, float sm_scale, T* out, float* parts, Scratch& scr) {
   const int dv = DV > 0 ? DV : dv_runtime;
   const int64_t D = sh.head_dim, G = sh.group, Hkv = sh.num_kv_heads, Hq = sh.num_q_heads;
-  const int64_t rows = int64_t(u.num_rows) * G;  // matrix row r = (query row r / G, head r % G)
-  float* kt = reinterpret_cast<float*>(scr.kt.data());
-  float* vt = reinterpret_cast<float*>(scr.vt.data());
+  const int64_t hr = int64_t(u.num_rows) * G, heads = Hkv, rows = hr * heads;
+  // Reading K and V straight from the cache needs whole vectors per head; otherwise chunks are copied.
+  const bool direct = D % kChunk == 0 && dv <= kDirectMaxVectors && hr < kCopyRows;
+  // Rows per register block of the direct path: RB x DV accumulators plus DV operands fit 32 registers.
+  constexpr int DVMAX = DV > 0 ? DV : kDirectMaxVectors;
+  constexpr int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;
   float* qb = reinterpret_cast<float*>(scr.q.data());
   v16f* o = scr.o.data();
   v16f* s = scr.s.data();
+  v16f* tile = scr.tile.data();
   float* m = scr.m.data();
   float* l = scr.l.data();
-
+  auto q_row = [&](int64_t r) {  // element offset of matrix row r in q and out
+    const int64_t h = r / hr, i = (r % hr) / G, g = (r % hr) % G;
+    return ((u.q_start + u.row0 + i) * Hq + h * G + g) * D;
+  };
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + ((q_start + u.row0 + r / G) * Hq + u.kv_head * G + r % G) * D;
+    const T* src = q + q_row(r);
     float* dst = qb + r * dv * kChunk;
     for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * sm_scale;
     for (int64_t d = D; d < dv * kChunk; ++d) dst[d] = 0.0f;
@@ -153,133 +207,323 @@ void run_unit(const Unit& u, const Shapes& sh, int dv_runtime, const T* q, const
     m[r] = kMaskValue;
     l[r] = 0.0f;
   }
-  const int32_t first_pos = u.kv_start + u.row0;            // position of the unit's first query row
-  const int32_t extent = first_pos + u.num_rows;            // its last row sees positions < extent
+  const v16f* qv = scr.q.data();
+  const int32_t first_pos = u.kv_start + u.row0;  // position of the unit's first query row
+  const int32_t extent = u.kv_hi;  // the unit's last row sees positions < extent
   const int64_t page_stride = sh.block_size * Hkv * D, token_stride = Hkv * D;
   const int32_t* table = block_tables + int64_t(u.seq) * sh.max_blocks;
   const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-  for (int32_t c0 = 0; c0 < extent; c0 += kChunk) {
-    const int n_valid = std::min<int32_t>(kChunk, extent - c0);
-    // Copy the chunk: K transposed into kt[d][t], V into vt[t][d]; zeros elsewhere.
+  int64_t tok[kChunk], next_tok[kChunk];  // element offsets of the chunk's tokens (head h0) in the cache
+  auto offsets = [&](int32_t c0, int64_t* dst) {
+    const int n = std::min<int32_t>(kChunk, extent - c0);
     int64_t page_idx = c0 / sh.block_size, slot = c0 % sh.block_size;
-    for (int t = 0; t < n_valid; ++t) {
-      int64_t page = std::clamp<int64_t>(table[page_idx], 0, sh.num_blocks - 1);
-      const int64_t off = page * page_stride + slot * token_stride + u.kv_head * D;
-      const T* ks = k_pages + off;
-      const T* vs = v_pages + off;
-      float* vd = vt + t * dv * kChunk;
-      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = to_f32(ks[d]);
-      for (int64_t d = 0; d < D; ++d) vd[d] = to_f32(vs[d]);
-      for (int64_t d = D; d < dv * kChunk; ++d) vd[d] = 0.0f;
+    for (int t = 0; t < n; ++t) {
+      const int64_t page = std::clamp<int64_t>(table[page_idx], 0, sh.num_blocks - 1);
+      dst[t] = page * page_stride + slot * token_stride;
       if (++slot == sh.block_size) slot = 0, ++page_idx;
     }
-    for (int t = n_valid; t < kChunk; ++t) {
-      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = 0.0f;
-      for (int64_t d = 0; d < dv * kChunk; ++d) vt[t * dv * kChunk + d] = 0.0f;
-    }
-    for (int64_t d = D; d < dv * kChunk; ++d)
-      for (int t = 0; t < kChunk; ++t) kt[d * kChunk + t] = 0.0f;
-    const v16f* ktv = reinterpret_cast<const v16f*>(kt);
+    return n;
+  };
+  const int64_t line_elems = 64 / sizeof(T), row_elems = heads * D;
+  int n_valid = extent > u.kv_lo ? offsets(u.kv_lo, tok) : 0;
 
-    // Scores, four matrix rows at a time: s[r] = sum_d q[r][d] * kt[d].
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      const float* q0 = qb + r * dv * kChunk;
-      const int64_t qs = dv * kChunk;
-      v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t d = 0; d < dv * kChunk; ++d) {
-        const v16f kd = ktv[d];
-        a0 += q0[d] * kd;
-        a1 += q0[qs + d] * kd;
-        a2 += q0[2 * qs + d] * kd;
-        a3 += q0[3 * qs + d] * kd;
+  for (int32_t c0 = u.kv_lo; c0 < extent; c0 += kChunk) {
+    // Prefetch the next chunk (its pages are anywhere in the cache, so no hardware prefetcher guesses them).
+    int n_next = 0;
+    if (c0 + kChunk < extent) {
+      n_next = offsets(c0 + kChunk, next_tok);
+      for (int t = 0; t < n_next; ++t)
+        for (int64_t e = 0; e < row_elems; e += line_elems) {
+          __builtin_prefetch(k_pages + next_tok[t] + e);
+          __builtin_prefetch(v_pages + next_tok[t] + e);
+        }
+    }
+
+    // Scores s[r] (16 tokens each; slots past n_valid are 0 and masked below).
+    if (direct) {
+      // A 16-wide partial dot product per token, reduced across lanes once per chunk. With fewer than RB rows
+      // per head (decodes of small groups), token by token, every head of a token row in turn (the cache is
+      // read in address order); otherwise per head and block of RB rows, their queries held in registers.
+      if (hr < RB) {
+        for (int t = 0; t < n_valid; ++t)
+          for (int64_t h = 0; h < heads; ++h) {
+            const T* kp = k_pages + tok[t] + h * D;
+            v16f kv[DVMAX];
+            for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
+            for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
+              v16f acc = qv[r * dv] * kv[0];
+              for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * kv[c];
+              tile[r * kChunk + t] = acc;
+            }
+          }
       }
-      s[r] = a0, s[r + 1] = a1, s[r + 2] = a2, s[r + 3] = a3;
-    }
-    for (; r < rows; ++r) {
-      const float* q0 = qb + r * dv * kChunk;
-      v16f a0 = {};
-      for (int64_t d = 0; d < dv * kChunk; ++d) a0 += q0[d] * ktv[d];
-      s[r] = a0;
+      for (int64_t h = 0; h < heads && hr >= RB; ++h) {
+        int64_t r = h * hr;
+        for (; r + RB <= (h + 1) * hr; r += RB) {
+          v16f qr[RB][DVMAX];
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < dv; ++c) qr[i][c] = qv[(r + i) * dv + c];
+          for (int t = 0; t < n_valid; ++t) {
+            const T* kp = k_pages + tok[t] + h * D;
+            v16f kv[DVMAX];
+            for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
+            for (int i = 0; i < RB; ++i) {
+              v16f acc = qr[i][0] * kv[0];
+              for (int c = 1; c < dv; ++c) acc += qr[i][c] * kv[c];
+              tile[(r + i) * kChunk + t] = acc;
+            }
+          }
+        }
+        for (; r < (h + 1) * hr; ++r)
+          for (int t = 0; t < n_valid; ++t) {
+            const T* kp = k_pages + tok[t] + h * D;
+            v16f acc = qv[r * dv] * load16(kp);
+            for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * load16(kp + c * kChunk);
+            tile[r * kChunk + t] = acc;
+          }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int t = n_valid; t < kChunk; ++t) tile[r * kChunk + t] = splat(0.0f);
+        s[r] = reduce16(tile + r * kChunk);
+      }
+    } else {
+      float* kt = reinterpret_cast<float*>(scr.kt.data());
+      const v16f* ktv = scr.kt.data();
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int t = 0; t < n_valid; ++t) {
+          const T* ks = k_pages + tok[t] + h * D;
+          for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = to_f32(ks[d]);
+        }
+        for (int t = n_valid; t < kChunk; ++t)
+          for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = 0.0f;
+        for (int64_t d = D; d < dv * kChunk; ++d) scr.kt[d] = splat(0.0f);
+        // Four matrix rows at a time: s[r] = sum_d q[r][d] * kt[d].
+        int64_t r = h * hr;
+        for (; r + 4 <= (h + 1) * hr; r += 4) {
+          const float* q0 = qb + r * dv * kChunk;
+          const int64_t qs = dv * kChunk;
+          v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          for (int64_t d = 0; d < dv * kChunk; ++d) {
+            const v16f kd = ktv[d];
+            a0 += q0[d] * kd;
+            a1 += q0[qs + d] * kd;
+            a2 += q0[2 * qs + d] * kd;
+            a3 += q0[3 * qs + d] * kd;
+          }
+          s[r] = a0, s[r + 1] = a1, s[r + 2] = a2, s[r + 3] = a3;
+        }
+        for (; r < (h + 1) * hr; ++r) {
+          const float* q0 = qb + r * dv * kChunk;
+          v16f a0 = {};
+          for (int64_t d = 0; d < dv * kChunk; ++d) a0 += q0[d] * ktv[d];
+          s[r] = a0;
+        }
+      }
     }
 
-    // Online softmax and the value product, row by row.
-    const v16f* vtv = reinterpret_cast<const v16f*>(vt);
+    // Online softmax: s[r] becomes the chunk's probabilities (0 where row r may not look) and o[r] is rescaled.
     for (int64_t r = 0; r < rows; ++r) {
       // Row r sees chunk slots t with c0 + t <= its position, and t < n_valid.
-      const int32_t visible = std::min<int32_t>(n_valid, first_pos + int32_t(r / G) - c0 + 1);
-      if (visible <= 0) continue;
-      v16f sr = lane < visible ? s[r] : splat(kMaskValue);
+      const int32_t visible = std::min<int32_t>(n_valid, first_pos + int32_t((r % hr) / G) - c0 + 1);
+      if (visible <= 0) {
+        s[r] = splat(0.0f);
+        continue;
+      }
+      const v16f sr = lane < visible ? s[r] : splat(kMaskValue);
       const float m_new = std::max(m[r], hmax(sr));
       v16f p = exp_v(sr - m_new);
       p = lane < visible ? p : splat(0.0f);
       const float alpha = exp_v(splat(m[r] - m_new))[0];
       l[r] = l[r] * alpha + hsum(p);
       m[r] = m_new;
-      v16f* orow = o + r * dv;
-      for (int c = 0; c < dv; ++c) orow[c] *= alpha;
-      for (int t = 0; t < visible; ++t) {
-        const float pt = p[t];
-        const v16f* vrow = vtv + t * dv;
-        for (int c = 0; c < dv; ++c) orow[c] += pt * vrow[c];
+      s[r] = p;
+      for (int c = 0; c < dv; ++c) o[r * dv + c] *= alpha;
+    }
+
+    // o[r] += sum_t p[r][t] * v[t].
+    if (direct) {
+      // As for the scores: token by token with fewer than RB rows per head, else per head and block of RB
+      // rows, their accumulators held in registers across the chunk's tokens.
+      if (hr < RB) {
+        for (int t = 0; t < n_valid; ++t)
+          for (int64_t h = 0; h < heads; ++h) {
+            const T* vp = v_pages + tok[t] + h * D;
+            v16f vv[DVMAX];
+            for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
+            for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
+              const float pt = s[r][t];
+              for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * vv[c];
+            }
+          }
+      }
+      for (int64_t h = 0; h < heads && hr >= RB; ++h) {
+        int64_t r = h * hr;
+        for (; r + RB <= (h + 1) * hr; r += RB) {
+          v16f acc[RB][DVMAX];
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
+          for (int t = 0; t < n_valid; ++t) {
+            const T* vp = v_pages + tok[t] + h * D;
+            v16f vv[DVMAX];
+            for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
+            for (int i = 0; i < RB; ++i) {
+              const float pt = s[r + i][t];
+              for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
+            }
+          }
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
+        }
+        for (; r < (h + 1) * hr; ++r)
+          for (int t = 0; t < n_valid; ++t) {
+            const T* vp = v_pages + tok[t] + h * D;
+            const float pt = s[r][t];
+            for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * load16(vp + c * kChunk);
+          }
+      }
+    } else {
+      float* vt = reinterpret_cast<float*>(scr.vt.data());
+      const v16f* vtv = scr.vt.data();
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int t = 0; t < kChunk; ++t) {
+          float* vd = vt + t * dv * kChunk;
+          const T* vs = v_pages + tok[t] + h * D;
+          for (int64_t d = 0; d < D; ++d) vd[d] = t < n_valid ? to_f32(vs[d]) : 0.0f;
+          for (int64_t d = D; d < dv * kChunk; ++d) vd[d] = 0.0f;
+        }
+        for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
+          v16f* orow = o + r * dv;
+          for (int t = 0; t < n_valid; ++t) {
+            const float pt = s[r][t];
+            const v16f* vrow = vtv + t * dv;
+            for (int c = 0; c < dv; ++c) orow[c] += pt * vrow[c];
+          }
+        }
       }
     }
+    std::memcpy(tok, next_tok, sizeof(tok));
+    n_valid = n_next;
   }
 
+  if (u.part >= 0) {  // the merge (merge_parts) normalises
+    float* dst = parts;  // this unit's slot
+    for (int64_t r = 0; r < rows; ++r, dst += dv * kChunk + 2) {
+      dst[0] = m[r], dst[1] = l[r];
+      std::memcpy(dst + 2, o + r * dv, sizeof(float) * dv * kChunk);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + ((q_start + u.row0 + r / G) * Hq + u.kv_head * G + r % G) * D;
+    T* dst = out + q_row(r);
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     const float* orow = reinterpret_cast<const float*>(o + r * dv);
     for (int64_t d = 0; d < D; ++d) from_f32(orow[d] * inv, dst + d);
   }
 }
 
+// Combines the unnormalised results of block b's `count` parts (slots first .. first + count - 1 of `parts`,
+// `slot_floats` apart, written by run_unit) into its rows of out.
+template <typename T>
+void merge_parts(const Unit& b, int32_t first, int32_t count, const Shapes& sh, int64_t dv, const float* parts,
+                 int64_t slot_floats, T* out) {
+  const int64_t G = sh.group, D = sh.head_dim, hr = int64_t(b.num_rows) * G, rows = hr * sh.num_kv_heads;
+  const int64_t stride = dv * kChunk + 2;
+  std::vector<float> acc(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kMaskValue;
+    for (int32_t j = 0; j < count; ++j) m = std::max(m, parts[(first + j) * slot_floats + r * stride]);
+    float l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int32_t j = 0; j < count; ++j) {
+      const float* part = parts + (first + j) * slot_floats + r * stride;
+      const float w = part[1] > 0.0f ? std::exp(part[0] - m) : 0.0f;  // an empty part has l = 0
+      l += w * part[1];
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * part[2 + d];
+    }
+    const int64_t h = r / hr, i = (r % hr) / G, g = (r % hr) % G;
+    T* dst = out + ((b.q_start + b.row0 + i) * sh.num_q_heads + h * G + g) * D;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < D; ++d) from_f32(acc[d] * inv, dst + d);
+  }
+}
+
 template <typename T>
 ffi::Error Attention(ffi::ThreadPool pool, const Shapes& sh, const T* q, const T* k_pages, const T* v_pages,
                      const int32_t* kv_lens, const int32_t* block_tables, const int32_t* cu_q_lens,
-                     int64_t max_num_seqs, int32_t num_seqs, float sm_scale, T* out) {
+                     int64_t max_num_seqs, int32_t num_seqs, float sm_scale, int32_t unit_rows,
+                     int32_t min_part_tokens, T* out) {
   std::memset(out, 0, sizeof(T) * sh.num_tokens * sh.num_q_heads * sh.head_dim);
   num_seqs = std::clamp<int32_t>(num_seqs, 0, int32_t(max_num_seqs));
   const int32_t capacity = int32_t(std::min<int64_t>(sh.max_blocks * sh.block_size, INT32_MAX));
-  const int32_t rows_per_unit = int32_t(std::max<int64_t>(1, kMaxMatrixRows / sh.group));
+  const int32_t rows_per_unit = int32_t(std::max<int64_t>(1, unit_rows / sh.group));
+  const int64_t num_threads = std::max<int64_t>(pool.num_threads(), 1);
 
-  auto units = std::make_shared<std::vector<Unit>>();
-  auto q_starts = std::make_shared<std::vector<int32_t>>(num_seqs);
+  // A unit per block of rows_per_unit query rows of a sequence, all KV heads: each unit then reads whole
+  // token rows (every head) of its pages, in order.
+  std::vector<Unit> blocks;
   int32_t prev_end = 0;
   for (int32_t i = 0; i < num_seqs; ++i) {
     const int32_t start = std::clamp<int32_t>(cu_q_lens[i], prev_end, int32_t(sh.num_tokens));
     const int32_t end = std::clamp<int32_t>(cu_q_lens[i + 1], start, int32_t(sh.num_tokens));
     prev_end = end;
-    (*q_starts)[i] = start;
     const int32_t q_len = end - start;
     const int32_t kv_len = std::clamp<int32_t>(kv_lens[i], 0, capacity);
     const int32_t kv_start = kv_len - q_len;  // position of the first query row
     for (int32_t row0 = 0; row0 < q_len; row0 += rows_per_unit) {
-      int32_t n = std::min(rows_per_unit, q_len - row0);
+      const int32_t n = std::min(rows_per_unit, q_len - row0);
       // Rows at negative positions (kv_len < q_len: inconsistent metadata) see nothing and stay zero.
       const int32_t skip = std::clamp<int32_t>(-(kv_start + row0), 0, n);
       if (skip == n) continue;
       const int32_t extent = kv_start + row0 + n;
-      for (int32_t h = 0; h < sh.num_kv_heads; ++h)
-        units->push_back({i, h, row0 + skip, n - skip, kv_start, kv_len, int64_t(extent) * (n - skip)});
+      blocks.push_back({i, row0 + skip, n - skip, start, kv_start, 0, extent, -1, int64_t(extent) * (n - skip)});
+    }
+  }
+  // Too few units to keep every thread busy (a few long sequences): split their KV ranges into parts of
+  // whole chunks, at least min_part_tokens each, whose unnormalised results merge_parts combines.
+  const int64_t parts_per_block =
+      (2 * num_threads + int64_t(blocks.size()) - 1) / std::max<int64_t>(int64_t(blocks.size()), 1);
+  auto units = std::make_shared<std::vector<Unit>>();
+  struct Merge {
+    Unit block;
+    int32_t first, count;  // its parts' slots
+  };
+  std::vector<Merge> merges;
+  int32_t num_parts = 0;
+  for (const Unit& b : blocks) {
+    const int64_t chunks = (b.kv_hi + kChunk - 1) / kChunk;
+    const int64_t p = std::min<int64_t>(parts_per_block, std::max<int64_t>(1, b.kv_hi / std::max(min_part_tokens, 1)));
+    if (p <= 1) {
+      units->push_back(b);
+      continue;
+    }
+    merges.push_back({b, num_parts, int32_t(p)});
+    for (int64_t j = 0; j < p; ++j) {
+      Unit u = b;
+      u.kv_lo = int32_t(chunks * j / p * kChunk);
+      u.kv_hi = std::min<int32_t>(b.kv_hi, int32_t(chunks * (j + 1) / p * kChunk));
+      u.part = num_parts++;
+      u.cost = int64_t(u.kv_hi - u.kv_lo) * u.num_rows;
+      units->push_back(u);
     }
   }
   // Longest first, so the last units handed out are short ones.
   std::stable_sort(units->begin(), units->end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
 
   const int64_t dv = (sh.head_dim + kChunk - 1) / kChunk;
-  const int64_t max_rows = int64_t(rows_per_unit) * sh.group;
-  auto run_range = [=](const Unit& u) {
+  const int64_t max_rows = int64_t(rows_per_unit) * sh.group * sh.num_kv_heads;
+  const int64_t part_floats = max_rows * (dv * kChunk + 2);
+  auto parts = std::make_shared<std::vector<float>>(size_t(num_parts) * part_floats);
+  float* parts_data = parts->data();
+  auto run_one = [=](const Unit& u) {
     thread_local Scratch scratch;
     scratch.reserve(dv, max_rows);
-    const int32_t q_start = (*q_starts)[u.seq];
+    float* slot = u.part >= 0 ? parts_data + u.part * part_floats : nullptr;
     if (dv == 4)
-      run_unit<T, 4>(u, sh, dv, q, k_pages, v_pages, block_tables, sm_scale, q_start, out, scratch);
+      run_unit<T, 4>(u, sh, dv, q, k_pages, v_pages, block_tables, sm_scale, out, slot, scratch);
     else if (dv == 8)
-      run_unit<T, 8>(u, sh, dv, q, k_pages, v_pages, block_tables, sm_scale, q_start, out, scratch);
+      run_unit<T, 8>(u, sh, dv, q, k_pages, v_pages, block_tables, sm_scale, out, slot, scratch);
     else
-      run_unit<T, 0>(u, sh, dv, q, k_pages, v_pages, block_tables, sm_scale, q_start, out, scratch);
+      run_unit<T, 0>(u, sh, dv, q, k_pages, v_pages, block_tables, sm_scale, out, slot, scratch);
   };
 
   // Work sharing: the caller and up to num_threads - 1 pool tasks take units from one counter. The caller
@@ -292,14 +536,15 @@ ffi::Error Attention(ffi::ThreadPool pool, const Shapes& sh, const T* q, const T
   const int64_t num_units = int64_t(units->size());
   auto work = [=]() {
     for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
-      run_range((*units)[i]);
+      run_one((*units)[i]);
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), num_units) - 1;
+  const int64_t helpers = std::min<int64_t>(num_threads, num_units) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule(std::function<void()>(work));
   work();
   while (shared->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+  for (const Merge& g : merges) merge_parts(g.block, g.first, g.count, sh, dv, parts_data, part_floats, out);
   return ffi::Error::Success();
 }
 
@@ -307,7 +552,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                                     ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out,
-                                    float sm_scale) {
+                                    float sm_scale, int32_t unit_rows, int32_t min_part_tokens) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), bt = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bt.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q must be [T, Hq, D], k_pages "
@@ -338,12 +583,13 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
     case ffi::DataType::F32:
       return Attention<float>(pool, sh, q.typed_data<float>(), k_pages.typed_data<float>(),
                               v_pages.typed_data<float>(), kv_lens.typed_data(), block_tables.typed_data(),
-                              cu_q_lens.typed_data(), max_num_seqs, n, sm_scale, out->typed_data<float>());
+                              cu_q_lens.typed_data(), max_num_seqs, n, sm_scale, unit_rows, min_part_tokens,
+                              out->typed_data<float>());
     case ffi::DataType::BF16:
       return Attention<uint16_t>(pool, sh, q.reinterpret_data<uint16_t>(), k_pages.reinterpret_data<uint16_t>(),
                                  v_pages.reinterpret_data<uint16_t>(), kv_lens.typed_data(),
                                  block_tables.typed_data(), cu_q_lens.typed_data(), max_num_seqs, n, sm_scale,
-                                 out->reinterpret_data<uint16_t>());
+                                 unit_rows, min_part_tokens, out->reinterpret_data<uint16_t>());
     default:
       return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: dtype must be float32 or bfloat16");
   }
@@ -365,4 +611,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SarathiRaggedPagedAttention, RaggedPagedAttentionI
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::AnyBuffer>()    // out
-                                  .Attr<float>("sm_scale"));
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("unit_rows")          // query rows x G per unit and KV head
+                                  .Attr<int32_t>("min_part_tokens"));  // shortest KV range of a split part
