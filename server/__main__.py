@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap host work with the device (default on); --no-async-scheduling: synchronous loop")
     p.add_argument("--enable-prefix-caching", default=None, action=argparse.BooleanOptionalAction,
                    help="reuse cached KV blocks of shared prompt prefixes (default on)")
+    p.add_argument("--background-compile", default=None, action=argparse.BooleanOptionalAction,
+                   help="serve once the largest step is compiled and build the rest on background threads "
+                        "(default on); --no-background-compile builds everything before listening (benchmarks)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="refuse (RESOURCE_EXHAUSTED) beyond this many requests waiting for their first token")
     p.add_argument("--max-waiting-prompt-tokens", type=int, default=DEFAULT_MAX_WAITING_PROMPT_TOKENS,
@@ -69,8 +72,8 @@ def engine_config_from_args(args: argparse.Namespace):
     overrides = {}
     for name in ("token_budget", "scheduler", "max_num_seqs", "block_size", "num_blocks", "max_model_len",
                  "attention_backend", "dtype", "seed", "tensor_parallel_size", "pipeline_parallel_size",
-                 "async_scheduling", "enable_prefix_caching", "compilation_cache_dir", "kv_cache_bytes",
-                 "gpu_memory_utilization"):
+                 "async_scheduling", "enable_prefix_caching", "background_compile", "compilation_cache_dir",
+                 "kv_cache_bytes", "gpu_memory_utilization"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value

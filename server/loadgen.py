@@ -222,6 +222,26 @@ def _server_info(target: str) -> tuple[Any, Any]:
                                                                                        timeout=30)
 
 
+def load_records(workload: Any, results: Sequence[ClientRequestResult]) -> list:
+    """The bench's RequestRecords (`sarathi_jax.bench.metrics`) of `run_load`'s results for `workload`'s
+    requests, in order: client-side times relative to the run start, arrival_time the scheduled arrival, and
+    first_scheduled_time from the server's reported queue time (gRPC only; None over HTTP)."""
+    from sarathi_jax.bench.driver import workload_record
+
+    records = []
+    for i, r in enumerate(results):
+        rec = workload_record(workload, i, r.request_id)
+        rec.num_output_tokens = r.num_tokens
+        rec.first_scheduled_time = None if r.server_queue_time is None else r.send_time + r.server_queue_time
+        rec.first_token_time = r.first_token_time
+        rec.token_times = list(r.token_times)
+        rec.finished_time = r.end_time if r.finish_reason is not None else None
+        rec.finish_reason = r.finish_reason if r.error is None else "error"
+        rec.error = r.error
+        records.append(rec)
+    return records
+
+
 def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[int]], *, temperature: float = 0.0,
                        progress: bool = False, request_timeout: float | None = None) -> Any:
     """`python -m sarathi_jax.bench --endpoint HOST:PORT` (gRPC) or `--endpoint http://HOST:PORT` (the
@@ -234,7 +254,7 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
     vocabulary are folded into it (modulo), noted in `config["notes"]`. No iteration records (the server's
     iterations are not visible to a client); num_preemptions is the server's counter difference over the run.
     """
-    from sarathi_jax.bench.driver import RunResult, workload_record, workload_requests
+    from sarathi_jax.bench.driver import RunResult, workload_requests
 
     info, before = _server_info(target)
     notes: list[str] = []
@@ -248,17 +268,7 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
     results = run_load(target, requests, request_timeout=request_timeout)
     wall = time.monotonic() - t_wall
     _, after = _server_info(target)
-    records = []
-    for i, r in enumerate(results):
-        rec = workload_record(workload, i, r.request_id)
-        rec.num_output_tokens = r.num_tokens
-        rec.first_scheduled_time = None if r.server_queue_time is None else r.send_time + r.server_queue_time
-        rec.first_token_time = r.first_token_time
-        rec.token_times = list(r.token_times)
-        rec.finished_time = r.end_time if r.finish_reason is not None else None
-        rec.finish_reason = r.finish_reason if r.error is None else "error"
-        rec.error = r.error
-        records.append(rec)
+    records = load_records(workload, results)
     config = {
         "endpoint": target,
         "model_name": info.model_name,

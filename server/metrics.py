@@ -31,8 +31,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 PREFIX = "sarathi:"
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0)
+# Latency buckets: 2.0 is Sarathi-Serve's median scheduling-delay bound (bench.peer's capacity check reads it;
+# it gives vLLM these same request-latency buckets).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -47,11 +49,11 @@ class ServerMetrics:
         def hist(name, doc, buckets):
             return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets).labels(model_name)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduled.",
-                               _LATENCY_BUCKETS)
+                               LATENCY_BUCKETS)
         self.num_running = Gauge(PREFIX + "num_requests_running", "Requests running in the engine.", labels,
                                  registry=r).labels(model_name)
         self.num_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting in the engine.", labels,
