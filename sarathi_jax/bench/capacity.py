@@ -225,9 +225,22 @@ def find_capacity(
             on_probe(p)
         return p
 
-    cap, probes, bracket, note = search(
-        evaluate, start_qps=start_qps or base.mean_rate, max_probes=max_probes, rel_tol=rel_tol
-    )
+    return search_capacity(evaluate, slo_tbt=slo_tbt, max_sched_delay=max_sched_delay,
+                           start_qps=start_qps or base.mean_rate, max_probes=max_probes, rel_tol=rel_tol)
+
+
+def search_capacity(
+    evaluate: Callable[[float], Probe],
+    *,
+    slo_tbt: float,
+    max_sched_delay: float,
+    start_qps: float,
+    max_probes: int = 8,
+    rel_tol: float = 0.05,
+) -> CapacityResult:
+    """`search` over `evaluate` (one probe per rate; in-process engines or servers), as a CapacityResult whose
+    note also says when the capacity found is beyond the fastest completion rate measured."""
+    cap, probes, bracket, note = search(evaluate, start_qps=start_qps, max_probes=max_probes, rel_tol=rel_tol)
     result = CapacityResult(cap, slo_tbt, max_sched_delay, probes, bracket, note)
     if result.beyond_throughput:
         result.note = (f"{note + '; ' if note else ''}capacity is at most about {result.max_throughput:.3g} req/s, "

@@ -71,12 +71,16 @@ def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tup
 
 
 def format_table(runs: Sequence[RunResult], capacities: dict | None = None) -> str:
-    header, rows = table_rows(runs, capacities)
+    return format_rows(*table_rows(runs, capacities))
+
+
+def format_rows(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """A plain-text table: the first `left` columns left-aligned, the others right-aligned."""
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines = ["  ".join(h.ljust(w) if i < left else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
     lines.append("  ".join("-" * w for w in widths))
     for row in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
 
 
