@@ -8,18 +8,23 @@ from typing import Callable
 import jax
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 
-__all__ = ["ragged_paged_attention_xla", "ragged_paged_attention", "get_attention_fn", "ATTENTION_BACKENDS"]
+__all__ = [
+    "ragged_paged_attention_xla", "ragged_paged_attention", "ragged_paged_attention_cpu", "cpu_kernel_status",
+    "get_attention_fn", "ATTENTION_BACKENDS",
+]
 
-ATTENTION_BACKENDS = ("xla", "pallas")
+ATTENTION_BACKENDS = ("xla", "pallas", "cpu")
 
 
 def get_attention_fn(backend: str, *, interpret: bool | None = None) -> Callable[..., jax.Array]:
     """Returns a ragged paged attention function with the `ragged_paged_attention_xla` signature.
 
     Args:
-      backend: `"xla"` (plain jnp, runs everywhere) or `"pallas"` (the Pallas kernel; Triton on GPU).
+      backend: `"xla"` (plain jnp, runs everywhere), `"pallas"` (the Pallas kernel; Triton on GPU) or `"cpu"`
+        (the C++ kernel through jax.ffi, on CPUs where it was built: see `cpu_kernel_status`).
       interpret: only for `"pallas"`: run the kernel through the Pallas interpreter. `None` means
         "interpret when `jax.default_backend() == "cpu"`". On TPU the Pallas kernel has no compiled path
         (see `ragged_paged_attention`), so `"pallas"` on a non-GPU backend requires `interpret=True`.
@@ -27,9 +32,15 @@ def get_attention_fn(backend: str, *, interpret: bool | None = None) -> Callable
     Raises:
       ValueError: unknown backend name.
       NotImplementedError: `"pallas"` with interpret=False on a non-GPU default backend.
+      RuntimeError: `"cpu"` where the C++ kernel was not built.
     """
     if backend == "xla":
         return ragged_paged_attention_xla
+    if backend == "cpu":
+        status = cpu_kernel_status()
+        if status is not None:
+            raise RuntimeError(status)
+        return ragged_paged_attention_cpu
     if backend == "pallas":
         platform = jax.default_backend()
         if interpret is None:

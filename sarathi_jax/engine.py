@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import get_attention_fn
+from pallas_kernels import cpu_kernel_status, get_attention_fn
 from sarathi_jax.admission import Admission, AdmittedRequest
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
@@ -56,7 +56,7 @@ class LLMEngine(CoreFrontEnd):
         platform = jax.default_backend()
         cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
         requested_backend = config.attention_backend
-        attention_backend = resolve_attention_backend(requested_backend, platform)
+        attention_backend = resolve_attention_backend(requested_backend, platform, cpu_kernel_status())
         scan_layers = resolve_scan_layers(config.scan_layers, platform)
         requested_dtype = config.dtype
         self.config = config = dataclasses.replace(

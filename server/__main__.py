@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
-                   help="auto: pallas on GPU, xla elsewhere")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas", "cpu"),
+                   help="auto: pallas on GPU, cpu (the C++ kernel) on a CPU where it is built, xla elsewhere")
     p.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
                    help="JAX's persistent compilation cache directory, or 'off' "
                         "(default: $SARATHI_JAX_COMPILATION_CACHE, else ~/.cache/sarathi-jax/jax)")

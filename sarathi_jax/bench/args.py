@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="EngineConfig.gpu_memory_utilization: fraction of the device's memory the engine may use "
                         "(default 0.9, at most JAX's XLA_CLIENT_MEM_FRACTION); the KV cache gets the rest")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
-                   help="auto: pallas on GPU, xla elsewhere")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas", "cpu"),
+                   help="auto: pallas on GPU, cpu (the C++ kernel) on a CPU where it is built, xla elsewhere")
     g.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
                    help="EngineConfig.compilation_cache_dir: JAX's persistent compilation cache, or 'off' "
                         "(default: $SARATHI_JAX_COMPILATION_CACHE, else ~/.cache/sarathi-jax/jax)")

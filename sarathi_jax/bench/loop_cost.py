@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=d.steps, help="K: timed steps per loop per round")
     p.add_argument("--rounds", type=int, default=d.rounds, help="R: interleaved rounds")
     p.add_argument("--replays", type=int, default=None, help="M: dispatches per device replay round (default K)")
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=("xla", "pallas"))
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "xla", "pallas", "cpu"))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--matmul-rate", type=float, default=None, help="FLOP/s to use instead of measuring")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s to use instead of measuring")

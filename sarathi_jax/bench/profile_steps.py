@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--token-budget", type=int, default=512)
     parser.add_argument("--no-async", action="store_true", help="profile the synchronous loop")
+    parser.add_argument("--scan-layers", default=None, action=argparse.BooleanOptionalAction,
+                        help="EngineConfig.scan_layers (default: the platform's)")
     parser.add_argument("--out", default="profile-steps")
     args = parser.parse_args(argv)
 
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
                                     token_budget=args.token_budget, max_num_seqs=args.batch + 2,
                                     max_model_len=args.context + 4 * args.steps + 64,
-                                    async_scheduling=not args.no_async,
+                                    async_scheduling=not args.no_async, scan_layers=args.scan_layers,
                                     background_compile=False))  # profiled steps: every bucket built before
     print(format_startup(engine.startup_stats()))
     rng = np.random.default_rng(0)

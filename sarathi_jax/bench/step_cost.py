@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="decode,prefill", help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPE_BYTES))
-    p.add_argument("--attention-backend", default="xla", choices=("xla", "pallas"))
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas", "cpu"))
+    p.add_argument("--scan-layers", default=None, action=argparse.BooleanOptionalAction,
+                   help="EngineConfig.scan_layers (default: the platform's)")
     p.add_argument("--token-budget", type=int, default=None,
                    help=f"largest bucket (default {DEFAULT_TOKEN_BUDGET}, the bench's, raised to fit the largest batch)")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="raised to fit the largest batch")

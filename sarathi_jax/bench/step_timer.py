@@ -224,7 +224,7 @@ def build_engine(args: argparse.Namespace, needs: dict) -> Any:
     max_len = max(args.max_model_len, needs["max_len"] + 1)
     kw = dict(model=args.model, dtype=args.dtype, token_budget=budget, max_num_seqs=max_seqs,
               max_model_len=max_len, scheduler="sarathi", attention_backend=args.attention_backend,
-              block_size=args.block_size, seed=args.engine_seed,
+              block_size=args.block_size, seed=args.engine_seed, scan_layers=args.scan_layers,
               enable_prefix_caching=False)  # fake sequences fill the blocks; nothing is looked up
     if args.num_blocks:
         kw["num_blocks"] = args.num_blocks

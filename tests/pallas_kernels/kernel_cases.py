@@ -9,6 +9,8 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention import KernelConfig, TileConfig
 
@@ -117,3 +119,47 @@ def make_inputs(cfg: Cfg, batch: Batch, seed: int):
     # Round to the input dtype first so that the reference sees exactly what the kernels see.
     q, k_pages, v_pages = (np.asarray(jnp.asarray(x, dtype)) for x in (q, k_pages, v_pages))
     return q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, np.array([n], np.int32)
+
+
+@st.composite
+def batches(draw, cfg: Cfg, mode: str):
+    """Random ragged batch: `mode` is decode, prefill (no prior context), or mixed (decodes, prefills and
+    chunks with prior context, in random order)."""
+    n = draw(st.integers(1, MAX_NUM_SEQS))
+    q_lens, ctx_lens = [], []
+    budget = NUM_TOKENS
+    for _ in range(n):
+        if budget == 0:
+            break
+        kind = mode if mode != "mixed" else draw(st.sampled_from(["decode", "prefill", "chunk"]))
+        if kind == "decode":
+            ql, ctx = 1, draw(st.integers(0, CAPACITY - 1))
+        elif kind == "prefill":
+            ql, ctx = draw(st.integers(1, budget)), 0
+        else:
+            ql = draw(st.integers(1, budget))
+            ctx = draw(st.integers(1, CAPACITY - ql))
+        q_lens.append(ql)
+        ctx_lens.append(ctx)
+        budget -= ql
+    return Batch(q_lens, ctx_lens)
+
+
+HYPO = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+EDGE_CASES = {
+    # A chunk of 30 with 10 tokens of context crosses page boundaries for both block sizes.
+    "chunk_crosses_pages": Batch([30, 1], [10, 40]),
+    # kv_len an exact multiple of the block size (16 and 32): full last page, decode and chunk.
+    "kv_len_multiple_of_block": Batch([1, 32, 16], [63, 32, 48]),
+    # One sequence filling the whole token budget, with context, up to the cache capacity.
+    "one_seq_fills_budget": Batch([NUM_TOKENS], [CAPACITY - NUM_TOKENS]),
+    "one_prefill_fills_budget": Batch([NUM_TOKENS], [0]),
+    "all_decodes": Batch([1] * MAX_NUM_SEQS, [0, 15, 16, 17, CAPACITY - 1]),
+    "num_seqs_0": Batch([], []),
+    "ends_exactly_at_budget": Batch([1, 31, 32], [5, 0, 64]),
+    # Sequences with no query rows this step (q_len 0) own no rows and produce nothing.
+    "zero_q_len_seqs": Batch([3, 0, 1, 0, 2], [5, 10, 7, 0, 100]),
+    # Decodes at the full capacity: every split of the longest KV range is used.
+    "long_decodes_and_a_chunk": Batch([1, 1, 6, 40], [CAPACITY - 1, 100, 90, 20]),
+}

@@ -23,13 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_xla
 from pallas_kernels import ragged_paged_attention_tiles as tiles
 from pallas_kernels.reference import ragged_paged_attention_reference as reference
-from tests.pallas_kernels.kernel_cases import CAPACITY, CONFIGS, MAX_NUM_SEQS, NUM_TOKENS, TOL, Batch, Cfg, make_inputs
+from tests.pallas_kernels.kernel_cases import (
+    CONFIGS, EDGE_CASES, HYPO, TOL, Batch, Cfg, batches, make_inputs,
+)
 
 
 @functools.cache
@@ -61,33 +63,6 @@ def check(cfg: Cfg, batch: Batch, seed: int, *, paths=("pallas", "xla")):
             assert err <= TOL[cfg.dtype], f"{path} {cfg} {batch}: rel_err={err:.3g}"
 
 
-@st.composite
-def batches(draw, cfg: Cfg, mode: str):
-    """Random ragged batch: `mode` is decode, prefill (no prior context), or mixed (decodes, prefills and
-    chunks with prior context, in random order)."""
-    n = draw(st.integers(1, MAX_NUM_SEQS))
-    q_lens, ctx_lens = [], []
-    budget = NUM_TOKENS
-    for _ in range(n):
-        if budget == 0:
-            break
-        kind = mode if mode != "mixed" else draw(st.sampled_from(["decode", "prefill", "chunk"]))
-        if kind == "decode":
-            ql, ctx = 1, draw(st.integers(0, CAPACITY - 1))
-        elif kind == "prefill":
-            ql, ctx = draw(st.integers(1, budget)), 0
-        else:
-            ql = draw(st.integers(1, budget))
-            ctx = draw(st.integers(1, CAPACITY - ql))
-        q_lens.append(ql)
-        ctx_lens.append(ctx)
-        budget -= ql
-    return Batch(q_lens, ctx_lens)
-
-
-HYPO = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-
-
 @pytest.mark.parametrize("mode", ["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_random_batches(cfg, mode):
@@ -97,24 +72,6 @@ def test_random_batches(cfg, mode):
         check(cfg, batch, seed)
 
     inner()
-
-
-EDGE_CASES = {
-    # A chunk of 30 with 10 tokens of context crosses page boundaries for both block sizes.
-    "chunk_crosses_pages": Batch([30, 1], [10, 40]),
-    # kv_len an exact multiple of the block size (16 and 32): full last page, decode and chunk.
-    "kv_len_multiple_of_block": Batch([1, 32, 16], [63, 32, 48]),
-    # One sequence filling the whole token budget, with context, up to the cache capacity.
-    "one_seq_fills_budget": Batch([NUM_TOKENS], [CAPACITY - NUM_TOKENS]),
-    "one_prefill_fills_budget": Batch([NUM_TOKENS], [0]),
-    "all_decodes": Batch([1] * MAX_NUM_SEQS, [0, 15, 16, 17, CAPACITY - 1]),
-    "num_seqs_0": Batch([], []),
-    "ends_exactly_at_budget": Batch([1, 31, 32], [5, 0, 64]),
-    # Sequences with no query rows this step (q_len 0) own no rows and produce nothing.
-    "zero_q_len_seqs": Batch([3, 0, 1, 0, 2], [5, 10, 7, 0, 100]),
-    # Decodes at the full capacity: every split of the longest KV range is used.
-    "long_decodes_and_a_chunk": Batch([1, 1, 6, 40], [CAPACITY - 1, 100, 90, 20]),
-}
 
 
 @pytest.mark.parametrize("case", list(EDGE_CASES))

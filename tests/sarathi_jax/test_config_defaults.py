@@ -11,7 +11,7 @@ import jax
 import pytest
 from packaging.requirements import Requirement
 
-from pallas_kernels import get_attention_fn
+from pallas_kernels import cpu_kernel_status, get_attention_fn
 from sarathi_jax import LLM, EngineConfig
 from sarathi_jax import engine as engine_module
 from sarathi_jax.bench.__main__ import default_model
@@ -60,11 +60,21 @@ def test_whole_prompt_max_model_len_default_respects_an_explicit_batch_limit():
 
 @pytest.mark.parametrize(
     "name, platform, expected",
-    [("auto", "gpu", "pallas"), ("auto", "cuda", "pallas"), ("auto", "rocm", "pallas"), ("auto", "cpu", "xla"),
-     ("auto", "tpu", "xla"), ("xla", "gpu", "xla"), ("pallas", "cpu", "pallas")],
+    [("auto", "gpu", "pallas"), ("auto", "cuda", "pallas"), ("auto", "rocm", "pallas"), ("auto", "cpu", "cpu"),
+     ("auto", "tpu", "xla"), ("xla", "gpu", "xla"), ("pallas", "cpu", "pallas"), ("cpu", "cpu", "cpu"),
+     ("xla", "cpu", "xla")],
 )
 def test_auto_attention_backend_picks_by_platform(name, platform, expected):
-    assert resolve_attention_backend(name, platform) == expected
+    assert resolve_attention_backend(name, platform, cpu_kernel_status=None) == expected
+
+
+def test_without_the_cpu_kernel_auto_falls_back_to_jnp_and_cpu_is_refused():
+    why = "the CPU attention kernel was not built"
+    assert resolve_attention_backend("auto", "cpu", cpu_kernel_status=why) == "xla"
+    with pytest.raises(ValueError, match="not available: the CPU attention kernel was not built"):
+        resolve_attention_backend("cpu", "cpu", cpu_kernel_status=why)
+    with pytest.raises(ValueError, match="runs on 'gpu'"):
+        resolve_attention_backend("cpu", "gpu", cpu_kernel_status=None)
 
 
 def test_attention_backend_names_are_checked():
@@ -79,7 +89,7 @@ def test_llm_with_only_a_small_token_budget_builds_and_reports_its_start_up():
     llm = LLM("tiny-llama", token_budget=64, num_blocks=16, max_model_len=128, warmup=False)
     engine = llm.engine
     assert engine.config.max_num_seqs == 64 and engine.scheduler_config.max_num_seqs == 64
-    backend = resolve_attention_backend("auto", jax.default_backend())  # xla on CPU, pallas on GPU
+    backend = resolve_attention_backend("auto", jax.default_backend(), cpu_kernel_status())  # cpu / pallas
     assert engine.config.attention_backend == backend
     stats = engine.startup_stats()
     for key in ("load_s", "init_s", "compile_s", "warmup_s", "total_s"):
