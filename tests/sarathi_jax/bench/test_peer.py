@@ -108,6 +108,12 @@ def test_vllm_env_binds_every_core_and_appends_preloads(monkeypatch):
 # ----------------------------------------------------------------------------------------------- options
 
 
+def _hide_vllm(monkeypatch) -> None:
+    find_spec = peer.importlib.util.find_spec
+    monkeypatch.setattr(peer.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "vllm" else find_spec(name, *args))
+
+
 def _args(*argv: str):
     return peer.build_parser().parse_args(list(argv))
 
@@ -155,7 +161,7 @@ def test_default_parts_add_capacity_with_an_slo(tiny_model, trace):
 
 
 def test_without_vllm_runs_this_engine_and_says_so_once(tiny_model, monkeypatch):
-    monkeypatch.setattr(peer.importlib.util, "find_spec", lambda name: None)
+    _hide_vllm(monkeypatch)
     notes: list[str] = []
     cfg = peer.config_from_args(_args("--model", tiny_model, "--parts", "offline"), notes=notes)
     assert cfg.engines == (SARATHI,) and cfg.vllm_python is None
@@ -304,7 +310,7 @@ def test_vllm_offline_script_against_a_stand_in_vllm(tmp_path, monkeypatch):
 
 def test_this_engine_end_to_end(tiny_model, trace, tmp_path, capsys, monkeypatch):
     """Offline in-process, then rates and a two-probe capacity search against its server (a subprocess)."""
-    monkeypatch.setattr(peer.importlib.util, "find_spec", lambda name: None)  # no vllm, whatever is installed
+    _hide_vllm(monkeypatch)  # no vllm, whatever is installed
     out = tmp_path / "peer.json"
     rc = peer.main(["--model", tiny_model, "--num-requests", "3", "--prompt-len", "uniform:8:24",
                     "--output-len", "5", "--trace", trace, "--qps", "4", "--length-scale", "0.05",
