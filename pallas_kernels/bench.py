@@ -24,6 +24,16 @@ Per case it prints:
   * per implementation: time per call, TFLOP/s, GB/s, time / floor; Pallas / FlashAttention when PyTorch
     with CUDA is importable (it says so when not); the max difference between Pallas and XLA outputs.
 
+On a CPU (`jax.default_backend() == "cpu"`) the default is the CPU suite instead (`CPU_SUITE`, `--cpu-heads`):
+the C++ kernel (`attention_backend="cpu"`) and the jnp path (`"xla"`) side by side, for head layouts with
+GQA groups 1, 4 and 8 at head_dim 64 and 128, decode batches of 1-128 rows at contexts 64-4096, and
+prefills and chunks; the floors use the matmul rate and the read bandwidth measured by
+`sarathi_jax.bench.roofline` (attention mostly reads). The jnp path is skipped where its K/V exceed
+`--xla-max-mb` (it would take seconds per call); `--cpu-only` skips it everywhere.
+
+    python -m pallas_kernels.bench                            # on a CPU: the CPU suite
+    python -m pallas_kernels.bench --cpu-heads 8,8,64 --decodes 32 --decode-ctx 512
+
 Timing: after a warm-up call (compiles), `--iters` back-to-back calls are timed together, the device is
 synchronised once at the end, and the best of `--repeats` such runs divided by `--iters` is reported (so host
 dispatch overlaps device work, as in a serving loop). FlashAttention is timed the same way with
@@ -43,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_kernel_config
+from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 
 HEADS = {  # name: (num_q_heads, num_kv_heads, head_dim)
@@ -74,6 +85,20 @@ SUITE = (
     Case("32 decodes ctx 1024 + 512 chunk at ctx 1536", decodes=32, decode_ctx=1024, chunks=(512,), chunk_ctx=(1536,)),
     Case("prefill 2048 tokens", chunks=(2048,), chunk_ctx=(0,)),
     Case("512-token chunk at ctx 1536", chunks=(512,), chunk_ctx=(1536,)),
+)
+
+
+# The CPU suite: head layouts (q heads, KV heads, head_dim) with GQA groups 1, 4 and 8, and batches.
+CPU_HEADS = ((8, 8, 64), (32, 8, 64), (8, 1, 64), (32, 8, 128), (16, 2, 128))
+CPU_SUITE = tuple(
+    Case(f"{b} decode{'s' if b > 1 else ''} x ctx {ctx}", decodes=b, decode_ctx=ctx)
+    for b in (1, 32, 128) for ctx in (64, 512, 4096)
+) + (
+    Case("32 decodes ctx 1024 + 512 chunk at ctx 1536", decodes=32, decode_ctx=1024, chunks=(512,), chunk_ctx=(1536,)),
+    Case("16-token chunk at ctx 512 (short prefill)", chunks=(16,), chunk_ctx=(512,)),
+    Case("prefill 512 tokens", chunks=(512,), chunk_ctx=(0,)),
+    Case("512-token chunk at ctx 1536", chunks=(512,), chunk_ctx=(1536,)),
+    Case("prefill 2048 tokens", chunks=(2048,), chunk_ctx=(0,)),
 )
 
 
@@ -280,6 +305,83 @@ def run_case(case: Case, args, *, peak_flops, peak_bw, interpret: bool, torch, r
     return rec
 
 
+def run_cpu_case(case: Case, heads, args, *, peak_flops, peak_bw, rng) -> dict:
+    """One batch on a CPU: the C++ kernel and (within --xla-max-mb) the jnp path, against the floor."""
+    dtype = jnp.dtype(args.dtype)
+    hq, hkv, d = heads
+    seqs = case.seqs()
+    arrays = build_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=args.block_size,
+                         dtype=dtype, rng=rng, pad_seqs=args.pad_seqs, pad_rows=args.pad_rows, seed=args.seed)
+    flops, min_bytes = count_work(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, itemsize=dtype.itemsize)
+    t_compute, t_memory = flops / peak_flops, min_bytes / peak_bw
+    floor = max(t_compute, t_memory)
+    rec = dict(case=case.name, heads=list(heads), group=hq // hkv, rows=int(sum(ql for ql, _ in seqs)),
+               gflop=flops / 1e9, min_mb=min_bytes / 1e6, floor_us=floor * 1e6, memory_floor_us=t_memory * 1e6,
+               floor_kind="memory" if t_memory >= t_compute else "compute")
+    fns = [("cpu", jax.jit(ragged_paged_attention_cpu))]
+    if args.xla and not args.cpu_only and min_bytes / 1e6 <= args.xla_max_mb:
+        fns.append(("xla", jax.jit(ragged_paged_attention_xla)))
+    outs = {}
+    for name, fn in fns:
+        outs[name] = jax.block_until_ready(fn(*arrays))
+        t = time_fn(fn, *arrays, iters=args.iters, repeats=args.repeats, warmup=0)
+        rec[f"{name}_us"] = t * 1e6
+        rec[f"{name}_over_floor"] = t / floor
+        rec[f"{name}_over_memory_floor"] = t / t_memory
+    if "xla" in outs:
+        rows = int(arrays[5][len(seqs)])
+        a, b = (np.asarray(outs[n], np.float32)[:rows] for n in ("cpu", "xla"))
+        rec["max_rel_diff_vs_xla"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        rec["ok"] = rec["max_rel_diff_vs_xla"] <= (1e-5 if dtype == jnp.float32 else 2e-2)
+    return rec
+
+
+def format_cpu_table(records: list[dict]) -> str:
+    lines = ["| heads q/kv/d (G) | batch | cpu us | x floor | x bytes floor | xla us | x floor | cpu speed-up | "
+             "floor us (kind) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        hq, hkv, d = r["heads"]
+        xla = (f"{r['xla_us']:.0f} | {r['xla_over_floor']:.3g} | {r['xla_us'] / r['cpu_us']:.3g}x"
+               if "xla_us" in r else "- | - | -")
+        lines.append(f"| {hq}/{hkv}/{d} ({r['group']}) | {r['case']} | {r['cpu_us']:.1f} | {r['cpu_over_floor']:.3g} | "
+                     f"{r['cpu_over_memory_floor']:.3g} | {xla} | {r['floor_us']:.1f} ({r['floor_kind']}) |")
+    return "\n".join(lines)
+
+
+def cpu_main(args, cases) -> None:
+    from sarathi_jax.bench.roofline import measure_bandwidth, measure_matmul_rate
+
+    status = cpu_kernel_status()
+    if status is not None:
+        raise SystemExit(f"the CPU kernel is not available: {status}")
+    args.iters = args.iters or 10
+    args.repeats = args.repeats or 3
+    peak_flops = measure_matmul_rate(args.matmul_n or 1024, args.dtype)
+    peak_bw = measure_bandwidth(args.copy_mib or 512)["read_bytes_per_s"]
+    heads_list = [tuple(h) for h in args.cpu_heads]
+    print(f"device: {jax.devices()[0].device_kind} (cpu); dtype {args.dtype}; block_size {args.block_size}")
+    print(f"measured: matmul {peak_flops / 1e9:.4g} GFLOP/s ({args.dtype}), read bandwidth {peak_bw / 1e9:.4g} GB/s")
+    rng = np.random.default_rng(args.seed)
+    records = []
+    for heads in heads_list:
+        for case in cases:
+            r = run_cpu_case(case, heads, args, peak_flops=peak_flops, peak_bw=peak_bw, rng=rng)
+            records.append(r)
+            xla = f", xla {r['xla_us']:.0f} us" if "xla_us" in r else ""
+            print(f"  {heads} {case.name}: cpu {r['cpu_us']:.1f} us ({r['cpu_over_floor']:.3g}x floor){xla}",
+                  flush=True)
+    print()
+    print(format_cpu_table(records))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, backend="cpu", dtype=args.dtype,
+                           block_size=args.block_size, matmul_gflops=peak_flops / 1e9, read_gbps=peak_bw / 1e9,
+                           cases=records), f, indent=1)
+        print(f"wrote {args.out}")
+    if not all(r.get("ok", True) for r in records):
+        raise SystemExit(1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--decodes", type=int, default=None, help="custom batch: number of decode rows")
@@ -288,13 +390,15 @@ def main(argv=None):
     p.add_argument("--prefill-ctx", default="0", help="prior context per chunk (one value or one per chunk)")
     p.add_argument("--cases", default=None,
                    help="suite: comma-separated indices into SUITE (default: all six issue-13 rows)")
-    p.add_argument("--heads", default="mistral7b",
-                   help=f"one of {sorted(HEADS)} or 'Q,KV,D' (query heads, KV heads, head_dim)")
+    p.add_argument("--heads", default=None,
+                   help=f"one of {sorted(HEADS)} or 'Q,KV,D' (query heads, KV heads, head_dim); default mistral7b "
+                        "(on a CPU: the suite's CPU_HEADS)")
     p.add_argument("--num-q-heads", type=int, default=None, help="overrides --heads")
     p.add_argument("--num-kv-heads", type=int, default=None, help="overrides --heads")
     p.add_argument("--head-dim", type=int, default=None, help="overrides --heads")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                   help="default: bfloat16 on a GPU, float32 on a CPU (the engine's defaults)")
     p.add_argument("--block-q", type=int, default=None, help="override: prefill tiles' query rows")
     p.add_argument("--kv-pages-per-block", type=int, default=None, help="override: pages per KV step")
     p.add_argument("--num-warps", type=int, default=None)
@@ -315,8 +419,18 @@ def main(argv=None):
     p.add_argument("--copy-mib", type=int, default=None, help="MiB copied to measure bandwidth")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-heads", default=None,
+                   help="CPU suite: head layouts 'Q,KV,D;Q,KV,D' (default: CPU_HEADS, or --heads when given)")
+    p.add_argument("--cpu-only", action="store_true", help="CPU suite: time the C++ kernel only")
+    p.add_argument("--xla-max-mb", type=float, default=300.0,
+                   help="CPU suite: time the jnp path only where the minimal bytes are at most this")
     args = p.parse_args(argv)
+    on_cpu = jax.default_backend() == "cpu"
 
+    heads_given = args.heads is not None or any(
+        x is not None for x in (args.num_q_heads, args.num_kv_heads, args.head_dim))
+    args.heads = args.heads or "mistral7b"
+    args.dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
     heads = HEADS.get(args.heads) or tuple(_ints(args.heads))
     if len(heads) != 3:
         raise SystemExit(f"--heads: one of {sorted(HEADS)} or Q,KV,D")
@@ -334,10 +448,17 @@ def main(argv=None):
         if not cases[0].seqs():
             raise SystemExit("empty batch: give --decodes and/or --prefill-chunks")
     else:
-        cases = [SUITE[int(i)] for i in _ints(args.cases)] if args.cases else list(SUITE)
+        suite = CPU_SUITE if on_cpu else SUITE
+        cases = [suite[int(i)] for i in _ints(args.cases)] if args.cases else list(suite)
+
+    if on_cpu:
+        if args.dtype == "float16":
+            raise SystemExit("--dtype float16: the CPU kernel takes float32 or bfloat16")
+        args.cpu_heads = ([tuple(_ints(h)) for h in args.cpu_heads.split(";")] if args.cpu_heads
+                          else [args.heads] if heads_given else list(CPU_HEADS))
+        return cpu_main(args, cases)
 
     backend = jax.default_backend()
-    on_cpu = backend == "cpu"
     interpret = on_cpu if args.interpret is None else args.interpret
     args.iters = args.iters or (1 if on_cpu else 20)
     args.repeats = args.repeats or (1 if on_cpu else 3)
