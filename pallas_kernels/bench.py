@@ -419,6 +419,9 @@ def main(argv=None):
     p.add_argument("--copy-mib", type=int, default=None, help="MiB copied to measure bandwidth")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel", default=None, choices=["pallas", "cpu"],
+                   help="the kernel timed: the Pallas kernel (default on a GPU; interpret mode on a CPU) or the "
+                        "C++ CPU kernel (default on a CPU: the CPU suite)")
     p.add_argument("--cpu-heads", default=None,
                    help="CPU suite: head layouts 'Q,KV,D;Q,KV,D' (default: CPU_HEADS, or --heads when given)")
     p.add_argument("--cpu-only", action="store_true", help="CPU suite: time the C++ kernel only")
@@ -426,11 +429,14 @@ def main(argv=None):
                    help="CPU suite: time the jnp path only where the minimal bytes are at most this")
     args = p.parse_args(argv)
     on_cpu = jax.default_backend() == "cpu"
+    cpu_kernel = (args.kernel or ("cpu" if on_cpu else "pallas")) == "cpu"
+    if cpu_kernel and not on_cpu:
+        raise SystemExit("--kernel cpu: the C++ kernel runs on a CPU backend only")
 
     heads_given = args.heads is not None or any(
         x is not None for x in (args.num_q_heads, args.num_kv_heads, args.head_dim))
     args.heads = args.heads or "mistral7b"
-    args.dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
+    args.dtype = args.dtype or ("float32" if cpu_kernel else "bfloat16")
     heads = HEADS.get(args.heads) or tuple(_ints(args.heads))
     if len(heads) != 3:
         raise SystemExit(f"--heads: one of {sorted(HEADS)} or Q,KV,D")
@@ -448,10 +454,10 @@ def main(argv=None):
         if not cases[0].seqs():
             raise SystemExit("empty batch: give --decodes and/or --prefill-chunks")
     else:
-        suite = CPU_SUITE if on_cpu else SUITE
+        suite = CPU_SUITE if cpu_kernel else SUITE
         cases = [suite[int(i)] for i in _ints(args.cases)] if args.cases else list(suite)
 
-    if on_cpu:
+    if cpu_kernel:
         if args.dtype == "float16":
             raise SystemExit("--dtype float16: the CPU kernel takes float32 or bfloat16")
         args.cpu_heads = ([tuple(_ints(h)) for h in args.cpu_heads.split(";")] if args.cpu_heads

@@ -214,7 +214,7 @@ def test_bench_runs(capsys, tmp_path):
         "--decodes", "3", "--decode-ctx", "40", "--prefill-chunks", "17,5", "--prefill-ctx", "0,30",
         "--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "float32",
         "--iters", "1", "--matmul-n", "64", "--copy-mib", "1", "--shuffle-seqs", "--num-kv-splits", "2",
-        "--out", str(out_file),
+        "--out", str(out_file), "--kernel", "pallas",
     ])
     out = capsys.readouterr().out
     assert "pallas vs xla" in out and "(OK" in out and "floor" in out
@@ -222,6 +222,26 @@ def test_bench_runs(capsys, tmp_path):
     result = json.loads(out_file.read_text())
     (case,) = result["cases"]
     assert case["ok"] and case["config"]["max_splits"] == 2 and case["floor_us"] > 0 and case["pallas_us"] > 0
+
+
+def test_bench_cpu_suite_times_the_cpu_kernel_beside_the_jnp_path(capsys, tmp_path):
+    import json
+
+    from pallas_kernels import bench
+
+    out_file = tmp_path / "bench.json"
+    bench.main(["--cpu-heads", "4,2,64;4,1,128", "--cases", "1,10", "--iters", "1", "--repeats", "1",
+                "--matmul-n", "64", "--copy-mib", "1", "--out", str(out_file)])
+    out = capsys.readouterr().out
+    assert "| 4/2/64 (2) | 1 decode x ctx 512 |" in out and "| 4/1/128 (4) | 16-token chunk at ctx 512" in out
+    cases = json.loads(out_file.read_text())["cases"]
+    assert len(cases) == 4 and all(c["ok"] and c["cpu_us"] > 0 and c["xla_us"] > 0 for c in cases)
+    assert all(c["max_rel_diff_vs_xla"] <= 1e-5 and c["floor_us"] > 0 for c in cases)
+    heads = {(c["group"], c["case"]) for c in cases}
+    assert heads == {(2, "1 decode x ctx 512"), (2, "16-token chunk at ctx 512 (short prefill)"),
+                     (4, "1 decode x ctx 512"), (4, "16-token chunk at ctx 512 (short prefill)")}
+    groups = {hq // hkv for hq, hkv, _ in bench.CPU_HEADS}
+    assert groups == {1, 4, 8} and {d for *_, d in bench.CPU_HEADS} == {64, 128}
 
 
 def test_bench_suite_has_the_issue_rows():
