@@ -87,3 +87,26 @@ def test_a_pending_token_is_read_from_the_previous_step(runner):
             runner._pack([ScheduledChunk(a, 1, 21)], rows)
     finally:
         runner._prev_rows = {}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_no_step_copies_the_kv_cache(backend):
+    """The cache is donated and updated in place: no bucket's optimised step may copy it (a copy is a whole
+    cache's bytes every step; XLA inserts one when the attention call's read of the cache cannot be ordered
+    before the in-place write, as it did for 1- and 2-token buckets with the CPU kernel)."""
+    import re
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", token_budget=64, max_num_seqs=S,
+                                    block_size=BLOCK, num_blocks=16, max_model_len=64, attention_backend=backend,
+                                    compilation_cache_dir=None, background_compile=False))
+    runner = engine.runner
+    assert engine.config.attention_backend == backend
+    kv = runner.kv_caches[0][0]
+    shape = "f32[" + ",".join(map(str, kv.shape)) + "]"
+    steps = {e: exe for e, exe in runner._table.executables.items() if isinstance(e, tuple)}
+    assert len(steps) == len(runner.buckets) == 3  # 16, 32, 64
+    for entry, exe in steps.items():
+        text = exe.as_text()
+        assert shape in text
+        copies = [line for line in text.splitlines() if re.search(r"=\s*" + re.escape(shape) + r"\S*\s+copy\(", line)]
+        assert not copies, f"{entry}: {copies[:2]}"
