@@ -455,7 +455,10 @@ def main(argv=None):
             raise SystemExit("empty batch: give --decodes and/or --prefill-chunks")
     else:
         suite = CPU_SUITE if cpu_kernel else SUITE
-        cases = [suite[int(i)] for i in _ints(args.cases)] if args.cases else list(suite)
+        picked = _ints(args.cases) if args.cases else list(range(len(suite)))
+        if any(not 0 <= i < len(suite) for i in picked):
+            raise SystemExit(f"--cases: indices into the {len(suite)}-case suite, 0..{len(suite) - 1}")
+        cases = [suite[i] for i in picked]
 
     if cpu_kernel:
         if args.dtype == "float16":

@@ -385,13 +385,31 @@ void run_unit(const Unit& u, const Shapes& sh, int dv_runtime, const T* q, const
       float* vt = reinterpret_cast<float*>(scr.vt.data());
       const v16f* vtv = scr.vt.data();
       for (int64_t h = 0; h < heads; ++h) {
-        for (int t = 0; t < kChunk; ++t) {
+        for (int t = 0; t < n_valid; ++t) {
           float* vd = vt + t * dv * kChunk;
           const T* vs = v_pages + tok[t] + h * D;
-          for (int64_t d = 0; d < D; ++d) vd[d] = t < n_valid ? to_f32(vs[d]) : 0.0f;
+          for (int64_t d = 0; d < D; ++d) vd[d] = to_f32(vs[d]);
           for (int64_t d = D; d < dv * kChunk; ++d) vd[d] = 0.0f;
         }
-        for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
+        // Blocks of RB rows keep their accumulators in registers across the chunk's tokens (as in the direct
+        // path); the rest, and heads wider than the register budget, row by row.
+        int64_t r = h * hr;
+        for (; dv <= kDirectMaxVectors && r + RB <= (h + 1) * hr; r += RB) {
+          v16f acc[RB][DVMAX];
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
+          for (int t = 0; t < n_valid; ++t) {
+            v16f vv[DVMAX];
+            for (int c = 0; c < dv; ++c) vv[c] = vtv[t * dv + c];
+            for (int i = 0; i < RB; ++i) {
+              const float pt = s[r + i][t];
+              for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
+            }
+          }
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
+        }
+        for (; r < (h + 1) * hr; ++r) {
           v16f* orow = o + r * dv;
           for (int t = 0; t < n_valid; ++t) {
             const float pt = s[r][t];
