@@ -150,7 +150,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.token_budget % 16:
-            raise ValueError(f"token_budget must be a multiple of 16 (the smallest bucket), got {self.token_budget}")
+            raise ValueError(f"token_budget must be a multiple of 16 (a matmul tile of rows), got {self.token_budget}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

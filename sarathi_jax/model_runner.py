@@ -51,7 +51,7 @@ from sarathi_jax.sampling import (
     sampler_variant,
 )
 from sarathi_jax.scheduler import ScheduledChunk
-from sarathi_jax.sizing import bucket_for, token_buckets
+from sarathi_jax.sizing import SMALLEST_BUCKET, bucket_for, token_buckets
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, unpack_sampling
 
 
@@ -123,6 +123,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         max_step_tokens: int,
+        smallest_bucket: int = SMALLEST_BUCKET,
         plan: Any = None,
         scan_layers: bool = True,
         executable_cache: ExecutableCache | None = None,
@@ -132,7 +133,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = token_buckets(max_step_tokens)
+        self.buckets = token_buckets(max_step_tokens, smallest_bucket)
         self.plan = None if plan is None or plan.is_single_device else plan
         self.timeline = None
         if self.plan is None:

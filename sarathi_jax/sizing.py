@@ -24,11 +24,17 @@ if TYPE_CHECKING:  # importing sarathi_jax.models would bring in JAX and Flax
     from sarathi_jax.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per element of each concrete model dtype
-# Also the smallest on a CPU, for now: a 1-token step made XLA copy the whole KV cache every step (the attention
-# call's read could not be ordered before the in-place write; test_no_step_copies_the_kv_cache). A 4-token
-# bucket did not copy and ran one decode of the 60M Llama in 16.4 ms against 22.2 ms at 16 (step_cost, one run
-# each): a candidate for CPUs, at two more compiles per model.
-SMALLEST_BUCKET = 16
+SMALLEST_BUCKET = 16  # on accelerators: a matmul tile's rows (and the token budget's granularity everywhere)
+# On a CPU a step's matmuls cost in proportion to its rows, so small decode batches get smaller buckets: one
+# decode of the 60M Llama took 16.4 ms in a 4-token bucket against 22.2 ms in a 16-token one (step_cost). Not 1
+# or 2: there XLA copied the whole KV cache every step (the attention call's read could not be ordered before
+# the in-place write; test_no_step_copies_the_kv_cache guards every bucket).
+CPU_SMALLEST_BUCKET = 4
+
+
+def smallest_bucket(platform: str) -> int:
+    """The smallest token bucket on `platform` (`jax.default_backend()`)."""
+    return CPU_SMALLEST_BUCKET if platform == "cpu" else SMALLEST_BUCKET
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,11 @@ from sarathi_jax.compile_cache import (
 )
 from sarathi_jax.executable_cache import SUBDIR
 from sarathi_jax.sampling import SAMPLER_VARIANTS
+from sarathi_jax.sizing import smallest_bucket, token_buckets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The script's engine (token_budget 32): its step buckets on this platform (4, 8, 16, 32 on a CPU).
+NUM_BUCKETS = len(token_buckets(32, smallest_bucket(jax.default_backend())))
 
 
 @pytest.fixture
@@ -90,7 +93,7 @@ engine.add_request("sampled", [2, 7], SamplingParams(max_tokens=5, temperature=0
 engine.add_request("long", list(range(3, 23)), SamplingParams(max_tokens=3, temperature=0.0))
 from sarathi_jax.compile_cache import record_compiles
 out = {}
-with record_compiles() as serving:  # both buckets are used: 4 + 2 + 20 prompt tokens (32), then decodes (16)
+with record_compiles() as serving:  # 4 + 2 + 20 prompt tokens (bucket 32), then decodes (bucket 4 on a CPU)
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.request_id] = list(o.token_ids)
@@ -131,18 +134,18 @@ def test_second_engine_in_a_fresh_process_hits_the_cache(tmp_path):
     assert _cache_entries(cache) == entries  # nothing new was compiled or written
     # The model steps and sampler variants came ready-made (sarathi_jax/executable_cache.py): not even traced.
     assert cold["executables_loaded"] == 0 and cold["run"]["loaded"] == 0
-    assert warm["executables_loaded"] == warm["run"]["loaded"] == 2 + len(SAMPLER_VARIANTS)  # buckets 16, 32
+    assert warm["executables_loaded"] == warm["run"]["loaded"] == NUM_BUCKETS + len(SAMPLER_VARIANTS)
     assert len(list((cache / SUBDIR).iterdir())) == warm["executables_loaded"]
     # Same tokens from the loaded executables, and serving compiled nothing in either process.
     assert warm["run"]["tokens"] == cold["run"]["tokens"]
-    assert warm["run"]["compilations"] == cold["run"]["compilations"] == 2 + len(SAMPLER_VARIANTS)
+    assert warm["run"]["compilations"] == cold["run"]["compilations"] == NUM_BUCKETS + len(SAMPLER_VARIANTS)
     # Nothing at all (not even a small host-side program) compiled or loaded while serving, also when the
     # warm start skipped running the buckets that came ready-made.
     assert warm["run"]["serving_executables"] == cold["run"]["serving_executables"] == 0
     # With background compile (the default) a warm start loads everything before it is ready: nothing is
     # left to the background.
     default = _start_in_fresh_process(cache, "background")
-    assert default["background_executables"] == 0 and default["executables_loaded"] == 2 + len(SAMPLER_VARIANTS)
+    assert default["background_executables"] == 0 and default["executables_loaded"] == NUM_BUCKETS + len(SAMPLER_VARIANTS)
     assert default["run"]["tokens"] == cold["run"]["tokens"] and default["run"]["serving_executables"] == 0
 
 

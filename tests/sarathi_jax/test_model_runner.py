@@ -4,6 +4,7 @@ on the device (the runner's steps are exercised by the engine tests)."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -65,7 +66,7 @@ def test_a_decode_and_a_prompt_chunk(runner):
 
 
 def test_batches_pad_to_their_bucket(runner):
-    assert runner.buckets == (16, 32)
+    assert runner.buckets == ((4, 8, 16, 32) if jax.default_backend() == "cpu" else (16, 32))
     packed = runner._pack([ScheduledChunk(_seq("c", 17, [1, 2]), 17, 0)], [(SamplingParams(), 0, 0, ())])
     assert _views(runner, packed)["token_ids"].size == 32
     assert runner.bucket_for(32) == 32
@@ -104,7 +105,7 @@ def test_no_step_copies_the_kv_cache(backend):
     kv = runner.kv_caches[0][0]
     shape = "f32[" + ",".join(map(str, kv.shape)) + "]"
     steps = {e: exe for e, exe in runner._table.executables.items() if isinstance(e, tuple)}
-    assert len(steps) == len(runner.buckets) == 3  # 16, 32, 64
+    assert len(steps) == len(runner.buckets) >= 3  # 4 (on a CPU), 8, 16, 32, 64
     for entry, exe in steps.items():
         text = exe.as_text()
         assert shape in text

@@ -55,3 +55,11 @@ def test_sizing_and_the_bucket_cost_model_import_no_jax():
             "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_cpu_gets_small_buckets_and_accelerators_tile_sized_ones():
+    from sarathi_jax.sizing import smallest_bucket
+
+    assert smallest_bucket("cpu") == 4 and token_buckets(64, smallest_bucket("cpu")) == (4, 8, 16, 32, 64)
+    for platform in ("gpu", "cuda", "rocm", "tpu"):
+        assert token_buckets(64, smallest_bucket(platform)) == (16, 32, 64)
