@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention import KernelConfig, TileConfig
+from pallas_kernels.reference import ragged_paged_attention_reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 NUM_TOKENS = 64  # T, the padded token budget
@@ -163,3 +164,20 @@ EDGE_CASES = {
     # Decodes at the full capacity: every split of the longest KV range is used.
     "long_decodes_and_a_chunk": Batch([1, 1, 6, 40], [CAPACITY - 1, 100, 90, 20]),
 }
+
+
+def assert_matches_reference(out, args, cfg: Cfg, label: str, ref: np.ndarray | None = None) -> None:
+    """`out` of a kernel on `args` (from make_inputs) against the float64 reference: q's shape and dtype, no
+    NaN (every row written, no poison leaked), padding rows exactly zero, and the valid rows within TOL.
+    `ref` may be passed when several outputs share one reference."""
+    q, *_, cu_q_lens, num_seqs = args
+    end = int(cu_q_lens[int(num_seqs[0])])
+    assert out.shape == q.shape and out.dtype == q.dtype, label
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), f"{label}: NaN in output (a row was not written, or poison leaked)"
+    assert np.all(out[end:] == 0.0), f"{label}: padding rows are not exactly zero"
+    if end:
+        if ref is None:
+            ref = ragged_paged_attention_reference(*args, sm_scale=cfg.head_dim**-0.5)
+        err = np.abs(out[:end] - ref[:end]).max() / max(np.abs(ref[:end]).max(), 1e-30)
+        assert err <= TOL[cfg.dtype], f"{label}: rel_err={err:.3g}"

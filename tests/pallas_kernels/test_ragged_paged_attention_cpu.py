@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from pallas_kernels import cpu_kernel_status, get_attention_fn, ragged_paged_attention_cpu
 from pallas_kernels.reference import ragged_paged_attention_reference as reference
 from tests.pallas_kernels.kernel_cases import (
-    CONFIGS, EDGE_CASES, HYPO, MAX_NUM_SEQS, NUM_TOKENS, TOL, Batch, Cfg, batches, make_inputs,
+    CONFIGS, EDGE_CASES, HYPO, MAX_NUM_SEQS, NUM_TOKENS, TOL, Batch, Cfg, assert_matches_reference, batches,
+    make_inputs,
 )
 
 # The module (the package exports a function of the same name).
@@ -52,17 +53,7 @@ def _jitted(unit_rows: int, min_part_tokens: int):
 
 def check(cfg: Cfg, batch: Batch, seed: int, splits=SPLITS[0]):
     args = make_inputs(cfg, batch, seed)
-    q, *_, cu_q_lens, num_seqs = args
-    end = int(cu_q_lens[int(num_seqs[0])])
-    out = _jitted(*splits)(*args)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    out = np.asarray(out, np.float64)
-    assert not np.isnan(out).any(), f"{cfg} {batch} {splits}: NaN in the output (poison leaked)"
-    assert np.all(out[end:] == 0.0), "padding rows are not exactly zero"
-    if end:
-        ref = reference(*args, sm_scale=cfg.head_dim**-0.5)
-        err = np.abs(out[:end] - ref[:end]).max() / max(np.abs(ref[:end]).max(), 1e-30)
-        assert err <= TOL[cfg.dtype], f"{cfg} {batch} {splits}: rel_err={err:.3g}"
+    assert_matches_reference(_jitted(*splits)(*args), args, cfg, f"{cfg} {batch} {splits}")
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill", "mixed"])
