@@ -16,11 +16,11 @@ DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NUM_SEQS = 128  # the most; lowered to the batch token limit when that is smaller
 
 
-def resolve_attention_backend(name: str, platform: str, cpu_kernel_status: str | None = "not checked") -> str:
+def resolve_attention_backend(name: str, platform: str, *, cpu_kernel_status: str | None) -> str:
     """The backend `name` means on `platform` (`jax.default_backend()`): "auto" is the Pallas kernel on a
-    GPU, where the jnp path is 10-370x off the hardware floor; on a CPU the C++ kernel ("cpu", 5-200x faster
-    than the jnp path) when it was built, else "xla"; "xla" elsewhere (on TPU the Pallas kernel has no
-    compiled path). `cpu_kernel_status` is `pallas_kernels.cpu_kernel_status()`: None when the C++ kernel is
+    GPU, where the jnp path is 10-370x off the hardware floor; on a CPU the C++ kernel ("cpu": decode steps
+    5-17x faster than the jnp path, docs/results-cpu.md section 11) when it was built, else "xla"; "xla"
+    elsewhere (on TPU the Pallas kernel has no compiled path). `cpu_kernel_status` is `pallas_kernels.cpu_kernel_status()`: None when the C++ kernel is
     available, else why not (the caller asks, so that this module needs no JAX).
 
     Raises:

@@ -89,7 +89,8 @@ def test_llm_with_only_a_small_token_budget_builds_and_reports_its_start_up():
     llm = LLM("tiny-llama", token_budget=64, num_blocks=16, max_model_len=128, warmup=False)
     engine = llm.engine
     assert engine.config.max_num_seqs == 64 and engine.scheduler_config.max_num_seqs == 64
-    backend = resolve_attention_backend("auto", jax.default_backend(), cpu_kernel_status())  # cpu / pallas
+    # cpu (where the kernel is built) on a CPU, pallas on a GPU
+    backend = resolve_attention_backend("auto", jax.default_backend(), cpu_kernel_status=cpu_kernel_status())
     assert engine.config.attention_backend == backend
     stats = engine.startup_stats()
     for key in ("load_s", "init_s", "compile_s", "warmup_s", "total_s"):
