@@ -48,10 +48,6 @@ def cpu_kernel_status() -> str | None:
     return None
 
 
-def cpu_kernel_available() -> bool:
-    return cpu_kernel_status() is None
-
-
 def ragged_paged_attention_cpu(
     q: jax.Array,
     k_pages: jax.Array,

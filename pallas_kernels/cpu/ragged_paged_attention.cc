@@ -7,19 +7,27 @@
 //   q            [T, Hq, D]              out [T, Hq, D] (q's dtype); rows past cu_q_lens[num_seqs] are zeros
 //   k_pages      [num_blocks, block_size, Hkv, D]   v_pages the same
 //   kv_lens      int32[S]   block_tables int32[S, max_blocks]   cu_q_lens int32[S + 1]   num_seqs int32[1]
-//   attribute    sm_scale (float)
+//   attributes   sm_scale (float); unit_rows, min_part_tokens (int32: the static split sizes below)
 //
 // Query row j of sequence i sits at position kv_lens[i] - q_len_i + j and sees positions 0 .. that one.
 //
-// How the work is split. A *unit* is (sequence, KV head, a block of consecutive query rows of that
-// sequence): its G = Hq / Hkv query heads times its rows form the rows of one matrix, so every KV token it
-// reads is used by all of them (a decode row is one unit per KV head, G matrix rows). A unit walks the
-// sequence's KV in chunks of 16 tokens, up to the position its last row may see, with an online softmax
-// (running max, running sum and accumulator, float32). Each chunk is first copied from its pages into two
-// small float32 buffers, K transposed ([D][16], so a score row is one 16-wide FMA per d) and V as is
-// ([16][D]); slots past the chunk's last valid token are zero-filled, never read, so stale or non-finite
-// cache contents cannot leak. Units are sorted longest first and handed out from an atomic counter to the
-// calling thread and XLA's intra-op thread pool.
+// How the work is split. A *unit* is a block of consecutive query rows of one sequence (unit_rows / G of
+// them), all KV heads: per KV head, its rows times the G query heads sharing that head form the rows of one
+// matrix, so every K/V token it reads serves all of them. A unit walks the sequence's pages in chunks of 16
+// tokens, up to the position its last row may see, with an online softmax (running max, running sum and
+// accumulator, float32), reading each token row of the cache (every head) in address order and prefetching
+// the next chunk's pages (a block table defeats hardware prefetchers). Two ways through a chunk:
+//   * direct (fewer than kCopyRows matrix rows per head, head_dim a multiple of 16: decodes and short
+//     chunks): K and V are read straight from the cache, a 16-wide partial dot product per token and row,
+//     reduced across lanes once per chunk (reduce16);
+//   * copying (more rows, or another head_dim): the chunk is copied once per head into float32 buffers, K
+//     transposed ([D][16]: a score row is one 16-wide FMA per d) and V zero-padded, and shared by all rows.
+// Either way only slots before the chunk's last valid token are read, so stale or non-finite cache contents
+// cannot leak, and blocks of rows keep their accumulators in registers across a chunk's tokens.
+// Units are sorted longest first and handed out from an atomic counter to the calling thread and XLA's
+// intra-op thread pool. When a batch has fewer units than twice the threads (one long decode, say), each
+// unit's KV range is split into parts of at least min_part_tokens, computed as separate units and merged
+// afterwards (merge_parts; flash-decoding).
 //
 // Metadata is clamped before use (block-table entries into the cache, kv_lens to the table's capacity,
 // cu_q_lens into [0, T]): garbage metadata gives garbage rows, never an out-of-bounds read.
