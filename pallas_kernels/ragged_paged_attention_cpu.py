@@ -6,7 +6,8 @@ Arguments, shapes and semantics: exactly those of the Pallas kernel (the docstri
 How the kernel splits the work is in the C++ file's header.
 
 The kernel is built when the package is installed (`setup.py`: a C++17 compiler and jaxlib's FFI headers,
-`-march=native`). Where it was not built, `cpu_kernel_status()` says why, `attention_backend="auto"` uses the
+`-march=native`). Where it was not built, or fails one tiny first call (a library built against another
+jaxlib's FFI, say), `cpu_kernel_status()` says why, `attention_backend="auto"` uses the
 portable jnp path instead, and calling `ragged_paged_attention_cpu` raises. The FFI target is registered for
 the CPU platform only: on a GPU or TPU the engine uses the Pallas kernel or the jnp path.
 """
@@ -45,7 +46,31 @@ def cpu_kernel_status() -> str | None:
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SarathiRaggedPagedAttention), platform="cpu")
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return f"the CPU attention kernel at {spec.origin} could not be loaded: {e}"
-    return None
+    return _smoke_test(spec.origin)
+
+
+def _smoke_test(origin: str) -> str | None:
+    """One tiny call on the CPU (a token attending to itself returns its value row): a library built against
+    another jaxlib's FFI, or for another CPU, fails here rather than in the engine's first step."""
+    if not jax.devices("cpu"):  # pragma: no cover - JAX always has a CPU backend
+        return "no CPU device"
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            v = jnp.arange(16, dtype=jnp.float32).reshape(1, 1, 1, 16)
+            out = _call(jnp.ones((1, 1, 16), jnp.float32), jnp.ones((1, 1, 1, 16), jnp.float32), v,
+                        jnp.ones((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([0, 1], jnp.int32),
+                        jnp.ones((1,), jnp.int32), sm_scale=1.0, unit_rows=UNIT_ROWS, min_part_tokens=MIN_PART_TOKENS)
+            ok = bool(np.array_equal(np.asarray(out).reshape(16), np.arange(16, dtype=np.float32)))
+    except Exception as e:  # noqa: BLE001 - any failure of the library means "not usable here"
+        return f"the CPU attention kernel at {origin} failed its first call: {type(e).__name__}: {e}"
+    return None if ok else f"the CPU attention kernel at {origin} computed a wrong result on its first call"
+
+
+def _call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, unit_rows,
+          min_part_tokens):
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=np.float32(sm_scale),
+                unit_rows=np.int32(unit_rows), min_part_tokens=np.int32(min_part_tokens))
 
 
 def ragged_paged_attention_cpu(
@@ -98,6 +123,5 @@ def ragged_paged_attention_cpu(
         sm_scale = head_dim**-0.5
     if unit_rows < 1 or min_part_tokens < 1:
         raise ValueError(f"unit_rows={unit_rows} and min_part_tokens={min_part_tokens} must be positive")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=np.float32(sm_scale),
-                unit_rows=np.int32(unit_rows), min_part_tokens=np.int32(min_part_tokens))
+    return _call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                 unit_rows=unit_rows, min_part_tokens=min_part_tokens)

@@ -56,8 +56,10 @@ class LLMEngine(CoreFrontEnd):
         platform = jax.default_backend()
         cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
         requested_backend = config.attention_backend
-        attention_backend = resolve_attention_backend(requested_backend, platform,
-                                                      cpu_kernel_status=cpu_kernel_status())
+        attention_backend = resolve_attention_backend(
+            requested_backend, platform,
+            cpu_kernel_status=cpu_kernel_status() if platform == "cpu" else f"this engine runs on {platform!r}",
+        )
         scan_layers = resolve_scan_layers(config.scan_layers, platform)
         requested_dtype = config.dtype
         self.config = config = dataclasses.replace(

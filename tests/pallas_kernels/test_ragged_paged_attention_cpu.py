@@ -158,3 +158,24 @@ def test_a_missing_kernel_is_reported_not_called(monkeypatch):
         monkeypatch.undo()
         cpu_module.cpu_kernel_status.cache_clear()
     assert cpu_module.cpu_kernel_status() is None
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_a_library_that_fails_its_first_call_is_not_used(monkeypatch, failure):
+    """A library that loads but cannot run here (built against another jaxlib's FFI, say) is caught by the
+    status's one tiny call, so that the engine falls back to the jnp path instead of failing its first step."""
+    def broken(*args, **kwargs):
+        if failure == "raises":
+            raise RuntimeError("FFI API version mismatch")
+        return jnp.zeros((1, 1, 16), jnp.float32)
+
+    monkeypatch.setattr(cpu_module, "_call", broken)
+    cpu_module.cpu_kernel_status.cache_clear()
+    try:
+        status = cpu_module.cpu_kernel_status()
+        expected = "failed its first call: RuntimeError: FFI API" if failure == "raises" else "wrong result"
+        assert status is not None and expected in status
+    finally:
+        monkeypatch.undo()
+        cpu_module.cpu_kernel_status.cache_clear()
+    assert cpu_module.cpu_kernel_status() is None
