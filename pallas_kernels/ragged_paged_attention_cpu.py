@@ -56,10 +56,10 @@ def _smoke_test(origin: str) -> str | None:
         return "no CPU device"
     try:
         with jax.default_device(jax.devices("cpu")[0]):
-            v = jnp.arange(16, dtype=jnp.float32).reshape(1, 1, 1, 16)
-            out = _call(jnp.ones((1, 1, 16), jnp.float32), jnp.ones((1, 1, 1, 16), jnp.float32), v,
-                        jnp.ones((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([0, 1], jnp.int32),
-                        jnp.ones((1,), jnp.int32), sm_scale=1.0, unit_rows=UNIT_ROWS, min_part_tokens=MIN_PART_TOKENS)
+            v = np.arange(16, dtype=np.float32).reshape(1, 1, 1, 16)  # numpy inputs: one compile, the call's
+            out = _call(np.ones((1, 1, 16), np.float32), np.ones((1, 1, 1, 16), np.float32), v,
+                        np.ones((1,), np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
+                        np.ones((1,), np.int32), sm_scale=1.0, unit_rows=UNIT_ROWS, min_part_tokens=MIN_PART_TOKENS)
             ok = bool(np.array_equal(np.asarray(out).reshape(16), np.arange(16, dtype=np.float32)))
     except Exception as e:  # noqa: BLE001 - any failure of the library means "not usable here"
         return f"the CPU attention kernel at {origin} failed its first call: {type(e).__name__}: {e}"

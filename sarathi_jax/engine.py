@@ -54,12 +54,11 @@ class LLMEngine(CoreFrontEnd):
         """
         t_start = time.time()
         platform = jax.default_backend()
+        # The CPU kernel's status makes one tiny call: before the compilation cache and the compile counts.
+        kernel_status = cpu_kernel_status() if platform == "cpu" else f"this engine runs on {platform!r}"
         cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
         requested_backend = config.attention_backend
-        attention_backend = resolve_attention_backend(
-            requested_backend, platform,
-            cpu_kernel_status=cpu_kernel_status() if platform == "cpu" else f"this engine runs on {platform!r}",
-        )
+        attention_backend = resolve_attention_backend(requested_backend, platform, cpu_kernel_status=kernel_status)
         scan_layers = resolve_scan_layers(config.scan_layers, platform)
         requested_dtype = config.dtype
         self.config = config = dataclasses.replace(
