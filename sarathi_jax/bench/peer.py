@@ -223,6 +223,8 @@ def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfi
             notes.append(f"wrote the 60M Llama to {model}")
     if not model:
         raise BenchError("--model HF_DIR is required (or --make-model DIR to write the 60M Llama)")
+    # Absolute from here on: vLLM runs in subprocesses of their own, and takes a relative name for a hub id.
+    model = str(Path(model).resolve())
     check_model_dir(model)
 
     vllm_python, versions = None, None
