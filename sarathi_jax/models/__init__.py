@@ -12,10 +12,12 @@ Where each piece lives:
     attention.py     the paged KV cache: AttentionMetadata, write_kv, init_kv_cache
     layers.py        the layers the decoders share: projections, RMSNorm, RoPE, paged self-attention, the
                      decoder itself (`PagedDecoderLM`), stack/unstack of the scanned layer params
+    fusion.py        fused q/k/v and gate/up projections: the checkpoint layout (separate) -> the model's,
+                     `fuse_projections`, applied once at load time
     llama.py         the Llama family (Llama, Mistral, Qwen2, Qwen3) and its HF parameter mapping
     falcon.py        FalconForCausalLM and its HF parameter mapping (fused QKV split)
     families.py      the one architecture -> family lookup: get_model, param_shapes, param_logical_axes,
-                     param_plan
+                     param_plan, and the checkpoint layout's shapes and logical axes
     param_source.py  ParamSource: a parameter's HF tensor and reshape, as data
     loader.py        load_model; safetensors and Orbax loading
     random_init.py   init_random_params: seeded random weights drawn on the device, into the given shardings
@@ -42,9 +44,12 @@ _EXPORTS = {
     "AttentionFn": "layers",
     "stack_layer_params": "layers",
     "unstack_layer_params": "layers",
+    "fuse_projections": "fusion",
     "LlamaForCausalLM": "llama",
     "FalconForCausalLM": "falcon",
     "MODEL_FAMILIES": "families",
+    "checkpoint_param_logical_axes": "families",
+    "checkpoint_param_shapes": "families",
     "MODEL_REGISTRY": "families",
     "ModelFamily": "families",
     "get_model": "families",

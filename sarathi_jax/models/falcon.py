@@ -13,19 +13,22 @@ logical axis names on every parameter. Follows transformers' `modeling_falcon.py
     sequential pre-norm layer (`input_layernorm`, `post_attention_layernorm`).
   * Multi-query (7B: one K/V head) or grouped-query (40B/180B: `num_kv_heads`) attention. HF fuses q, k and v
     in one `query_key_value` matrix whose row layout depends on the variant; `hf_param_plan` (at the end)
-    splits it into the `q_proj` / `k_proj` / `v_proj` kernels below (`falcon_qkv_rows`), so the model is layout-free
-    and tensor parallelism can shard heads without reshapes.
+    splits it into the checkpoint layout's `q_proj` / `k_proj` / `v_proj` (`falcon_qkv_rows`), as for Llama,
+    and `fusion.fuse_projections` joins them at load time into `qkv_proj`, grouped per KV head (the layout of
+    every variant's `query_key_value` once multi-query is read as 1 KV head and the old interleaved one as
+    `heads` KV heads), so tensor parallelism shards KV heads without reshapes.
   * ALiBi Falcon (`alibi=True`) is rejected when the config is parsed.
 
 Parameter tree (kernels are `[in..., out...]`; `bias` entries only with the `bias` flag). As in `llama.py`
-the layers are one `nn.scan`: every `layers/...` leaf has a leading `[layers]` axis, omitted below.
+the layers are one `nn.scan`: every `layers/...` leaf has a leading `[layers]` axis, omitted below. A layer
+runs 4 weight matmuls (fused q/k/v, dense, and the two of the MLP, which has no gate).
 
     word_embeddings                                  [vocab, embed]
     layers/ln_attn/{scale,bias}, ln_mlp/{scale,bias} [embed]        (new decoder architecture, 2 norms)
     layers/input_layernorm/{scale,bias}              [embed]        (otherwise)
     layers/post_attention_layernorm/{scale,bias}     [embed]        (parallel_attn=False)
-    layers/self_attention/q_proj/kernel              [embed, heads, head_dim]     (+ bias [heads, head_dim])
-    layers/self_attention/{k,v}_proj/kernel          [embed, kv_heads, head_dim]  (+ bias)
+    layers/self_attention/qkv_proj/kernel            [embed, kv_heads, q_per_kv + 2, head_dim]
+                                                     (+ bias [kv_heads, q_per_kv + 2, head_dim])
     layers/self_attention/dense/kernel               [heads, head_dim, embed]     (+ bias [embed])
     layers/mlp/dense_h_to_4h/kernel                  [embed, mlp]   (+ bias [mlp])
     layers/mlp/dense_4h_to_h/kernel                  [mlp, embed]   (+ bias [embed])
@@ -161,7 +164,8 @@ def falcon_qkv_rows(config: ModelConfig) -> tuple[tuple[tuple[int, int], ...], .
 
 
 def hf_param_plan(config: ModelConfig) -> Iterator[ParamSource]:
-    """Where each parameter comes from in an HF Falcon checkpoint (`transformer.*`, `lm_head`), in load order."""
+    """Where each parameter of the checkpoint layout (separate q/k/v, see the module docstring) comes from in an
+    HF Falcon checkpoint (`transformer.*`, `lm_head`), in load order."""
     c = config
     embed, vocab, mlp = c.hidden_size, c.vocab_size, c.intermediate_size
     heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim

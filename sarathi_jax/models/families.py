@@ -4,6 +4,10 @@
     model = family.get_model(config, dtype, attention_fn)
     family.param_shapes(config, dtype), family.param_logical_axes(config), family.param_plan(config)
 
+`param_shapes` and `param_logical_axes` describe the model's own (serving) parameters; `checkpoint_param_shapes`
+and `checkpoint_param_logical_axes` the checkpoint layout, with separate q/k/v and gate/up (`fusion.py`), which
+`param_plan`, converted checkpoints and random draws use.
+
 `llama.py` serves the Llama family (Llama, Mistral, Qwen2, Qwen3), `falcon.py` serves `FalconForCausalLM`. A
 family is its Flax module class and its Hugging Face parameter mapping (`hf_param_plan`, written beside the
 model); everything else here is generic over the module. The module-level functions are the package's API.
@@ -22,6 +26,7 @@ from pallas_kernels import ragged_paged_attention_xla
 from sarathi_jax.models import falcon, llama
 from sarathi_jax.models.attention import AttentionMetadata, init_kv_cache
 from sarathi_jax.models.config import FALCON_ARCHITECTURES, LLAMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
+from sarathi_jax.models.fusion import checkpoint_logical_axes, checkpoint_shapes
 from sarathi_jax.models.layers import AttentionFn
 from sarathi_jax.models.param_source import ParamSource
 
@@ -34,7 +39,7 @@ class ModelFamily:
     architectures: tuple[str, ...]
     # Flax module with fields `config`, `dtype`, `attention_fn`, `layer_range`, `scan_layers`.
     model_class: type[nn.Module]
-    # Every parameter of the model and where it comes from in an HF checkpoint, in load order.
+    # Every parameter of the checkpoint layout and where it comes from in an HF checkpoint, in load order.
     hf_param_plan: Callable[[ModelConfig], Iterable[ParamSource]]
 
     def get_model(self, config: ModelConfig, dtype: Any = jnp.float32, attention_fn: AttentionFn | None = None) -> nn.Module:
@@ -49,7 +54,7 @@ class ModelFamily:
 
     def param_logical_axes(self, config: ModelConfig) -> Any:
         """Tree (same structure as the params) of `PartitionSpec`s of logical axis names, e.g.
-        `PartitionSpec("layers", "embed", "heads", "head_dim")` for layers/self_attn/q_proj/kernel."""
+        `PartitionSpec("layers", "embed", "kv_heads", "qkv", "head_dim")` for layers/self_attn/qkv_proj/kernel."""
         return nn.get_partition_spec(self._boxed_param_shapes(config, jnp.float32))
 
     def param_plan(self, config: ModelConfig) -> list[ParamSource]:
@@ -93,8 +98,18 @@ def param_logical_axes(config: ModelConfig) -> Any:
     return model_family(config).param_logical_axes(config)
 
 
+def checkpoint_param_shapes(config: ModelConfig, dtype: Any = jnp.float32) -> Any:
+    """`param_shapes` in the checkpoint layout (separate q/k/v and gate/up, see `fusion.py`)."""
+    return checkpoint_shapes(param_shapes(config, dtype))
+
+
+def checkpoint_param_logical_axes(config: ModelConfig) -> Any:
+    """`param_logical_axes` in the checkpoint layout (separate q/k/v and gate/up, see `fusion.py`)."""
+    return checkpoint_logical_axes(param_logical_axes(config))
+
+
 def param_plan(config: ModelConfig) -> list[ParamSource]:
-    """Every parameter of `config`'s model and where it comes from in the HF checkpoint, in load order."""
+    """Every parameter of `config`'s checkpoint layout and where it comes from in the HF checkpoint, in load order."""
     return model_family(config).param_plan(config)
 
 

@@ -1,5 +1,6 @@
-"""The layers every decoder here shares: projections, RMSNorm, RoPE, paged self-attention and the paged
-decoder itself (`PagedDecoderLM`: embedding, the layer scan over the stacked KV cache, final norm, LM head).
+"""The layers every decoder here shares: projections, RMSNorm, RoPE, paged self-attention (q, k and v from one
+fused projection, see `fusion.py`) and the paged decoder itself (`PagedDecoderLM`: embedding, the layer scan
+over the stacked KV cache, final norm, LM head).
 
 `llama.py` and `falcon.py` build their layers from these and differ only where the architectures do (norms,
 MLP, residual layout, parameter names). Every parameter carries logical axis names
@@ -19,6 +20,7 @@ import numpy as np
 from pallas_kernels import ragged_paged_attention_xla
 from sarathi_jax.models.attention import AttentionMetadata, KVCache, layer_view, write_kv
 from sarathi_jax.models.config import ModelConfig, RopeScaling
+from sarathi_jax.models.fusion import split_qkv
 
 # Same signature as `ragged_paged_attention_xla` (see docs/design.md).
 AttentionFn = Callable[..., jax.Array]
@@ -109,9 +111,9 @@ class Projection(nn.Module):
 
 
 class PagedSelfAttention(nn.Module):
-    """Self-attention over the paged KV cache: q/k/v projections (`q_proj`, `k_proj`, `v_proj`), the optional
-    per-head q/k RMSNorm (`q_norm`, `k_norm`, with `config.qk_norm`), RoPE, the cache write, `attention_fn`
-    and the output projection (named `out_proj_name`: Llama's `o_proj`, Falcon's `dense`).
+    """Self-attention over the paged KV cache: the fused q/k/v projection (`qkv_proj`, see `fusion.py`), the
+    optional per-head q/k RMSNorm (`q_norm`, `k_norm`, with `config.qk_norm`), RoPE, the cache write,
+    `attention_fn` and the output projection (named `out_proj_name`: Llama's `o_proj`, Falcon's `dense`).
 
     `x [T, embed]` -> `[T, embed]`. Query head h reads K/V head h // (heads // kv_heads): HF's grouped layout
     (and multi-query's single head)."""
@@ -128,12 +130,11 @@ class PagedSelfAttention(nn.Module):
     ) -> tuple[jax.Array, KVCache]:
         c = self.config
         embed, heads, kv_heads, head_dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = Projection((embed, heads, head_dim), ("embed", "heads", "head_dim"),
-                       use_bias=c.attention_bias, dtype=self.dtype, name="q_proj")(x)
-        k = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
-                       use_bias=c.attention_bias, dtype=self.dtype, name="k_proj")(x)
-        v = Projection((embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
-                       use_bias=c.attention_bias, dtype=self.dtype, name="v_proj")(x)
+        # One matmul for q, k and v: [T, kv_heads, q_per_kv + 2, head_dim], each KV head's query heads beside it.
+        slots = heads // kv_heads + 2
+        qkv = Projection((embed, kv_heads, slots, head_dim), ("embed", "kv_heads", "qkv", "head_dim"),
+                         use_bias=c.attention_bias, dtype=self.dtype, name="qkv_proj")(x)
+        q, k, v = split_qkv(qkv)  # [T, heads, head_dim], [T, kv_heads, head_dim] twice
         if c.qk_norm:
             q = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="q_norm")(q)
             k = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="k_norm")(k)

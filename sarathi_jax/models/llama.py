@@ -2,25 +2,29 @@
 
 The families differ only by `ModelConfig` flags: q/k/v bias (Qwen2), o bias, per-head q/k RMSNorm (Qwen3),
 tied LM head, llama3 RoPE scaling. Everything follows the Hugging Face PyTorch implementations (RoPE in the
-rotate-half convention, RMSNorm weight times normalized input), so HF checkpoints load with reshapes only
-(`hf_param_plan`, at the end). The pieces Falcon shares (projections, RMSNorm, RoPE, the paged self-attention
-and the decoder itself, `PagedDecoderLM`) are in `layers.py`; this module holds what is Llama's own.
+rotate-half convention, RMSNorm weight times normalized input), so HF checkpoints load with reshapes and
+concatenations only (`hf_param_plan`, at the end). The pieces Falcon shares (projections, RMSNorm, RoPE, the
+paged self-attention and the decoder itself, `PagedDecoderLM`) are in `layers.py`; this module holds what is
+Llama's own.
 
-Parameter tree (HF names; kernels are `[in..., out...]`). The decoder layers run as one `nn.scan` (as
-MaxText's `scan_layers`), so every layer parameter is stacked over a leading `layers` axis and the compiled
-step holds one layer body whatever the depth:
+Parameter tree (kernels are `[in..., out...]`). The decoder layers run as one `nn.scan` (as MaxText's
+`scan_layers`), so every layer parameter is stacked over a leading `layers` axis and the compiled step holds one
+layer body whatever the depth. Each layer runs 4 weight matmuls: q, k and v are one (`qkv_proj`), gate and up
+another (`gate_up_proj`), see `fusion.py`:
 
     embed_tokens                     [vocab, embed]
     layers/input_layernorm/scale     [layers, embed]
-    layers/self_attn/q_proj/kernel   [layers, embed, heads, head_dim]     (+ bias [layers, heads, head_dim])
-    layers/self_attn/k_proj/kernel   [layers, embed, kv_heads, head_dim]  (+ bias)
-    layers/self_attn/v_proj/kernel   [layers, embed, kv_heads, head_dim]  (+ bias)
+    layers/self_attn/qkv_proj/kernel [layers, embed, kv_heads, q_per_kv + 2, head_dim]  (+ bias: the same without embed)
     layers/self_attn/o_proj/kernel   [layers, heads, head_dim, embed]     (+ bias [layers, embed])
     layers/self_attn/{q,k}_norm/scale [layers, head_dim]                  (Qwen3)
     layers/post_attention_layernorm/scale [layers, embed]
-    layers/mlp/{gate,up}_proj/kernel [layers, embed, mlp];  layers/mlp/down_proj/kernel [layers, mlp, embed]
+    layers/mlp/gate_up_proj/kernel   [layers, embed, 2, mlp];  layers/mlp/down_proj/kernel [layers, mlp, embed]
     norm/scale                       [embed]
     lm_head                          [embed, vocab]                       (absent when tied)
+
+Checkpoints keep HF's separate `q_proj`, `k_proj`, `v_proj` (`[layers, embed, heads or kv_heads, head_dim]`) and
+`gate_proj`, `up_proj` (`[layers, embed, mlp]`): the checkpoint layout, which `hf_param_plan` maps and
+`fusion.fuse_projections` joins once at load time.
 
 With `scan_layers=False` the same layers are unrolled as `layers_{i}` entries without the leading axis (the
 engine does this on GPU, where it runs faster: see `sarathi_jax.config.resolve_scan_layers`);
@@ -43,19 +47,22 @@ import jax.numpy as jnp
 
 from sarathi_jax.models.attention import AttentionMetadata, KVCache
 from sarathi_jax.models.config import ModelConfig
+from sarathi_jax.models.fusion import split_gate_up
 from sarathi_jax.models.layers import PagedDecoderLayer, PagedDecoderLM, PagedSelfAttention, Projection, RMSNorm
 from sarathi_jax.models.param_source import ParamSource
 
 
 class MLP(nn.Module):
+    """SwiGLU, `down(silu(gate(x)) * up(x))`, with gate and up in one matmul."""
+
     config: ModelConfig
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         embed, mlp = self.config.hidden_size, self.config.intermediate_size
-        gate = Projection((embed, mlp), ("embed", "mlp"), dtype=self.dtype, name="gate_proj")(x)
-        up = Projection((embed, mlp), ("embed", "mlp"), dtype=self.dtype, name="up_proj")(x)
+        gate_up = Projection((embed, 2, mlp), ("embed", "gate_up", "mlp"), dtype=self.dtype, name="gate_up_proj")(x)
+        gate, up = split_gate_up(gate_up)  # [T, 2, mlp] -> [T, mlp] twice
         return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
 
 
@@ -92,7 +99,8 @@ class LlamaForCausalLM(PagedDecoderLM):
 
 
 def hf_param_plan(config: ModelConfig) -> Iterator[ParamSource]:
-    """Where each parameter comes from in an HF Llama-family checkpoint (`model.*`, `lm_head`), in load order."""
+    """Where each parameter of the checkpoint layout (separate q/k/v and gate/up, see the module docstring) comes
+    from in an HF Llama-family checkpoint (`model.*`, `lm_head`), in load order."""
     c = config
     embed, vocab, mlp = c.hidden_size, c.vocab_size, c.intermediate_size
     heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim

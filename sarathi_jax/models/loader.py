@@ -1,7 +1,9 @@
 """Load checkpoints into the model parameter trees (`LlamaForCausalLM`, `FalconForCausalLM`).
 
 `load_model(name_or_path)` takes a preset name (seeded random weights), a Hugging Face folder or a converted
-one, and returns `(config, params)`.
+one, and returns `(config, params)`. Checkpoints hold the checkpoint layout (separate q/k/v and gate/up
+projections, as HF stores them); `load_model` fuses them once into the model's own layout
+(`fusion.fuse_projections`). `load_hf_params` and `load_orbax_params` return the checkpoint layout.
 
 Hugging Face safetensors: tensors are streamed one at a time (`safetensors.safe_open`, memory-mapped),
 converted to the target dtype and moved to the device, so peak host memory is about one tensor.
@@ -29,7 +31,8 @@ import numpy as np
 from safetensors import safe_open
 
 from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.families import param_plan, param_shapes
+from sarathi_jax.models.families import checkpoint_param_shapes, param_plan
+from sarathi_jax.models.fusion import fuse_projections
 from sarathi_jax.models.param_source import ParamPath, ParamSource
 from sarathi_jax.models.presets import PRESETS
 from sarathi_jax.models.random_init import init_random_params
@@ -55,8 +58,8 @@ class CheckpointError(ValueError):
 def hf_to_params_items(
     config: ModelConfig, get_tensor: GetTensor
 ) -> Iterator[tuple[ParamSource, np.ndarray]]:
-    """Yield `(source, array)` for every parameter (one layer's slice of a stacked one), in the layout of
-    `llama.py` / `falcon.py`, from HF tensors.
+    """Yield `(source, array)` for every parameter (one layer's slice of a stacked one), in the checkpoint
+    layout of `llama.py` / `falcon.py`, from HF tensors.
 
     Linear weights are `[out, in]` in HF and `[in..., out...]` here, with the heads axis split out (and
     Falcon's fused query_key_value split into q/k/v). Each HF tensor's shape is checked before it is reshaped.
@@ -123,13 +126,14 @@ def open_safetensors(path: str | os.PathLike[str]) -> Iterator[GetTensor]:
 def load_hf_params(
     config: ModelConfig, path: str | os.PathLike[str], dtype: Any = jnp.float32, shardings: Any = None
 ) -> Any:
-    """Load the params of `config` from the safetensors checkpoint in folder `path`, as `dtype` arrays.
+    """Load the params of `config` from the safetensors checkpoint in folder `path`, as `dtype` arrays, in the
+    checkpoint layout (`checkpoint_param_shapes`).
 
     `shardings`: optional tree (same structure as the params) of `jax.sharding.Sharding`, one per leaf;
     default: the default device.
     """
     dtype = jnp.dtype(dtype)
-    expected = param_shapes(config, dtype)
+    expected = checkpoint_param_shapes(config, dtype)
     shape_of = {tuple(k.key for k in p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     sharding_of = _sharding_lookup(shardings)
     params: dict[str, Any] = {}
@@ -245,7 +249,8 @@ def read_checkpoint_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load_orbax_params(
     config: ModelConfig, path: str | os.PathLike[str], dtype: Any = jnp.float32, shardings: Any = None
 ) -> Any:
-    """Restore the params of a converted checkpoint folder straight into `shardings`.
+    """Restore the params of a converted checkpoint folder straight into `shardings`, in the checkpoint layout
+    (`checkpoint_param_shapes`: converted folders hold separate q/k/v and gate/up projections).
 
     `shardings`: optional tree (same structure as the params) of `jax.sharding.Sharding`, one per leaf;
     default: every leaf on the default device. Each leaf is restored by Orbax with
@@ -261,7 +266,7 @@ def load_orbax_params(
             f"{os.fspath(path)!r}: marker says architecture {marker.get('architecture')!r}, "
             f"config.json says {config.architecture!r}"
         )
-    expected = param_shapes(config, dtype)
+    expected = checkpoint_param_shapes(config, dtype)
     want = {param_path_str(tuple(k.key for k in p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     got = {name: tuple(info["shape"]) for name, info in marker.get("params", {}).items()}
     _check_tree(got, want, f"params of {os.fspath(path)!r}")
@@ -303,25 +308,30 @@ def check_not_ambiguous(name: str) -> None:
 
 
 def load_model(
-    name_or_path: str | os.PathLike[str], dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None
+    name_or_path: str | os.PathLike[str], dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None,
+    kv_replication: int = 1,
 ) -> tuple[ModelConfig, Any]:
     """`(config, params)` for a preset name (seeded random weights), a Hugging Face checkpoint folder, or a
-    folder converted by `python -m checkpoints_convert` (Orbax params, restored directly).
+    folder converted by `python -m checkpoints_convert` (Orbax params, restored directly). The params are in
+    the model's layout: read in the checkpoint layout, then fused (`fusion.fuse_projections`), with the q/k/v
+    projection built for KV heads repeated `kv_replication` times (tensor parallelism, see `parallel.plan`).
 
-    `shardings`: optional tree (same structure as the params, e.g. from `nn.logical_to_mesh_sharding(
-    param_logical_axes(config), mesh, rules)`) of one `jax.sharding.Sharding` per leaf; default: the default
-    device. Converted checkpoints are restored into it shard by shard.
+    `shardings`: optional tree of one `jax.sharding.Sharding` per leaf of the checkpoint layout (e.g. from
+    `nn.logical_to_mesh_sharding(checkpoint_param_logical_axes(config), mesh, rules)`); default: the default
+    device. Converted checkpoints are restored into it shard by shard; each fused leaf takes the sharding of its
+    first part (q, gate) with an unsharded fused axis.
     """
     name = os.fspath(name_or_path)
     check_not_ambiguous(name)
     if name in PRESETS:
         config = PRESETS[name]
-        return config, init_random_params(config, dtype, seed, shardings)  # each device draws its own shards
+        # Each device draws its own shards.
+        return config, init_random_params(config, dtype, seed, shardings, kv_replication)
     if os.path.isdir(name):
         if is_orbax_checkpoint(name):
             read_checkpoint_marker(name)  # an interrupted conversion fails here, before anything is parsed
             config = ModelConfig.from_pretrained(name)
-            return config, load_orbax_params(config, name, dtype, shardings)
+            return config, fuse_projections(load_orbax_params(config, name, dtype, shardings), kv_replication)
         config = ModelConfig.from_pretrained(name)
-        return config, load_hf_params(config, name, dtype, shardings=shardings)
+        return config, fuse_projections(load_hf_params(config, name, dtype, shardings=shardings), kv_replication)
     raise ValueError(f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")

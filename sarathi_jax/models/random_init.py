@@ -3,9 +3,10 @@
     params = init_random_params(config, jnp.bfloat16, seed=0)                       # the default device
     params = init_random_params(config, jnp.bfloat16, seed=0, shardings=shardings)  # e.g. NamedShardings (TP/PP)
 
-Generic over the tree of `sarathi_jax.models.param_shapes(config, dtype)`: the kind of a leaf comes from the last
-key of its path only ("scale" -> ones, "bias" -> zeros, anything else -> normal * `INIT_STD`), so the same code
-serves per-layer (`layers_{i}/...`) and stacked (`layers/...`, leading layer axis) trees, and every family.
+Generic over any tree of shapes (`init_random_params` draws `checkpoint_param_shapes(config, dtype)`, the
+checkpoint layout, then fuses it for the model: see `fusion.py`): the kind of a leaf comes from the last key of
+its path only ("scale" -> ones, "bias" -> zeros, anything else -> normal * `INIT_STD`), so the same code serves
+per-layer (`layers_{i}/...`) and stacked (`layers/...`, leading layer axis) trees, and every family.
 
 **Values.** Element `i` (flat, row-major index) of a normal leaf is a pure function of the leaf's key and `i`:
 threefry2x32 of the counter `(i >> 32, i & 0xffffffff)` under the key, the two output words xor-ed into 32
@@ -54,7 +55,8 @@ from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.families import param_shapes
+from sarathi_jax.models.families import checkpoint_param_shapes
+from sarathi_jax.models.fusion import fuse_projections
 from sarathi_jax.models.layers import INIT_STD
 
 PRNG_IMPL = "threefry2x32"
@@ -283,9 +285,14 @@ def init_random_tree(shapes: Any, seed: int = 0, shardings: Any = None, method: 
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def init_random_params(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None) -> Any:
-    """Seeded random params for `config`: normal (std `INIT_STD`) matrices, unit norm scales, zero biases,
-    drawn on the device(s). `shardings`: optional tree (same structure as the params) of one `Sharding` per
-    leaf, e.g. `nn.logical_to_mesh_sharding(param_logical_axes(config), mesh, rules)`; each device then draws
-    only its own shards. The values depend on `seed` and the param paths only (see the module docstring)."""
-    return init_random_tree(param_shapes(config, jnp.dtype(dtype)), seed, shardings)
+def init_random_params(
+    config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None, kv_replication: int = 1
+) -> Any:
+    """Seeded random params for `config`, in the model's (serving) layout: normal (std `INIT_STD`) matrices,
+    unit norm scales, zero biases, drawn on the device(s) in the checkpoint layout (so the values depend on
+    `seed` and the checkpoint's param paths only, see the module docstring), then fused
+    (`fusion.fuse_projections`, with `kv_replication`). `shardings`: optional tree of one `Sharding` per leaf of
+    the checkpoint layout, e.g. `nn.logical_to_mesh_sharding(checkpoint_param_logical_axes(config), mesh, rules)`;
+    each device then draws only its own shards, and a fused leaf follows its first part's sharding."""
+    drawn = init_random_tree(checkpoint_param_shapes(config, jnp.dtype(dtype)), seed, shardings)
+    return fuse_projections(drawn, kv_replication)

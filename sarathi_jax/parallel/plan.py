@@ -10,17 +10,21 @@ ValueError when it cannot work) and returns a `ParallelPlan`:
   stacked KV cache; stage 0 also owns the embedding, the last stage the final norm, the LM head (a copy of
   the embedding when it is tied) and the sampler;
 * logical axis names (see `sarathi_jax.models.llama`) map to mesh axes with `LOGICAL_AXIS_RULES`, Megatron
-  style: q heads, KV heads and MLP columns are split over `"tp"` (so q/k/v and gate/up are column-parallel,
-  o_proj and down_proj row-parallel with one all-reduce each); the vocabulary axis of the embedding and the
-  LM head too, when it divides (vocab-parallel embedding and LM head; otherwise both stay replicated);
-  `embed` and `head_dim` stay whole. The paged KV cache is sharded over KV heads like k_proj / v_proj.
+  style: KV heads (with their query heads, one fused q/k/v kernel `[embed, kv_heads, q_per_kv + 2, head_dim]`)
+  and MLP columns are split over `"tp"` (so qkv_proj and gate_up_proj are column-parallel, o_proj and
+  down_proj row-parallel with one all-reduce each); the vocabulary axis of the embedding and the LM head too,
+  when it divides (vocab-parallel embedding and LM head; otherwise both stay replicated); `embed`,
+  `head_dim` and the fused axes (`qkv`, `gate_up`) stay whole. The paged KV cache is sharded over KV heads like
+  qkv_proj. Checkpoints hold separate q/k/v and gate/up (`sarathi_jax.models.fusion`): they are read into the
+  same split (q over `heads`) and fused on the devices, each device making its own shard.
 
 KV heads fewer than `tp` (strategy chosen: replicate). When `tp % num_key_value_heads == 0` each KV head is
 replicated `tp // num_key_value_heads` times (as vLLM does): the runner's model gets
-`num_key_value_heads = tp`, the k/v projections are repeated head by head when they are placed, and each
-device then holds one KV head and the query heads of its GQA group. Per-device KV memory is then 1/kv_heads of
-the single-device figure, not 1/tp. Any other mismatch (heads or MLP width not divisible by tp, KV heads
-neither a multiple nor a divisor of tp, more stages than layers, more devices than exist) is a ValueError.
+`num_key_value_heads = tp`, the fused q/k/v kernel is built for these KV heads when it is loaded (k/v repeated
+head by head), and each device then holds one KV head and the query heads of its GQA group. Per-device KV
+memory is then 1/kv_heads of the single-device figure, not 1/tp. Any other mismatch (heads or MLP width not
+divisible by tp, KV heads neither a multiple nor a divisor of tp, more stages than layers, more devices than
+exist) is a ValueError.
 """
 
 from __future__ import annotations
@@ -33,12 +37,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sarathi_jax.models import KV_CACHE_AXES, ModelConfig, param_logical_axes
+from sarathi_jax.models import KV_CACHE_AXES, ModelConfig, checkpoint_param_logical_axes, param_logical_axes
 
 PP_AXIS = "pp"
 TP_AXIS = "tp"
 
-# Logical axis name -> mesh axis. Names not listed (embed, head_dim, layers) are replicated.
+# Logical axis name -> mesh axis (None: replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("heads", TP_AXIS),
     ("kv_heads", TP_AXIS),
@@ -46,6 +50,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", TP_AXIS),
     ("embed", None),
     ("head_dim", None),
+    ("qkv", None),  # the fused q/k/v slots of a KV head (sarathi_jax.models.fusion)
+    ("gate_up", None),
     ("layers", None),
 )
 
@@ -115,8 +121,8 @@ class ParallelPlan:
         return Mesh(self.mesh.devices[stage], (TP_AXIS,))
 
     def rules(self, *, for_loading: bool = False) -> tuple[tuple[str, str | None], ...]:
-        """Logical-axis rules. `for_loading`: the layout of checkpoint params as stored (replicated k/v
-        projections when KV heads are replicated; the runner expands them afterwards)."""
+        """Logical-axis rules. `for_loading`: for checkpoint params as stored (replicated k/v projections when
+        KV heads are replicated; fusing them at load time expands them)."""
         drop = set()
         if not self.shard_vocab:
             drop.add("vocab")
@@ -132,17 +138,20 @@ class ParallelPlan:
         return NamedSharding(self.stage_mesh(stage), spec)
 
     def param_specs(self, *, for_loading: bool = False) -> Any:
-        """Tree of mesh `PartitionSpec`s (axis "tp" only), one per parameter leaf."""
-        config = self.source_config if for_loading else self.model_config
+        """Tree of mesh `PartitionSpec`s (axis "tp" only), one per parameter leaf: of the model's params, or with
+        `for_loading` of the checkpoint's (the checkpoint layout of `source_config`)."""
+        if for_loading:
+            axes = checkpoint_param_logical_axes(self.source_config)
+        else:
+            axes = param_logical_axes(self.model_config)
         rules = self.rules(for_loading=for_loading)
         return jax.tree.map(
-            lambda spec: nn.logical_to_mesh_axes(spec, rules),
-            param_logical_axes(config),
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
+            lambda spec: nn.logical_to_mesh_axes(spec, rules), axes, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
 
     def param_shardings(self, *, for_loading: bool = False) -> Any:
-        """Tree of shardings for the full parameter tree: each leaf on its owning stage's sub-mesh. (A tied
+        """Tree of shardings for the full parameter tree (with `for_loading`, the checkpoint's: see
+        `param_specs`): each leaf on its owning stage's sub-mesh. (A tied
         embedding is owned by stage 0; the runner copies it to the last stage.) The stacked layer parameters
         of a multi-stage pipeline span stages: they are staged on the host CPU device and `place_params`
         sends each stage only its slice (so no accelerator ever holds more than its stage's layers; the

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sarathi_jax.models import kv_cache_shape, param_logical_axes
+from sarathi_jax.models import kv_cache_shape
 from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
 
 _Q_SPEC = PartitionSpec(None, TP_AXIS, None)  # [T, heads, head_dim]
@@ -38,16 +38,15 @@ def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh) -> Calla
 
 
 def place_params(params: Any, plan: ParallelPlan) -> list[dict]:
-    """Split the full parameter tree into one tree per stage, each leaf `device_put` to its target
+    """Split the full parameter tree of `plan.model_config` (as `load_parallel_model` returns it: fused, with
+    any replicated KV heads already expanded) into one tree per stage, each leaf `device_put` to its target
     `NamedSharding` on its stage's sub-mesh, leaf by leaf (a host array sends each device only its shard;
     an array already placed so is left alone). A stacked layer parameter (`layers/...`) is cut along its
-    layers axis: each stage gets the slice of its layer range. With replicated KV heads the k/v projections (stored with
-    the checkpoint's KV heads) are repeated head by head by a small jitted function whose output is
-    sharded, so each device materialises only its own KV head. A tied embedding is copied from stage 0 to
+    layers axis: each stage gets the slice of its layer range. A tied embedding is copied from stage 0 to
     the last stage."""
     stages: list[dict] = [{} for _ in range(plan.num_stages)]
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    spec_of, logical_of = _by_path(plan.param_specs()), _by_path(param_logical_axes(plan.source_config))
+    spec_of = _by_path(plan.param_specs())
     for key_path, full_leaf in flat:
         path = tuple(k.key for k in key_path)
         if path not in spec_of:
@@ -58,18 +57,10 @@ def place_params(params: Any, plan: ParallelPlan) -> list[dict]:
             if owner is None:  # host-staged stacked layers (see ParallelPlan.param_shardings): this stage's slice
                 start, end = plan.layer_ranges[stage]
                 leaf = np.asarray(full_leaf)[start:end]
-            mesh = plan.stage_mesh(stage)
-            target = NamedSharding(mesh, spec_of[path])
-            if plan.kv_replication > 1 and "kv_heads" in tuple(logical_of[path]):  # k/v projection kernel or bias
-                axis = tuple(logical_of[path]).index("kv_heads")
-                leaf = jax.device_put(leaf, NamedSharding(mesh, _REPLICATED))
-                leaf = _repeat_heads(leaf, plan.kv_replication, axis, target)
-            else:
-                leaf = jax.device_put(leaf, target)
             node = stages[stage]
             for key in path[:-1]:
                 node = node.setdefault(key, {})
-            node[path[-1]] = leaf
+            node[path[-1]] = jax.device_put(leaf, NamedSharding(plan.stage_mesh(stage), spec_of[path]))
     if plan.model_config.tie_word_embeddings and plan.num_stages > 1:
         last, name = plan.num_stages - 1, plan.embedding_name
         stages[last][name] = jax.device_put(stages[0][name], NamedSharding(plan.stage_mesh(last), spec_of[(name,)]))
@@ -79,10 +70,6 @@ def place_params(params: Any, plan: ParallelPlan) -> list[dict]:
 def _by_path(tree: Any) -> dict[tuple[str, ...], PartitionSpec]:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
     return {tuple(k.key for k in path): spec for path, spec in flat}
-
-
-def _repeat_heads(x: jax.Array, repeats: int, axis: int, target: NamedSharding) -> jax.Array:
-    return jax.jit(functools.partial(jnp.repeat, repeats=repeats, axis=axis), out_shardings=target)(x)
 
 
 def init_stage_kv_cache(plan: ParallelPlan, stage: int, num_blocks: int, block_size: int, dtype: Any) -> tuple:

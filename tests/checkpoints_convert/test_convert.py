@@ -143,9 +143,9 @@ def test_restore_with_explicit_shardings_and_dtype(converted):
     out = converted("falcon-new")
     config = ModelConfig.from_pretrained(out)
     device = jax.devices()[0]
-    from sarathi_jax.models import param_shapes
+    from sarathi_jax.models import checkpoint_param_shapes
 
-    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), param_shapes(config))
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), checkpoint_param_shapes(config))
     _, params = load_model(out, jnp.bfloat16, shardings=shardings)
     leaves = jax.tree.leaves(params)
     assert all(x.dtype == jnp.bfloat16 and x.sharding == jax.sharding.SingleDeviceSharding(device) for x in leaves)
@@ -156,7 +156,7 @@ def test_restore_into_a_tensor_parallel_mesh(converted):
     import flax.linen as nn
     from jax.sharding import Mesh, NamedSharding
 
-    from sarathi_jax.models import param_logical_axes
+    from sarathi_jax.models import checkpoint_param_logical_axes, param_logical_axes
 
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (tests/conftest.py asks XLA for 8 virtual CPU devices)")
@@ -164,14 +164,16 @@ def test_restore_into_a_tensor_parallel_mesh(converted):
     config = ModelConfig.from_pretrained(out)
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     rules = [("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", None), ("embed", None), ("head_dim", None)]
-    shardings = nn.logical_to_mesh_sharding(param_logical_axes(config), mesh, rules)
+    shardings = nn.logical_to_mesh_sharding(checkpoint_param_logical_axes(config), mesh, rules)
     _, params = load_model(out, jnp.float32, shardings=shardings)
     _, direct = load_model(out, jnp.float32)
-    q = params["layers"]["self_attention"]["q_proj"]["kernel"]  # [layers, embed, heads, head_dim]
-    assert isinstance(q.sharding, NamedSharding)
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
-    assert {shard.data.shape for shard in q.addressable_shards} == {(config.num_hidden_layers, 64, 2, 16)}
-    for a, b, s in zip(jax.tree.leaves(params), jax.tree.leaves(direct), jax.tree.leaves(shardings)):
+    # Restored with q split over heads, then fused on the same devices: [layers, embed, kv_heads, 2 + 2, head_dim]
+    qkv = params["layers"]["self_attention"]["qkv_proj"]["kernel"]
+    assert isinstance(qkv.sharding, NamedSharding)
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None, None)
+    assert {shard.data.shape for shard in qkv.addressable_shards} == {(config.num_hidden_layers, 64, 1, 4, 16)}
+    serving = nn.logical_to_mesh_sharding(param_logical_axes(config), mesh, rules)
+    for a, b, s in zip(jax.tree.leaves(params), jax.tree.leaves(direct), jax.tree.leaves(serving)):
         assert a.sharding == s
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

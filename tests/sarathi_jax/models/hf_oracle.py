@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from sarathi_jax.models import AttentionMetadata, ModelConfig, load_hf_params
+from sarathi_jax.models import AttentionMetadata, ModelConfig, load_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,8 +95,7 @@ def float32_loader(checkpoint: Callable[[str], Path]) -> Callable[[str], tuple[P
     def get(name: str) -> tuple[Path, ModelConfig, Any]:
         if name not in cache:
             folder = checkpoint(name)
-            config = ModelConfig.from_pretrained(folder)
-            cache[name] = (folder, config, load_hf_params(config, folder, jnp.float32))
+            cache[name] = (folder, *load_model(folder, jnp.float32))
         return cache[name]
 
     return get

@@ -141,8 +141,7 @@ def test_registry_axes_and_random_init():
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     assert jax.tree.structure(axes, is_leaf=is_spec) == jax.tree.structure(params)
     layer = axes["layers"]  # stacked over a leading "layers" axis (one nn.scan)
-    assert tuple(layer["self_attention"]["q_proj"]["kernel"]) == ("layers", "embed", "heads", "head_dim")
-    assert tuple(layer["self_attention"]["k_proj"]["kernel"]) == ("layers", "embed", "kv_heads", "head_dim")
+    assert tuple(layer["self_attention"]["qkv_proj"]["kernel"]) == ("layers", "embed", "kv_heads", "qkv", "head_dim")
     assert tuple(layer["self_attention"]["dense"]["kernel"]) == ("layers", "heads", "head_dim", "embed")
     assert tuple(layer["mlp"]["dense_h_to_4h"]["kernel"]) == ("layers", "embed", "mlp")
     assert set(layer) == {"ln_attn", "ln_mlp", "self_attention", "mlp"} and "lm_head" not in params

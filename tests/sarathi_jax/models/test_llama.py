@@ -275,10 +275,11 @@ def test_presets(name):
     axes = param_logical_axes(config)
     assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == \
         jax.tree.structure(params)
-    # Layers are stacked on a leading "layers" axis (one nn.scan).
-    assert tuple(axes["layers"]["self_attn"]["q_proj"]["kernel"]) == ("layers", "embed", "heads", "head_dim")
-    assert tuple(axes["layers"]["self_attn"]["k_proj"]["kernel"]) == ("layers", "embed", "kv_heads", "head_dim")
-    assert params["layers"]["mlp"]["up_proj"]["kernel"].shape[0] == config.num_hidden_layers
+    # Layers are stacked on a leading "layers" axis (one nn.scan); q/k/v and gate/up are fused (fusion.py).
+    assert tuple(axes["layers"]["self_attn"]["qkv_proj"]["kernel"]) == ("layers", "embed", "kv_heads", "qkv",
+                                                                        "head_dim")
+    assert tuple(axes["layers"]["mlp"]["gate_up_proj"]["kernel"]) == ("layers", "embed", "gate_up", "mlp")
+    assert params["layers"]["mlp"]["gate_up_proj"]["kernel"].shape[0] == config.num_hidden_layers
     assert len(KV_CACHE_AXES) == 5 and KV_CACHE_AXES[0] == "layers" and KV_CACHE_AXES[3] == "kv_heads"
     # Same seed, same weights.
     again = init_random_params(config, jnp.float32, seed=0)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sarathi_jax.models import (
     PRESETS,
     ModelConfig,
+    checkpoint_param_logical_axes,
     init_random_params,
     load_model,
     param_logical_axes,
@@ -306,12 +307,14 @@ def test_method_is_checked():
 
 
 def test_load_model_preset_draws_into_the_shardings():
+    """Drawn in the checkpoint layout's shardings, then fused on the same devices into the model's."""
     config = PRESETS["tiny-llama"]
     rules = (("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"))
-    shardings = nn.logical_to_mesh_sharding(param_logical_axes(config), mesh(2), rules)
+    shardings = nn.logical_to_mesh_sharding(checkpoint_param_logical_axes(config), mesh(2), rules)
     _, params = load_model("tiny-llama", jnp.float32, seed=0, shardings=shardings)
     _, plain = load_model("tiny-llama", jnp.float32, seed=0)
     assert_same(plain, params)
-    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)):
+    serving = nn.logical_to_mesh_sharding(param_logical_axes(config), mesh(2), rules)
+    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(serving)):
         assert x.sharding == s
     assert_same(plain, random_init.init_random_params(config, jnp.float32, seed=0))

@@ -50,12 +50,16 @@ def test_weights_are_restored_into_their_tensor_parallel_shards(tiny_checkpoint,
     plan, config, params = loading.load_parallel_model(folder, np.float32, 0, 2, 1)
     assert plan.tensor_parallel_size == 2 and plan.pipeline_parallel_size == 1
     assert config == loading.load_model_config(folder)
-    q = params["layers"]["self_attn"]["q_proj"]["kernel"]
-    assert q.shape == (4, 64, 8, 16)  # layers, hidden, heads, head_dim
-    assert len(q.devices()) == 2 and not q.sharding.is_fully_replicated
-    assert {shard.data.shape for shard in q.addressable_shards} == {(4, 64, 4, 16)}  # 4 heads per device
-    # The values are the checkpoint's: layer 0's q_proj rows are heads x head_dim by hidden.
-    hf = load_file(str(folder / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
-    np.testing.assert_allclose(np.asarray(q[0]), hf.T.reshape(64, 8, 16), rtol=1e-6)
+    qkv = params["layers"]["self_attn"]["qkv_proj"]["kernel"]
+    assert qkv.shape == (4, 64, 4, 4, 16)  # layers, hidden, kv heads, 2 q heads + k + v, head_dim
+    assert len(qkv.devices()) == 2 and not qkv.sharding.is_fully_replicated
+    assert {shard.data.shape for shard in qkv.addressable_shards} == {(4, 64, 2, 4, 16)}  # 2 KV heads per device
+    # The values are the checkpoint's: layer 0's q_proj rows are heads x head_dim by hidden, k_proj's kv_heads x
+    # head_dim; KV head g's slots are query heads 2g, 2g + 1, then its k and v.
+    hf = load_file(str(folder / "model.safetensors"))
+    q = hf["model.layers.0.self_attn.q_proj.weight"].T.reshape(64, 4, 2, 16)
+    k = hf["model.layers.0.self_attn.k_proj.weight"].T.reshape(64, 4, 16)
+    np.testing.assert_array_equal(np.asarray(qkv[0, :, :, :2]), q)
+    np.testing.assert_array_equal(np.asarray(qkv[0, :, :, 2]), k)
     for leaf in jax.tree_util.tree_leaves(params):
         assert set(leaf.devices()) <= set(jax.devices()[:2])

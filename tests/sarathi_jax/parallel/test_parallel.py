@@ -279,14 +279,19 @@ def test_plan_rules_and_stages():
     specs = plan.param_specs()
     P = jax.sharding.PartitionSpec
     # Stacked layer params: the leading layers axis is never sharded.
-    assert specs["layers"]["self_attn"]["q_proj"]["kernel"] == P(None, None, "tp", None)
+    assert specs["layers"]["self_attn"]["qkv_proj"]["kernel"] == P(None, None, "tp", None, None)
     assert specs["layers"]["self_attn"]["o_proj"]["kernel"] == P(None, "tp", None, None)
+    assert specs["layers"]["mlp"]["gate_up_proj"]["kernel"] == P(None, None, None, "tp")
     assert specs["layers"]["mlp"]["down_proj"]["kernel"] == P(None, "tp", None)
+    # Checkpoints are read with separate q/k/v (q split over heads) and gate/up, fused on the devices.
+    loading_specs = plan.param_specs(for_loading=True)
+    assert loading_specs["layers"]["self_attn"]["q_proj"]["kernel"] == P(None, None, "tp", None)
+    assert loading_specs["layers"]["mlp"]["up_proj"]["kernel"] == P(None, None, "tp")
     assert specs["embed_tokens"] == P(None, None)
     assert plan.kv_cache_sharding(1).spec == P(None, None, None, "tp", None)
     shardings = plan.param_shardings()
     # With 2 stages the stacked layers span both: staged on the host, then cut per stage by place_params.
-    assert shardings["layers"]["mlp"]["up_proj"]["kernel"].device_set == {jax.local_devices(backend="cpu")[0]}
+    assert shardings["layers"]["mlp"]["gate_up_proj"]["kernel"].device_set == {jax.local_devices(backend="cpu")[0]}
     assert set(shardings["embed_tokens"].device_set) == set(plan.mesh.devices[0])
     assert set(shardings["norm"]["scale"].device_set) == set(plan.mesh.devices[1])
     assert split_layers(5, 2) == ((0, 3), (3, 5))
