@@ -24,6 +24,7 @@ from sarathi_jax.models import (
     param_shapes,
     unstack_layer_params,
 )
+from sarathi_jax.models import fusion
 from sarathi_jax.models.fusion import checkpoint_layout, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from sarathi_jax.parallel.plan import make_plan
 
@@ -129,6 +130,31 @@ def test_fuse_projections_works_in_place():
     attn, mlp = tree["layers"]["self_attn"], tree["layers"]["mlp"]
     assert fuse_projections(tree) is tree
     assert set(attn) == {"qkv_proj", "o_proj"} and set(mlp) == {"gate_up_proj", "down_proj"}
+
+
+def test_fusion_frees_the_parts_as_it_goes(monkeypatch):
+    """Device memory peaks at the weights plus the fused leaf being made: each part leaves the tree, and the
+    device, as soon as its fused leaf exists (never the whole model twice)."""
+    baseline = sum(x.nbytes for x in jax.live_arrays())
+    params = jax.tree.map(jnp.asarray, _checkpoint_tree(PRESETS["tiny-llama"]))
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    excess = []  # live bytes beyond the weights and the new fused leaf, when each fused leaf is made
+    make = fusion._fuse_fn
+
+    def recording(*key):
+        fn = make(*key)
+
+        def call(*parts):
+            out = jax.block_until_ready(fn(*parts))
+            excess.append(sum(x.nbytes for x in jax.live_arrays()) - baseline - weights - out.nbytes)
+            return out
+
+        return call
+
+    monkeypatch.setattr(fusion, "_fuse_fn", recording)
+    fuse_projections(params)
+    assert len(excess) == 2 and max(excess) <= 0  # qkv_proj, gate_up_proj
+    assert sum(x.nbytes for x in jax.live_arrays()) - baseline == weights
 
 
 @pytest.mark.parametrize("name", CONFIGS)
