@@ -94,8 +94,8 @@ def fuse_projections(params: dict[str, Any], kv_replication: int = 1) -> dict[st
     fused module. Returns `params`.
 
     Leaf by leaf, each part is dropped from `params` as soon as its fused leaf exists, so the separate arrays
-    are freed as it goes (the caller must not hold other references): memory peaks at the weights plus one
-    fused leaf (for stacked layers, all layers of one leaf). Each fused leaf is made by one jitted function
+    are freed as it goes (unless the caller holds other references to them): memory peaks at the weights plus
+    one fused leaf (for stacked layers, all layers of one leaf). Each fused leaf is made by one jitted function
     on the devices of its first part (q, gate): a `NamedSharding` gains an unsharded fused axis (so q's heads
     sharding becomes the kv_heads sharding), and each device computes only its own shard."""
     for child in list(params.values()):
@@ -127,6 +127,7 @@ def _fused_sharding(part: Any) -> Any:
 
 @functools.cache
 def _fuse_fn(fusion: Fusion, kv_replication: int, sharding: Any) -> Callable[..., jax.Array]:
+    """`fusion.fuse` jitted into `sharding` (None: where XLA puts it); one compile per leaf shape."""
     fuse = functools.partial(fusion.fuse, kv_replication=kv_replication)
     return jax.jit(fuse) if sharding is None else jax.jit(fuse, out_shardings=sharding)
 
@@ -158,4 +159,3 @@ def checkpoint_shapes(shapes: Any) -> Any:
 def checkpoint_logical_axes(axes: Any) -> Any:
     """Serving-layout tree of logical `PartitionSpec`s -> the checkpoint layout's."""
     return checkpoint_layout(axes, lambda fusion, spec: tuple(PartitionSpec(*a) for a in fusion.part_axes(tuple(spec))))
-
