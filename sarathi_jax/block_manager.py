@@ -145,7 +145,7 @@ class BlockManager:
                     self._free.append(block)
                 else:
                     self._evictable[block] = None
-        seq.block_table.clear()
+        seq.block_table = []  # a new list, never the old one cleared: the runner knows a live table by identity
         seq.num_registered_blocks = 0
 
     # ------------------------------------------------------------------------------------------ prefix cache

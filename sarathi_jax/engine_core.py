@@ -29,6 +29,7 @@ In every mode a request's sampled tokens depend only on its own tokens and seed,
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,8 +39,9 @@ from sarathi_jax.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from sarathi_jax.sequence import Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker
 
-# (params, seed, step, banned ids): what the executor's sampler needs for one row (`sampling.SamplingRow`).
-SamplingRow = tuple
+# (params, seed, token ids banned until params.min_tokens outputs): a request's sampling settings, fixed while
+# it runs (`input_batch.RequestSampling`); the step index comes from the sequence itself.
+RequestSampling = tuple
 
 
 class SampledBatch(Protocol):
@@ -63,9 +65,10 @@ class StepHandle(Protocol):
 class Executor(Protocol):
     """Runs batches: the model runner on a device, or a cost model on a virtual clock."""
 
-    def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_rows: SequenceOf[SamplingRow]) -> StepHandle:
+    def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_of: Callable[[Sequence], RequestSampling]) -> StepHandle:
         """Dispatch one batch without waiting for it. A chunk's tokens may include one pending token (the
-        last, `PENDING_TOKEN`), sampled by the batch submitted just before this one."""
+        last, `PENDING_TOKEN`), sampled by the batch submitted just before this one. `sampling_of(seq)` gives
+        a request's sampling settings; an executor asks for them when the sequence first enters a batch."""
         ...
 
     def now(self) -> float:
@@ -197,13 +200,11 @@ class EngineCore:
 
     def _dispatch(self, sched: SchedulerOutput) -> None:
         start = self.executor.now()
-        rows = []
         for chunk in sched.chunks:
-            seq = chunk.seq
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = start
-            rows.append(self._sampling_row(seq))
-        handle = self.executor.submit(sched.chunks, rows)
+            metrics = chunk.seq.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = start
+        handle = self.executor.submit(sched.chunks, self._sampling_of)
         for chunk in sched.chunks:
             if chunk.needs_sample:
                 chunk.seq.append_pending_token()
@@ -233,11 +234,9 @@ class EngineCore:
 
     # ----------------------------------------------------------------------------------- sampled tokens
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_of(self, seq: Sequence) -> RequestSampling:
         state = self._requests[seq.seq_id]
-        step = seq.num_generated_tokens  # pending tokens count: the row's key does not depend on the loop mode
-        banned = state.banned_until_min_tokens if step < seq.sampling_params.min_tokens else ()
-        return (seq.sampling_params, state.seed, step, banned)
+        return (seq.sampling_params, state.seed, state.banned_until_min_tokens)
 
     def _postprocess(self, state: RequestState, sampled: SampledBatch, row: int, now: float) -> None:
         """Append row `row`'s token to the request, record its logprobs and text, and finish the request when

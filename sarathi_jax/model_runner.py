@@ -35,24 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from sarathi_jax.executable_cache import ExecutableCache
+from sarathi_jax.input_batch import InputBatch, RequestSampling
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
 from sarathi_jax.parallel.stages import Stage, build_stages, copy_to_every_process, local_copy
 from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, run_builds
 from sarathi_jax.precompile import compile_threads as _default_compile_threads
-from sarathi_jax.sampling import (
-    FULL_VARIANT,
-    SAMPLER_VARIANTS,
-    SamplerOutput,
-    SamplerVariant,
-    make_sampling_arrays,
-    sample,
-    sampler_variant,
-)
+from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerOutput, SamplerVariant, sample
 from sarathi_jax.scheduler import ScheduledChunk
+from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.sizing import SMALLEST_BUCKET, bucket_for, token_buckets
-from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, unpack_sampling
+from sarathi_jax.step_inputs import BatchLayout, PackedStep, unpack_sampling
 
 
 def _to_host(x: Any) -> np.ndarray:
@@ -165,7 +159,8 @@ class ModelRunner:
         # a single stage feeds it back; stage 0 otherwise gets a constant.
         self._no_tokens = self.stages[0].place(jnp.zeros(max_num_seqs, jnp.int32))
         self._prev_tokens: jax.Array = self._no_tokens
-        self._prev_rows: dict[str, int] = {}
+        # The host side of every step's inputs, kept and updated in place from step to step.
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, self.buckets[-1])
 
     # ------------------------------------------------------------------------------------- building
 
@@ -281,17 +276,17 @@ class ModelRunner:
         """Block until every bucket and variant is built (True), or `timeout` seconds pass (False)."""
         return True if self.background is None else self.background.wait(timeout)
 
-    def execute(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> SamplerOutput:
+    def execute(self, chunks: Sequence[ScheduledChunk], sampling_of: Callable[[Seq], RequestSampling]) -> SamplerOutput:
         """Run one step; row i of the result is chunk i's sample (meaningful where chunk.needs_sample)."""
-        return self.submit(chunks, sampling_rows).result()
+        return self.submit(chunks, sampling_of).result()
 
-    def submit(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> PendingStep:
+    def submit(self, chunks: Sequence[ScheduledChunk], sampling_of: Callable[[Seq], RequestSampling]) -> PendingStep:
         """Dispatch one step without waiting for it. A chunk may end in a pending token
-        (`PENDING_TOKEN`) that the step submitted just before this one sampled."""
-        packed = self._pack(chunks, sampling_rows)
-        pending = self._dispatch(packed, sampler_variant(sampling_rows))
-        self._prev_rows = {c.seq.seq_id: i for i, c in enumerate(chunks) if c.needs_sample}
-        return pending
+        (`PENDING_TOKEN`) that the step submitted just before this one sampled. `sampling_of(seq)` gives a
+        sequence's sampling settings; it is asked only when the sequence enters the batch's rows."""
+        num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
+        packed, variant = self.input_batch.prepare(chunks, self.bucket_for(num_tokens), sampling_of)
+        return self._dispatch(packed, variant)
 
     def now(self) -> float:
         return time.monotonic()
@@ -334,42 +329,3 @@ class ModelRunner:
         x = copy_to_every_process(self.stages, x)  # multi-process pipelines only
         return PendingStep(x, variant.logprobs, num_tokens, logits if self._capture_logits else None, record,
                            timeline)
-
-    def _pack(self, chunks: Sequence[ScheduledChunk], sampling_rows: Sequence[tuple]) -> PackedStep:
-        """The packed int32 inputs of one step (layout: `sarathi_jax.step_inputs`)."""
-        num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
-        layout = self._layout(self.bucket_for(num_tokens))
-        batch = layout.empty_batch()
-        v = layout.host_views(batch)
-        token_ids, positions, slot_mapping, src_rows = v["token_ids"], v["positions"], v["slot_mapping"], v["src_rows"]
-        block_tables, block_size = v["block_tables"], self.block_size
-        kv_lens, cu_q_lens = v["kv_lens"], v["cu_q_lens"]
-        offset = 0
-        for i, chunk in enumerate(chunks):
-            seq, start, n = chunk.seq, chunk.start_position, chunk.num_new_tokens
-            end = offset + n
-            table = seq.block_table
-            if n == 1:  # decodes: plain ints, no numpy temporaries
-                token_ids[offset] = seq.token_ids[start]
-                positions[offset] = start
-                slot_mapping[offset] = table[start // block_size] * block_size + start % block_size
-            else:
-                token_ids[offset:end] = seq.token_ids[start : start + n]
-                pos = np.arange(start, start + n, dtype=np.int32)
-                positions[offset:end] = pos
-                slot_mapping[offset:end] = np.asarray(table, np.int32)[pos // block_size] * block_size + pos % block_size
-            if seq.num_pending_tokens and start + n > seq.num_tokens - seq.num_pending_tokens:
-                # Only the previous step's sample can be read on the device, and it is the sequence's last token.
-                row = self._prev_rows.get(seq.seq_id)
-                if seq.num_pending_tokens != 1 or start + n != seq.num_tokens or row is None:
-                    raise RuntimeError(f"{seq!r}: a chunk reads a token that the previous step did not sample")
-                token_ids[end - 1] = 0
-                src_rows[end - 1] = row
-            kv_lens[i] = start + n
-            block_tables[i, : len(table)] = table
-            cu_q_lens[i + 1] = end
-            v["logits_indices"][i] = end - 1
-            offset = end
-        cu_q_lens[len(chunks) + 1 :] = offset
-        v["num_seqs"][0] = len(chunks)
-        return PackedStep(batch, pack_sampling(make_sampling_arrays(sampling_rows, self.max_num_seqs)))

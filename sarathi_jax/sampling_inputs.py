@@ -60,37 +60,40 @@ def make_sampling_arrays(rows: Sequence[SamplingRow], max_num_seqs: int) -> Samp
     rows[i] = (params, seed, step, banned): `seed` is the request's seed (the engine draws one for unseeded
     requests at admission, so that a preempted-and-recomputed request resamples the same tokens), `step` its
     number of already generated tokens, `banned` the token ids to suppress this step (at most MAX_BANNED).
+    The engine's runner keeps these arrays row by row instead (`sarathi_jax.input_batch`), through the same
+    `write_sampling_row`.
     """
     n = len(rows)
     if n > max_num_seqs:
         raise ValueError(f"{n} sampling rows exceed max_num_seqs={max_num_seqs}")
-    temperature = np.full(max_num_seqs, -1.0, np.float32)
-    top_k = np.zeros(max_num_seqs, np.int32)
-    top_p = np.ones(max_num_seqs, np.float32)
-    min_p = np.zeros(max_num_seqs, np.float32)
-    keys = np.zeros((max_num_seqs, 2), np.uint32)
-    steps = np.zeros(max_num_seqs, np.int32)
-    banned_ids = np.full((max_num_seqs, MAX_BANNED), -1, np.int32)
-    num_logprobs = np.zeros(max_num_seqs, np.int32)
-    if n:
-        # Column-wise list comprehensions + one numpy conversion each: ~4x cheaper than per-element stores.
-        params = [row[0] for row in rows]
-        temperature[:n] = [p.temperature if p.temperature >= SAMPLING_EPS else 0.0 for p in params]
-        top_k[:n] = [min(p.top_k, 2**31 - 1) if p.top_k > 0 else 0 for p in params]  # >= V is "off" anyway
-        top_p[:n] = [p.top_p for p in params]
-        min_p[:n] = [p.min_p for p in params]
-        seeds = [int(row[1]) & 0xFFFFFFFFFFFFFFFF for row in rows]
-        keys[:n, 0] = [seed >> 32 for seed in seeds]
-        keys[:n, 1] = [seed & _U32_MASK for seed in seeds]
-        steps[:n] = [row[2] for row in rows]
-        num_logprobs[:n] = [p.logprobs or 0 for p in params]
-        for i, row in enumerate(rows):
-            banned = row[3]
-            if banned:
-                if len(banned) > MAX_BANNED:
-                    raise ValueError(f"stop_token_ids: at most {MAX_BANNED} ids can be suppressed, got {len(banned)}")
-                banned_ids[i, : len(banned)] = banned
-    return SamplingArrays(temperature, top_k, top_p, min_p, keys, steps, banned_ids, num_logprobs)
+    arrays = empty_sampling_arrays(max_num_seqs)
+    for i, (params, seed, step, banned) in enumerate(rows):
+        write_sampling_row(arrays, i, params, seed, banned)
+        arrays.steps[i] = step
+    return arrays
+
+
+def empty_sampling_arrays(max_num_seqs: int) -> SamplingArrays:
+    """All-padding arrays: temperature -1 (no work), filters off, no banned ids."""
+    s = max_num_seqs
+    return SamplingArrays(np.full(s, -1.0, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+                          np.zeros(s, np.float32), np.zeros((s, 2), np.uint32), np.zeros(s, np.int32),
+                          np.full((s, MAX_BANNED), -1, np.int32), np.zeros(s, np.int32))
+
+
+def write_sampling_row(arrays: SamplingArrays, i: int, params: SamplingParams, seed: int, banned: Sequence[int]) -> None:
+    """Row i's settings (all but `steps`) from a request's params, its seed and the ids it bans."""
+    if len(banned) > MAX_BANNED:
+        raise ValueError(f"stop_token_ids: at most {MAX_BANNED} ids can be suppressed, got {len(banned)}")
+    arrays.temperature[i] = params.temperature if params.temperature >= SAMPLING_EPS else 0.0
+    arrays.top_k[i] = min(params.top_k, 2**31 - 1) if params.top_k > 0 else 0  # >= V is "off" anyway
+    arrays.top_p[i] = params.top_p
+    arrays.min_p[i] = params.min_p
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    arrays.keys[i] = (seed >> 32, seed & _U32_MASK)
+    arrays.num_logprobs[i] = params.logprobs or 0
+    arrays.banned_token_ids[i] = -1
+    arrays.banned_token_ids[i, : len(banned)] = banned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,19 +125,24 @@ FULL_VARIANT = SamplerVariant(sampled=True, filter="exact", logprobs=True)
 
 
 def sampler_variant(rows: Sequence[SamplingRow]) -> SamplerVariant:
-    """The cheapest variant that is exact for these rows (the same rows `make_sampling_arrays` takes).
+    """The cheapest variant that is exact for these rows (the same rows `make_sampling_arrays` takes)."""
+    return variant_of(make_sampling_arrays(rows, len(rows)), len(rows))
 
-    Mirrors the device's per-row tests: sampled iff temperature >= SAMPLING_EPS; of the sampled rows, filter
-    "exact" if one has top_p < 1 or top_k > TOP_K_CANDIDATES, else "top_k" if one has top_k > 0, else "none"
-    (k >= V is "off" on device, which the host cannot see: it only costs time); logprobs iff some row asked
-    for N > 0 (the sampled token's own logprob is always computed).
+
+def variant_of(arrays: SamplingArrays, num_rows: int) -> SamplerVariant:
+    """The cheapest variant that is exact for the first `num_rows` rows of `arrays`.
+
+    Mirrors the device's per-row tests: sampled iff temperature >= SAMPLING_EPS (greedy rows hold 0); of the
+    sampled rows, filter "exact" if one has top_p < 1 or top_k > TOP_K_CANDIDATES, else "top_k" if one has
+    top_k > 0, else "none" (k >= V is "off" on device, which the host cannot see: it only costs time);
+    logprobs iff some row asked for N > 0 (the sampled token's own logprob is always computed).
     """
-    sampled = top_k = exact = logprobs = False
-    for row in rows:
-        params = row[0]
-        if params.temperature >= SAMPLING_EPS:
-            sampled = True
-            top_k = top_k or params.top_k > 0
-            exact = exact or params.top_p < 1.0 or params.top_k > TOP_K_CANDIDATES
-        logprobs = logprobs or (params.logprobs or 0) > 0
-    return SamplerVariant(sampled, "exact" if exact else "top_k" if top_k else "none", logprobs)
+    n = num_rows
+    sampled = arrays.temperature[:n] >= SAMPLING_EPS
+    logprobs = bool((arrays.num_logprobs[:n] > 0).any())
+    if not sampled.any():
+        return SamplerVariant(False, "none", logprobs)
+    top_k = arrays.top_k[:n][sampled]
+    if ((arrays.top_p[:n][sampled] < 1.0) | (top_k > TOP_K_CANDIDATES)).any():
+        return SamplerVariant(True, "exact", logprobs)
+    return SamplerVariant(True, "top_k" if (top_k > 0).any() else "none", logprobs)

@@ -43,7 +43,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []  # owned by the BlockManager: only it grows or clears this
+        self.block_table: list[int] = []  # owned by the BlockManager: only it grows it or replaces it (on free)
         # Prefix caching, also the BlockManager's: content hashes of the leading full blocks of known tokens
         # (kept across preemption: the tokens do not change), and how many table entries it has registered.
         self.block_hashes: list[bytes] = []

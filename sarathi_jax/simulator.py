@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from collections.abc import Sequence as Sequence_
 
@@ -105,7 +105,7 @@ class CostModelExecutor:
         self.clock = 0.0
         self._device_free_at = 0.0  # when the batches submitted so far are done
 
-    def submit(self, chunks: Sequence_[ScheduledChunk], sampling_rows: Sequence_[tuple]) -> _SimulatedStep:
+    def submit(self, chunks: Sequence_[ScheduledChunk], sampling_of: Any) -> _SimulatedStep:
         start = max(self.clock, self._device_free_at)
         self._device_free_at = end = start + self.cost_model.iteration_time(SchedulerOutput.of(tuple(chunks)))
         tokens = [((c.start_position + c.num_new_tokens) * 7919) % DUMMY_VOCAB for c in chunks]

@@ -2,21 +2,22 @@
 
 A step needs a dozen small arrays (token ids, positions, slot mapping, attention metadata, logits rows and
 the sampler's settings). Passed one by one, each is its own transfer and its own argument to dispatch; packed,
-the host fills two numpy buffers (`PackedStep`) and uploads them together, and the jitted functions slice
-them apart with static offsets (floats travel as their bit patterns). The batch part's size depends on the
-bucket; the sampling part's does not, so the sampler compiles once per variant, not once per bucket.
+the host fills two numpy buffers (`PackedStep`, kept and updated in place by `sarathi_jax.input_batch`) and
+uploads them together, and the jitted functions slice them apart with static offsets (floats travel as their
+bit patterns). The batch part's size depends on the bucket; the sampling part's does not, so the sampler
+compiles once per variant, not once per bucket.
 
-Batch part (`BatchLayout`, 4T + S(3 + B) + 2 entries), for a bucket of T tokens, S = max_num_seqs rows,
-B = max_blocks_per_seq:
-    token_ids      [T]     host token ids (0 where `src_rows` says the token is on the device)
-    positions      [T]
-    slot_mapping   [T]     -1 on padding rows
-    src_rows       [T]     >= 0: the token is row `src_rows[t]` of the previous step's sampled tokens
+Batch part (`BatchLayout`, S(3 + B) + 2 + 4T entries), for a bucket of T tokens, S = max_num_seqs rows,
+B = max_blocks_per_seq. The per-row fields come first, so their offsets do not depend on the bucket:
     kv_lens        [S]
     cu_q_lens      [S + 1]
     num_seqs       [1]
     logits_indices [S]
     block_tables   [S * B]
+    token_ids      [T]     host token ids (0 where `src_rows` says the token is on the device)
+    positions      [T]
+    slot_mapping   [T]     -1 on padding rows
+    src_rows       [T]     >= 0: the token is row `src_rows[t]` of the previous step's sampled tokens
 Sampling part (`sampling_len(S)` = S(8 + M) entries, M = MAX_BANNED):
     temperature [S] f32, top_k [S], top_p [S] f32, min_p [S] f32, keys [S * 2] u32, steps [S],
     banned_token_ids [S * M], num_logprobs [S]
@@ -57,7 +58,7 @@ class BatchLayout:
     @property
     def batch_len(self) -> int:
         t, s, b = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq
-        return 4 * t + s * (3 + b) + 2
+        return s * (3 + b) + 2 + 4 * t
 
     @classmethod
     def of_packed(cls, batch_len: int, max_num_seqs: int, max_blocks_per_seq: int) -> BatchLayout:
@@ -69,8 +70,8 @@ class BatchLayout:
 
     def _fields(self) -> list[tuple[str, int]]:
         t, s, b = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq
-        return [("token_ids", t), ("positions", t), ("slot_mapping", t), ("src_rows", t), ("kv_lens", s),
-                ("cu_q_lens", s + 1), ("num_seqs", 1), ("logits_indices", s), ("block_tables", s * b)]
+        return [("kv_lens", s), ("cu_q_lens", s + 1), ("num_seqs", 1), ("logits_indices", s), ("block_tables", s * b),
+                ("token_ids", t), ("positions", t), ("slot_mapping", t), ("src_rows", t)]
 
     def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Writable numpy views of each batch field in `buf` (block_tables as [S, B])."""
@@ -114,6 +115,22 @@ def pack_sampling(arrays: SamplingArrays) -> np.ndarray:
     part = np.concatenate([np.ascontiguousarray(field).reshape(-1).view(np.int32) for field in arrays])
     assert part.size == sampling_len(arrays.temperature.shape[0]), part.size
     return part
+
+
+def sampling_views(part: np.ndarray, max_num_seqs: int) -> SamplingArrays:
+    """Host side: writable numpy views of each field of a sampling part (floats and keys as their dtypes)."""
+    s, m = max_num_seqs, MAX_BANNED
+    assert part.shape == (sampling_len(s),) and part.dtype == np.int32, (part.shape, part.dtype, s)
+    return SamplingArrays(
+        temperature=part[0:s].view(np.float32),
+        top_k=part[s : 2 * s],
+        top_p=part[2 * s : 3 * s].view(np.float32),
+        min_p=part[3 * s : 4 * s].view(np.float32),
+        keys=part[4 * s : 6 * s].view(np.uint32).reshape(s, 2),
+        steps=part[6 * s : 7 * s],
+        banned_token_ids=part[7 * s : (7 + m) * s].reshape(s, m),
+        num_logprobs=part[(7 + m) * s : (8 + m) * s],
+    )
 
 
 def unpack_sampling(part: jax.Array, max_num_seqs: int) -> SamplingArrays:

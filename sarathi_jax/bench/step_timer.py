@@ -2,7 +2,7 @@
 per mode) and timing it on the real model runner (`StepTimer`, `measure`).
 
 `measure` builds the real engine (`LLMEngine(EngineConfig(...), warmup=False)`), makes fake sequences whose KV
-blocks come from the engine's own `block_manager`, and drives `engine.runner.execute(chunks, sampling_rows)`
+blocks come from the engine's own `block_manager`, and drives `engine.runner.execute(chunks, sampling_of)`
 with synthetic `ScheduledChunk`s: the same jitted step, bucket padding and host-side batch building as
 serving (the scheduler and the engine's bookkeeping are not timed). Every composition is run `--warmup`
 times untimed (the first compiles its bucket), then the timed repeats go round-robin over all compositions
@@ -199,18 +199,14 @@ class StepTimer:
             out.append(ScheduledChunk(seq, c.num_new_tokens, c.start))
         return out
 
-    def prepare(self, steps: Sequence[Sequence[Chunk]]) -> list[tuple[list, list]]:
-        prepared = []
-        for step in steps:
-            sc = self.scheduled(step)
-            rows = [(self._params, 0, 0, ())] * len(sc)
-            prepared.append((sc, rows))
-        return prepared
+    def prepare(self, steps: Sequence[Sequence[Chunk]]) -> list[list]:
+        return [self.scheduled(step) for step in steps]
 
-    def run(self, prepared: Sequence[tuple[list, list]]) -> float:
+    def run(self, prepared: Sequence[list]) -> float:
+        sampling_of = lambda seq: (self._params, 0, ())  # noqa: E731
         t0 = time.perf_counter()
-        for sc, rows in prepared:
-            self.runner.execute(sc, rows)  # waits for the sampled tokens on the host
+        for sc in prepared:
+            self.runner.execute(sc, sampling_of)  # waits for the sampled tokens on the host
         return time.perf_counter() - t0
 
 

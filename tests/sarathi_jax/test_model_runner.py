@@ -1,5 +1,5 @@
-"""`ModelRunner`'s host batch building (`_pack`): a scheduled batch becomes the packed int32 step inputs of
-`sarathi_jax.step_inputs`, padded to its bucket. Checked field by field on a hand-made batch; nothing runs
+"""`ModelRunner`'s host batch building (`runner.input_batch`): a scheduled batch becomes the packed int32 step
+inputs of `sarathi_jax.step_inputs`, padded to its bucket. Checked field by field on a hand-made batch; nothing runs
 on the device (the runner's steps are exercised by the engine tests)."""
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ def _views(runner, packed) -> dict[str, np.ndarray]:
     return BatchLayout.of_packed(packed.batch.size, S, runner.max_blocks_per_seq).host_views(packed.batch)
 
 
+def _pack(runner, chunks, rows):
+    """The runner's packed inputs for `chunks`; rows[i] = (params, seed, banned) of chunk i's sequence."""
+    by_seq = {c.seq.seq_id: row for c, row in zip(chunks, rows)}
+    num_tokens = sum(c.num_new_tokens for c in chunks)
+    packed, _ = runner.input_batch.prepare(chunks, runner.bucket_for(num_tokens), lambda seq: by_seq[seq.seq_id])
+    return packed
+
+
 def test_without_a_plan_the_runner_is_one_stage_on_one_device(runner):
     assert isinstance(runner, ModelRunner)
     assert runner.plan is None and runner.timeline is None and len(runner.stages) == 1
@@ -49,8 +57,8 @@ def test_a_decode_and_a_prompt_chunk(runner):
     a = _seq("a", 21, [5, 7])  # a decode at position 20: block 7, offset 4
     b = _seq("b", 12, [3])  # the first 10 tokens of a 12-token prompt (no sample)
     chunks = [ScheduledChunk(a, 1, 20), ScheduledChunk(b, 10, 0)]
-    rows = [(SamplingParams(temperature=0.0), 0, 0, ()), (SamplingParams(temperature=0.7, top_k=5), 9, 0, ())]
-    packed = runner._pack(chunks, rows)
+    rows = [(SamplingParams(temperature=0.0), 0, ()), (SamplingParams(temperature=0.7, top_k=5), 9, ())]
+    packed = _pack(runner, chunks, rows)
     v = _views(runner, packed)
     assert v["token_ids"].size == 16  # 11 tokens: the 16-token bucket
     assert v["token_ids"][:11].tolist() == [120] + list(range(100, 110))
@@ -62,12 +70,13 @@ def test_a_decode_and_a_prompt_chunk(runner):
     assert v["num_seqs"].tolist() == [2]
     assert v["logits_indices"][:2].tolist() == [0, 10]
     assert v["block_tables"][0, :2].tolist() == [5, 7] and v["block_tables"][1, :1].tolist() == [3]
-    np.testing.assert_array_equal(packed.sampling, pack_sampling(make_sampling_arrays(rows, S)))
+    want = make_sampling_arrays([(p, seed, 0, banned) for p, seed, banned in rows], S)
+    np.testing.assert_array_equal(packed.sampling, pack_sampling(want))
 
 
 def test_batches_pad_to_their_bucket(runner):
     assert runner.buckets == ((4, 8, 16, 32) if jax.default_backend() == "cpu" else (16, 32))
-    packed = runner._pack([ScheduledChunk(_seq("c", 17, [1, 2]), 17, 0)], [(SamplingParams(), 0, 0, ())])
+    packed = _pack(runner, [ScheduledChunk(_seq("c", 17, [1, 2]), 17, 0)], [(SamplingParams(), 0, ())])
     assert _views(runner, packed)["token_ids"].size == 32
     assert runner.bucket_for(32) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
@@ -75,19 +84,17 @@ def test_batches_pad_to_their_bucket(runner):
 
 
 def test_a_pending_token_is_read_from_the_previous_step(runner):
+    b, c = _seq("b", 5, [1]), _seq("c", 30, [2, 4])
     a = _seq("a", 21, [5, 7])
-    a.append_pending_token()  # the token the previous step sampled in its row 2 is not on the host yet
-    rows = [(SamplingParams(temperature=0.0), 0, 0, ())]
-    runner._prev_rows = {"a": 2}
-    try:
-        v = _views(runner, runner._pack([ScheduledChunk(a, 1, 21)], rows))
-        assert (v["token_ids"][0], v["src_rows"][0], v["positions"][0]) == (0, 2, 21)
-        assert (v["src_rows"][1:] == -1).all()
-        runner._prev_rows = {}  # the previous step did not sample it
-        with pytest.raises(RuntimeError, match="previous step did not sample"):
-            runner._pack([ScheduledChunk(a, 1, 21)], rows)
-    finally:
-        runner._prev_rows = {}
+    rows = [(SamplingParams(temperature=0.0), 0, ())] * 3
+    _pack(runner, [ScheduledChunk(b, 5, 0), ScheduledChunk(c, 1, 29), ScheduledChunk(a, 1, 20)], rows)
+    a.append_pending_token()  # the token that step sampled in its row 2 is not on the host yet
+    v = _views(runner, _pack(runner, [ScheduledChunk(a, 1, 21)], rows[:1]))
+    assert (v["token_ids"][0], v["src_rows"][0], v["positions"][0]) == (0, 2, 21)
+    assert (v["src_rows"][1:] == -1).all()
+    a.append_pending_token()  # the previous step (row 0) sampled it, but a second pending token was never sampled
+    with pytest.raises(RuntimeError, match="previous step did not sample"):
+        _pack(runner, [ScheduledChunk(a, 2, 21)], rows[:1])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla"])
