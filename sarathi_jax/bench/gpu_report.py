@@ -1,8 +1,8 @@
 """`python -m sarathi_jax.bench.gpu_report --out DIR`: everything a lent GPU should tell us, in one command that
 writes `DIR/report.md` and `DIR/report.json` (on the device machine: `--out $OUT`).
 
-Parts, in this order (each with a time budget; the whole run stops starting parts at `--deadline-s`, 525 s by
-default, so that it ends within 9 minutes):
+Parts, in this order (each with a time budget, `PARTS`; no part starts after `--deadline-s`, 525 s by default,
+and a part's timeout is cut to the time left, so that the whole run ends within 9 minutes):
 
 1. `machine`: versions (jax, jaxlib, the CUDA plugin, torch, python, GPU name and driver from nvidia-smi when
    there is one) and the measured rates (`bench.roofline.measure_rates`: a bf16 matmul, a large reduction and
@@ -10,14 +10,16 @@ default, so that it ends within 9 minutes):
 2. `tune`: `python -m pallas_kernels.tune` with a time budget, writing `DIR/tuning_table.json` (measured,
    `"tuned": true` on a GPU; copy it over `pallas_kernels/tuning_table.json` to commit it). The later parts
    run with it (`SARATHI_PALLAS_TUNING_TABLE`) when it was written;
-3. `attention`: the Pallas kernel on the six mixes of `pallas_kernels.bench.SUITE` (Mistral-7B heads), the jnp
-   path and torch SDPA (FlashAttention) on the same work when torch with CUDA imports, against the floors;
-4. `profile_large`, `profile_small`: a JAX profiler trace of steady decode (and, for the large model, of mixed
-   steps: the decodes plus a prefill chunk filling the token budget) through `engine.step()`, read into a
-   per-kernel table and the device busy fraction (`bench.profile_steps`, `bench.trace_summary`);
-5. `startup_small`, `startup_large`: start-up cold and warm (`bench.startup`);
-6. `loop`: the synchronous and overlapped engine loop at 1, 32 and 128 decodes (`bench.loop_cost`): wall and
-   device time per step, the device busy fraction.
+3. `attention`: the Pallas kernel on the six mixes of `pallas_kernels.bench.SUITE` (Mistral-7B heads, bf16),
+   with the jnp path and torch SDPA (FlashAttention) on the same work when torch with CUDA imports (when not,
+   the report says why), against the floors: bytes for the decode mixes, FLOPs for the prefills;
+4. `profile_large`, `profile_small`: a JAX profiler trace of steady decode through `engine.step()` (and, for the
+   large model, of mixed steps: the decodes plus a prefill chunk filling the token budget), read into wall and
+   device busy time per step, the busy fraction and the busiest kernels (`bench.profile_steps`,
+   `bench.trace_summary`), against the floor of the steps dispatched meanwhile (`bench.roofline.work`);
+5. `loop`: the synchronous and the overlapped engine loop at 1, 32 and 128 decodes (`bench.loop_cost`): wall
+   and device time per step, the device busy fraction;
+6. `startup_small`, `startup_large`: start-up, cold and warm (`bench.startup`). Last: issue 12 measured it.
 
 Each part runs in a process of its own (`python -m sarathi_jax.bench.gpu_report_parts PART`) with a timeout, so
 a part that crashes or hangs (XLA, the driver, out of memory) is recorded as `failed` or `timeout`, with its
@@ -26,6 +28,9 @@ goes, so a part stopped half-way keeps what it had measured, and report.json and
 every part, so a run killed from outside leaves everything up to the part that was running. Every time in the
 report stands beside its floor (bytes over the measured bandwidth, FLOPs over the measured matmul rate; the
 larger of the two unless said otherwise) and the ratio to it.
+Also written: `DIR/parts/PART.json` (each part's result), `DIR/logs/PART.log`, `DIR/traces/` (the profiles'
+Perfetto traces, for ui.perfetto.dev). Exit status 1 when a part failed or timed out (the report is whole
+either way).
 
 `--smoke` runs the same parts on a CPU at toy scale (tiny-llama, a few steps, the Pallas kernel in interpret
 mode), so that the whole command is known to work before a GPU is spent on it; its figures say nothing about
@@ -51,7 +56,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TUNING_TABLE_ENV = "SARATHI_PALLAS_TUNING_TABLE"  # pallas_kernels.tuning.TABLE_ENV (not imported: no JAX here)
 DEFAULT_DEADLINE_S = 525.0
 MIN_PART_S = 15.0  # a part with less time left than this is skipped, not started
-STATUSES = ("ok", "failed", "timeout", "skipped", "running", "pending")
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,8 @@ class ReportConfig:
 
 SMOKE = ReportConfig(
     dtype="float32", small_model="tiny-llama", large_model="tiny-llama", matmul_n=256, bandwidth_mb=16,
-    rate_repeats=2, tune_budget_s=3.0, tune_interpret=True, attention_heads=(4, 2, 64),
-    attention_cases=(0, 3, 5),  # a decode mix, the mixed one, a prefill chunk: interpret mode compiles slowly
+    rate_repeats=2, tune_budget_s=10.0, tune_interpret=True, attention_heads=(4, 2, 64),
+    attention_cases=(0, 3),  # a decode mix and the mixed one (a prefill chunk): interpret mode compiles slowly
     attention_scale=32, attention_iters=1, attention_repeats=1, profile_batch=4, profile_context=32,
     profile_steps=3, mixed_steps=2, token_budget=32, startup_token_budget=16, startup_max_num_seqs=2,
     startup_num_blocks=32,
