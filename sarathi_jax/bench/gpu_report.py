@@ -201,6 +201,9 @@ def run_part(name: str, run: PartRun, out: Path, child_config: dict, timeout: fl
             _kill_group(proc)
             run.status = "timeout"
             run.error = f"no result within {timeout:.0f} s (killed):\n{_tail(log)}"
+        except BaseException:  # the report itself stopped (SIGTERM, ^C): its part's processes go with it
+            _kill_group(proc)
+            raise
     run.seconds = time.monotonic() - t0
     if result_path.exists():  # a part that failed or timed out keeps what it saved on the way
         run.result = json.loads(result_path.read_text())
@@ -274,6 +277,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "parts": {name: dataclasses.asdict(r) for name, r in runs.items()},
     }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    # Stopped from outside (the device machine's time limit): exit through run_part, which ends the running part.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        failed = _run_parts(args, cfg, selected, runs, doc, out, env, inject, start)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"[gpu_report] wrote {out / 'report.md'} and {out / 'report.json'} in {doc['elapsed_s']:.0f} s"
+          + (f"; not ok: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0  # the report is written either way
+
+
+def _run_parts(args: argparse.Namespace, cfg: ReportConfig, selected: list[str], runs: dict[str, PartRun],
+               doc: dict, out: Path, env: dict, inject: dict[str, str], start: float) -> list[str]:
+    """Every part in turn (or skipped), the report rewritten after each; returns the parts that failed or timed out."""
     rates = None  # the machine part's, passed on to every later part for its floors
     for part in PARTS:
         run = runs[part.name]
@@ -286,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             run.status = "running"
             doc["parts"][part.name] = dataclasses.asdict(run)
+            doc["elapsed_s"] = time.monotonic() - start
             write_report(out, doc)
             print(f"[gpu_report] {part.name}: {run.title} (budget {min(run.budget_s, left):.0f} s)", flush=True)
             child = {"config": dataclasses.asdict(cfg), "rates": rates}
@@ -301,10 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_report(out, doc)
     doc["finished"] = True
     write_report(out, doc)
-    failed = [n for n, r in runs.items() if r.status in ("failed", "timeout")]
-    print(f"[gpu_report] wrote {out / 'report.md'} and {out / 'report.json'} in {doc['elapsed_s']:.0f} s"
-          + (f"; not ok: {', '.join(failed)}" if failed else ""), flush=True)
-    return 1 if failed else 0  # the report is written either way
+    return [n for n, r in runs.items() if r.status in ("failed", "timeout")]
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ Markdown). The whole `--smoke` report is in test_gpu_report_smoke.py (a file of 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +102,33 @@ def test_markdown_says_which_part_was_running_when_the_run_stopped():
     assert gpu_report_md.fmt_value(2.5e-3, "s") == "2.5 ms" and gpu_report_md.fmt_value(3e-6, "s") == "3 us"
     assert gpu_report_md.fmt_value(8.86e14, "FLOP/s") == "886 TFLOP/s"
     assert gpu_report_md.fmt_value(2.95e12, "B/s") == "2.95 TB/s" and gpu_report_md.fmt_value(0.62, "fraction") == "62%"
+
+
+def test_a_report_stopped_from_outside_ends_its_running_part_and_says_where_it_stopped(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "sarathi_jax.bench.gpu_report", "--smoke", "--out", str(out),
+                             "--parts", "machine", "--inject", "machine=hang"], cwd=gpu_report.REPO_ROOT)
+    deadline = time.monotonic() + 60
+    while not _children_of(out) and time.monotonic() < deadline:  # the part's process is up
+        time.sleep(0.2)
+    assert _children_of(out)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    assert not _children_of(out)  # the hung part went with the report
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["parts"]["machine"]["status"] == "running" and not doc["finished"]
+    assert "**stopped or still running during `machine`**" in (out / "report.md").read_text()
+
+
+def _children_of(out) -> list[int]:
+    """Pids of the part processes working for the report in `out` (their command lines name it)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"sarathi_jax.bench.gpu_report_parts" in cmdline and str(out).encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
