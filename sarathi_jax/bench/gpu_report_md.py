@@ -21,6 +21,10 @@ def fmt_value(v: float | None, unit: str) -> str:
         return f"{v / 1e12:.4g} TFLOP/s" if v >= 1e12 else f"{v / 1e9:.4g} GFLOP/s"
     if unit == "B/s":
         return f"{v / 1e12:.4g} TB/s" if v >= 1e12 else f"{v / 1e9:.4g} GB/s"
+    if unit == "FLOP":
+        return f"{v / 1e9:.4g} GFLOP"
+    if unit == "B":
+        return f"{v / 1e9:.4g} GB" if v >= 1e9 else f"{v / 1e6:.4g} MB"
     if unit == "fraction":
         return f"{v:.0%}"
     return f"{v:.4g}"

@@ -112,8 +112,9 @@ def part_tune(cfg: ReportConfig, res: Result, out: str, rates: dict | None, **_:
 
     rates = get_rates(cfg, rates, res)
     path = os.path.join(out, "tuning_table.json")
-    argv = ["--out", path, "--budget-s", f"{cfg.tune_budget_s:g}"] + (["--interpret-smoke"] if cfg.tune_interpret
-                                                                      else [])
+    argv = ["--out", path, "--budget-s", f"{cfg.tune_budget_s:g}"]
+    if cfg.tune_interpret:
+        argv.append("--interpret-smoke")
     res.doc["info"]["command"] = "python -m pallas_kernels.tune " + " ".join(argv)
     tune.main(argv)
     with open(path) as f:
@@ -225,6 +226,9 @@ def add_section(res: Result, label: str, s: dict, works: list, rates: Any, extra
     flops, nbytes = statistics.fmean(w.flops for w in works), statistics.fmean(w.bytes for w in works)
     floor, basis, compute, memory = floor_of(flops, nbytes, rates)
     res.figure(f"{label}: wall per step", s["wall_us_per_step"] * 1e-6, "s", floor, basis)
+    res.figure(f"{label}: bytes per step (weights, KV read and written)", nbytes, "B")
+    res.figure(f"{label}: FLOPs per step", flops, "FLOP")
+    res.figure(f"{label}: tokens per step", statistics.fmean(w.num_tokens for w in works), "count")
     res.doc.setdefault("sections", {})[label] = {
         **s, **extra, "tokens_per_step": statistics.fmean(w.num_tokens for w in works),
         "flops_per_step": flops, "bytes_per_step": nbytes, "weight_bytes": works[0].weight_bytes,
@@ -248,7 +252,7 @@ def _traced_section(res: Result, cfg: ReportConfig, label: str, engine: Any, rec
     from sarathi_jax.bench.profile_steps import trace_steps
     from sarathi_jax.bench.roofline import ModelShape, work
 
-    compiled = engine.runner.num_compilations
+    before = engine.runner.num_compilations
     with tempfile.TemporaryDirectory(prefix="gpu-report-trace-") as tmp:
         s, trace = trace_steps(engine, steps, tmp, before_step=feed)
         os.makedirs(os.path.join(out, "traces"), exist_ok=True)
@@ -256,8 +260,10 @@ def _traced_section(res: Result, cfg: ReportConfig, label: str, engine: Any, rec
         shutil.copy(trace, kept)
     shape = ModelShape.from_model_config(engine.model_config, cfg.dtype)
     captured = recorder.snapshot()
+    compiled = engine.runner.num_compilations - before
+    res.doc["info"][f"{label.split()[0]} steps: compilations during the trace"] = compiled
     add_section(res, label, s, [work(shape, c.chunks) for c in captured], rates, {
-        "trace": os.path.relpath(kept, out), "compilations_during_trace": engine.runner.num_compilations - compiled,
+        "trace": os.path.relpath(kept, out), "compilations_during_trace": compiled,
         "decodes_per_step": statistics.fmean(c.num_decodes for c in captured)})
     res.save()
     print(f"{label}: wall {s['wall_us_per_step'] / 1e3:.3f} ms, device busy {s['device_busy_us_per_step'] / 1e3:.3f} "

@@ -73,7 +73,8 @@ def test_a_traced_section_has_its_floor_the_busy_fraction_and_kernel_shares(tmp_
                "top_kernels": [("fusion.1", 300.0, 2.0), ("gemm", 100.0, 1.0)], "top_host_events": []}
     gpu_report_parts.add_section(res, "decode", summary, works, rates, {"trace": "t.json.gz"})
     floor = works[0].bytes / 1e9  # memory-bound: bytes over bandwidth
-    wall, busy, fraction, kernels = res.doc["figures"]
+    wall, nbytes, flops, tokens, busy, fraction, kernels = res.doc["figures"]
+    assert (nbytes["value"], flops["value"], tokens["value"]) == (works[0].bytes, works[0].flops, 4)
     assert (wall["value"], wall["floor"], wall["floor_basis"]) == (1e-3, pytest.approx(floor), "bytes")
     assert busy["ratio"] == pytest.approx(4e-4 / floor) and fraction["value"] == 0.4 and kernels["floor"] is None
     (table,) = res.doc["tables"]
