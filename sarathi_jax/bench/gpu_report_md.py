@@ -65,6 +65,8 @@ def _machine_lines(doc: dict) -> list[str]:
         lines.append(f"Device: {gpu} on {info.get('platform')}"
                      + (f", driver {info['driver_version']}" if info.get("driver_version") else "")
                      + f"; {versions}; Python {info.get('python')}; git {info.get('git_commit') or '-'}.")
+        if info.get("platform") != "gpu" and not doc["smoke"]:
+            lines.append(f"**Not on a GPU**: JAX's platform is {info.get('platform')!r}; the GPU sizes ran there.")
     if rates:
         lines.append(f"Rates (machine part): matmul {fmt_value(rates['matmul_flops_per_s'], 'FLOP/s')} "
                      f"({doc['config']['dtype']}), bandwidth {fmt_value(rates['bandwidth_bytes_per_s'], 'B/s')}.")
