@@ -382,7 +382,7 @@ def cpu_main(args, cases) -> None:
         raise SystemExit(1)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--decodes", type=int, default=None, help="custom batch: number of decode rows")
     p.add_argument("--decode-ctx", type=int, default=256, help="context tokens before each decode token")
@@ -427,7 +427,11 @@ def main(argv=None):
     p.add_argument("--cpu-only", action="store_true", help="CPU suite: time the C++ kernel only")
     p.add_argument("--xla-max-mb", type=float, default=300.0,
                    help="CPU suite: time the jnp path only where the minimal bytes are at most this")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     on_cpu = jax.default_backend() == "cpu"
     cpu_kernel = (args.kernel or ("cpu" if on_cpu else "pallas")) == "cpu"
     if cpu_kernel and not on_cpu:

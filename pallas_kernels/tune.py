@@ -72,6 +72,12 @@ def default_cases() -> list[TuneCase]:
     return cases
 
 
+def interpret_smoke_cases() -> list[TuneCase]:
+    """`--interpret-smoke`'s tiny cases (the harness on a CPU)."""
+    return [TuneCase("decode", "llama1b", "float32", 16, ((1, 40),) * 3),
+            TuneCase("prefill", "llama1b", "float32", 16, ((24, 30),))]
+
+
 def _group(case: TuneCase) -> int:
     hq, hkv, _ = HEAD_SHAPES[case.heads]
     return next_pow2(hq // hkv)
@@ -254,10 +260,7 @@ def main(argv=None):
     interpret = False
     if args.interpret_smoke:
         interpret = True
-        cases = [
-            TuneCase("decode", "llama1b", "float32", 16, ((1, 40),) * 3),
-            TuneCase("prefill", "llama1b", "float32", 16, ((24, 30),)),
-        ]
+        cases = interpret_smoke_cases()
     elif backend != "gpu":
         print(f"pallas_kernels.tune measures the compiled Triton kernel and needs a GPU; the default backend is "
               f"{backend!r}. Use --dry-run to list the sweep, --write-defaults for the rule-based table.",

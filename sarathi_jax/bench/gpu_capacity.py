@@ -116,7 +116,8 @@ def machine_info() -> dict:
         "os": platform.platform(),
         "versions": {},
     }
-    for pkg in ("jax", "jaxlib", "flax", "jax-cuda13-plugin", "jax-cuda12-plugin"):
+    for pkg in ("jax", "jaxlib", "flax", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
+                "jax-cuda12-pjrt", "torch", "transformers"):
         try:
             info["versions"][pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:

@@ -12,6 +12,42 @@ import argparse
 import glob
 import os
 import sys
+from pathlib import Path
+
+
+def steady_decode(engine, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
+    """Add `batch` greedy requests with `context`-token prompts and step until every one of them is decoding."""
+    import numpy as np
+
+    from sarathi_jax import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        prompt = rng.integers(3, vocab, context).tolist()
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    while len(engine.scheduler.running) < batch or engine.scheduler.waiting or any(
+            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running):
+        engine.step()
+
+
+def trace_steps(engine, steps: int, out: str, before_step=None) -> tuple[dict, str]:
+    """Record a JAX profiler trace of `steps` `engine.step()` calls (each in a `step` annotation; `before_step()`
+    runs before each, outside it) under `out`; returns the trace's summary and the Perfetto trace's path."""
+    import jax
+
+    from sarathi_jax.bench.trace_summary import _load, summarize
+
+    os.makedirs(out, exist_ok=True)
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        for _ in range(steps):
+            if before_step is not None:
+                before_step()
+            with jax.profiler.TraceAnnotation("step"):
+                engine.step()
+        jax.effects_barrier()
+    trace = sorted(glob.glob(os.path.join(out, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
+    return summarize(_load(Path(trace)), "step"), trace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,11 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profile-steps")
     args = parser.parse_args(argv)
 
-    import jax
-    import numpy as np
-
-    from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
-    from sarathi_jax.bench.trace_summary import _load, format_summary, summarize
+    from sarathi_jax import EngineConfig, LLMEngine
+    from sarathi_jax.bench.trace_summary import format_summary
     from sarathi_jax.engine import format_startup
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
@@ -42,26 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                                     async_scheduling=not args.no_async, scan_layers=args.scan_layers,
                                     background_compile=False))  # profiled steps: every bucket built before
     print(format_startup(engine.startup_stats()))
-    rng = np.random.default_rng(0)
-    vocab = engine.model_config.vocab_size
-    for i in range(args.batch):
-        prompt = rng.integers(3, vocab, args.context).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3 * args.steps + 16, temperature=0.0,
-                                                           ignore_eos=True))
-    while len(engine.scheduler.running) < args.batch or engine.scheduler.waiting or any(
-            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running):
-        engine.step()
+    steady_decode(engine, args.batch, args.context, max_tokens=3 * args.steps + 16)
     for _ in range(args.steps):  # settle: every sequence decoding, all buckets in use warm
         engine.step()
-    os.makedirs(args.out, exist_ok=True)
-    with jax.profiler.trace(args.out, create_perfetto_trace=True):
-        for _ in range(args.steps):
-            with jax.profiler.TraceAnnotation("step"):
-                engine.step()
-        jax.effects_barrier()
-    traces = sorted(glob.glob(os.path.join(args.out, "**", "*perfetto_trace.json.gz"), recursive=True))
-    print(f"trace: {traces[-1]}")
-    print(format_summary(summarize(_load(__import__("pathlib").Path(traces[-1])), "step")))
+    summary, trace = trace_steps(engine, args.steps, args.out)
+    print(f"trace: {trace}")
+    print(format_summary(summary))
     return 0
 
 
