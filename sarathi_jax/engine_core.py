@@ -200,14 +200,13 @@ class EngineCore:
 
     def _dispatch(self, sched: SchedulerOutput) -> None:
         start = self.executor.now()
-        for chunk in sched.chunks:
-            metrics = chunk.seq.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = start
         handle = self.executor.submit(sched.chunks, self._sampling_of)
         for chunk in sched.chunks:
+            seq = chunk.seq
             if chunk.needs_sample:
-                chunk.seq.append_pending_token()
+                seq.append_pending_token()
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
         if self.loop.done_at_dispatch:
             self.scheduler.on_step_done(sched)
         self._in_flight.append(_InFlight(sched, handle, start))
@@ -218,16 +217,18 @@ class EngineCore:
             self.scheduler.on_step_done(batch.sched)
         now = self.executor.now()
         outputs = []
+        requests, finished = self._requests, SequenceStatus.FINISHED
         for i, chunk in enumerate(batch.sched.chunks):
             if not chunk.needs_sample:
                 continue
-            state = self._requests.get(chunk.seq.seq_id)
-            if state is None or state.seq is not chunk.seq or state.seq.is_finished:
+            seq = chunk.seq
+            state = requests.get(seq.seq_id)
+            if state is None or state.seq is not seq or seq.status is finished:
                 continue  # finished or aborted since it was dispatched: the extra token is dropped
             self._postprocess(state, sampled, i, now)
             outputs.append(self._make_output(state))
-            if state.seq.is_finished:
-                del self._requests[chunk.seq.seq_id]
+            if seq.status is finished:
+                del requests[seq.seq_id]
         # Overlapped or pipelined batches overlap in time: the duration runs from dispatch to retirement.
         self._record_iteration(batch.sched, batch.start, now, batch.handle.num_padded_tokens)
         return outputs
@@ -244,9 +245,10 @@ class EngineCore:
         seq, params = state.seq, state.seq.sampling_params
         token_id = int(sampled.token_ids[row])
         seq.resolve_pending_token(token_id)
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        seq.metrics.token_times.append(now)
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
         if params.logprobs is not None:
             n = params.logprobs
             state.pending_logprobs.append(TokenLogprob(
@@ -257,7 +259,8 @@ class EngineCore:
             ))
 
         reason = None
-        past_min_tokens = seq.num_output_tokens >= params.min_tokens
+        num_outputs = len(seq.output_token_ids)
+        past_min_tokens = num_outputs >= params.min_tokens
         if state.detokenizer is not None:
             delta = state.detokenizer.append(token_id)
             checker = state.stop_checker
@@ -268,7 +271,7 @@ class EngineCore:
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
                 reason = "stop"
         # prompt + max_tokens <= max_model_len is enforced at admission (longer requests are rejected).
-        if reason is None and seq.num_output_tokens >= params.max_tokens:
+        if reason is None and num_outputs >= params.max_tokens:
             reason = "length"
         if reason is not None:
             if state.detokenizer is not None and reason != "stop":
@@ -283,16 +286,19 @@ class EngineCore:
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         seq = state.seq
-        new_ids = tuple(seq.output_token_ids[state.emitted_tokens :])
-        finished = seq.status == SequenceStatus.FINISHED
+        output_ids = seq.output_token_ids
+        new_ids = tuple(output_ids[state.emitted_tokens :])
+        finished = seq.status is SequenceStatus.FINISHED
         text_delta, state.text_delta = state.text_delta, ""
-        state.emitted_tokens = seq.num_output_tokens
-        logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
+        state.emitted_tokens = len(output_ids)
+        logprobs = ()
+        if state.pending_logprobs:
+            logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=state.prompt_token_ids,
             new_token_ids=new_ids,
-            token_ids=tuple(seq.output_token_ids),
+            token_ids=tuple(output_ids),
             text_delta=text_delta,
             text=state.stop_checker.text,
             new_logprobs=logprobs,

@@ -93,9 +93,11 @@ class InputBatch:
                 self._variant = variant_of(self._sv, n)
         self._num_rows = n
 
+        # One pass over the rows (a steady decode costs a few list operations): what changed in the block
+        # tables, and the per-row and per-token values, vectorised below.
         bt, row_blocks, bs = self._block_tables, self._row_blocks, self.block_size
         starts, lens, tokens, steps, pending = [], [], [], [], []
-        sampled_rows = self._sampled_rows
+        prev_sampled_rows, sampled_rows = self._sampled_rows, {}
         offset = 0
         for i, chunk in enumerate(chunks):
             seq, start, num = chunk.seq, chunk.start_position, chunk.num_new_tokens
@@ -105,19 +107,23 @@ class InputBatch:
                 row_blocks[i] = len(table)
             starts.append(start)
             lens.append(num)
-            steps.append(seq.num_generated_tokens)
+            num_pending = seq.num_pending_tokens
+            steps.append(len(seq.output_token_ids) + num_pending)  # seq.num_generated_tokens
             offset += num
+            token_ids = seq.token_ids
             if num == 1:
-                tokens.append(seq.token_ids[start])
+                tokens.append(token_ids[start])
             else:
-                tokens += seq.token_ids[start : start + num]
-            if seq.num_pending_tokens and start + num > seq.num_tokens - seq.num_pending_tokens:
+                tokens += token_ids[start : start + num]
+            if num_pending and start + num > len(token_ids) - num_pending:
                 # Only the previous step's sample can be read on the device, and it is the sequence's last token.
-                row = sampled_rows.get(seq.seq_id)
-                if seq.num_pending_tokens != 1 or start + num != seq.num_tokens or row is None:
+                row = prev_sampled_rows.get(seq.seq_id)
+                if num_pending != 1 or start + num != len(token_ids) or row is None:
                     raise RuntimeError(f"{seq!r}: a chunk reads a token that the previous step did not sample")
                 pending.append((offset - 1, row))
-        self._sampled_rows = {c.seq.seq_id: i for i, c in enumerate(chunks) if c.needs_sample}
+            if chunk.needs_sample:
+                sampled_rows[seq.seq_id] = i
+        self._sampled_rows = sampled_rows
 
         # Per-row fields.
         starts_a = np.asarray(starts, np.int32)

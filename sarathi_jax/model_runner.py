@@ -10,8 +10,9 @@ serves (a batch then runs in the smallest bucket already built that holds it). S
 `num_compilations` counts traces and lets tests check that.
 
 Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
-settings) go up as two int32 arrays in one call (`sarathi_jax.step_inputs`), parameters and the KV cache stay on the
-device, and `submit()` returns at once. A pending token (the overlapped loop: a decode scheduled before its
+settings) travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by `sarathi_jax.input_batch`) that the
+jitted calls copy up as they dispatch (`Stage.upload`), parameters and the KV cache stay on the device, and
+`submit()` returns at once; the sampled tokens start their copy to the host as soon as they are dispatched. A pending token (the overlapped loop: a decode scheduled before its
 input token reached the host) is read on the device from the previous step's sampled tokens.
 
 Parallelism (`plan`, see `sarathi_jax.parallel`): the model is cut into `pp` pipeline stages (contiguous
@@ -49,9 +50,14 @@ from sarathi_jax.sizing import SMALLEST_BUCKET, bucket_for, token_buckets
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, unpack_sampling
 
 
-def _to_host(x: Any) -> np.ndarray:
-    # Explicit transfers (jax.device_get): the engine loop runs clean under jax.transfer_guard("disallow").
-    return np.asarray(jax.device_get(local_copy(x)))
+def _to_host(x: Any) -> np.ndarray | None:
+    """A fetched array on the host. `copy_to_host_async` started the copy at dispatch; `np.asarray` waits for it
+    (half the host time of `jax.device_get`, which starts a copy again and walks a tree). Allowed explicitly
+    here: the engine loop otherwise runs clean under `jax.transfer_guard("disallow")`."""
+    if x is None:
+        return None
+    with jax.transfer_guard_device_to_host("allow"):
+        return np.asarray(local_copy(x))
 
 
 def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
@@ -63,8 +69,9 @@ _sample_packed_jit = jax.jit(_sample_packed, static_argnames=("variant",))
 
 
 def _on_stages(stages: Sequence[Stage], packed: PackedStep) -> Iterator[tuple[Stage, PackedStep]]:
-    """Each stage with the step's packed inputs on its devices: one upload (both arrays in one call) to the
-    first stage; later stages get device-to-device copies."""
+    """Each stage with the step's packed inputs for its devices: the first stage's upload (`Stage.upload`:
+    on one device the host arrays themselves, copied by the jitted call; on a mesh one `device_put` of both);
+    later stages get device-to-device copies."""
     on_device = None
     for stage in stages:
         on_device = PackedStep(*(stage.upload(tuple(packed)) if on_device is None else stage.place(tuple(on_device))))
@@ -87,13 +94,13 @@ class PendingStep:
         self._timeline = timeline
         self._result: SamplerOutput | None = None
         self.logits: np.ndarray | None = None
-        for leaf in jax.tree.leaves(self._out):
+        for leaf in self._out:
             if isinstance(leaf, jax.Array):
                 leaf.copy_to_host_async()
 
     def result(self) -> SamplerOutput:
         if self._result is None:
-            out = jax.tree.map(_to_host, self._out)
+            out = SamplerOutput(*map(_to_host, self._out))
             if self._device_logits is not None:
                 self.logits = _to_host(self._device_logits)
             self._result, self._out, self._device_logits = out, None, None
@@ -312,16 +319,18 @@ class ModelRunner:
         for stage, on_device in _on_stages(self.stages, packed):
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
             step = executables.get((stage.index, packed.batch.shape[0]), stage.step)
-            x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
+            with jax.transfer_guard_host_to_device("allow"):  # the packed host arrays (`Stage.upload`), only
+                x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
             if stage.is_last:
                 logits = x
                 sampler = executables.get(run_variant)
-                if sampler is not None:
-                    x = sampler(logits, on_device.sampling)
-                else:
-                    before = _sample_packed_jit._cache_size()
-                    x = _sample_packed_jit(logits, on_device.sampling, variant=run_variant)
-                    self._sampler_traces += _sample_packed_jit._cache_size() - before
+                with jax.transfer_guard_host_to_device("allow"):
+                    if sampler is not None:
+                        x = sampler(logits, on_device.sampling)
+                    else:
+                        before = _sample_packed_jit._cache_size()
+                        x = _sample_packed_jit(logits, on_device.sampling, variant=run_variant)
+                        self._sampler_traces += _sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)
         if single:

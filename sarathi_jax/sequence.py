@@ -42,6 +42,9 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
+        # Fixed for the sequence's life, and read several times per step: plain attributes, not properties.
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_total_tokens = self.num_prompt_tokens + sampling_params.max_tokens  # stop conditions aside
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # owned by the BlockManager: only it grows it or replaces it (on free)
         # Prefix caching, also the BlockManager's: content hashes of the leading full blocks of known tokens
@@ -76,10 +79,6 @@ class Sequence:
         return len(self.output_token_ids) + self._num_pending
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -91,16 +90,12 @@ class Sequence:
     def is_decode(self) -> bool:
         """Past its (re-)prefill: exactly the last sampled token still needs its K/V computed. (A prompt whose
         last token alone is left, after chunks or a cached prefix, is still prefilling.)"""
-        return self.num_computed_tokens >= self.num_prompt_tokens and self.num_uncomputed_tokens == 1
+        computed = self.num_computed_tokens
+        return computed >= self.num_prompt_tokens and len(self._token_ids) - computed == 1
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def max_total_tokens(self) -> int:
-        """Prompt + max_tokens: the longest this sequence can get (stop conditions aside)."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
 
     def append_token(self, token_id: int) -> None:
         """Append a known token (no placeholder outstanding)."""
@@ -116,7 +111,7 @@ class Sequence:
     def resolve_pending_token(self, token_id: int) -> None:
         """The oldest pending token's value arrived."""
         assert self._num_pending > 0, f"{self.seq_id!r} has no pending token"
-        self._token_ids[len(self.output_token_ids) + len(self.prompt_token_ids)] = token_id
+        self._token_ids[len(self.output_token_ids) + self.num_prompt_tokens] = token_id
         self.output_token_ids.append(token_id)
         self._num_pending -= 1
 

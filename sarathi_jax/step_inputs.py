@@ -1,9 +1,9 @@
-"""One step's small inputs, packed into two int32 arrays and uploaded by one `device_put` call.
+"""One step's small inputs, packed into two int32 arrays, which the jitted calls take as they are.
 
 A step needs a dozen small arrays (token ids, positions, slot mapping, attention metadata, logits rows and
 the sampler's settings). Passed one by one, each is its own transfer and its own argument to dispatch; packed,
 the host fills two numpy buffers (`PackedStep`, kept and updated in place by `sarathi_jax.input_batch`) and
-uploads them together, and the jitted functions slice them apart with static offsets (floats travel as their
+hands them to the jitted calls (`Stage.upload`), and the jitted functions slice them apart with static offsets (floats travel as their
 bit patterns). The batch part's size depends on the bucket; the sampling part's does not, so the sampler
 compiles once per variant, not once per bucket.
 

@@ -194,8 +194,9 @@ def test_no_compilation_after_warmup_with_every_sampler_variant(llama_dir, promp
 
 
 def test_engine_loop_makes_no_implicit_transfers(llama_dir, prompts):
-    """Lean dispatch: each step uploads one packed array explicitly and passes device arrays only; a numpy
-    argument to a jitted function (an implicit transfer per array) or an implicit fetch would raise here."""
+    """Lean dispatch: the only host arrays a step hands to JAX are its two packed ones, in the two jitted calls
+    where the runner allows that transfer (`Stage.upload`), and the sampled tokens come back through the one
+    fetch that allows it (`model_runner._to_host`); any other transfer or fetch in the loop would raise here."""
     engine = make_engine(llama_dir, async_scheduling=True)
     reqs = [(i, f"r{i}", p, greedy(max_tokens=6, logprobs=1 if i % 2 else None)) for i, p in enumerate(prompts[:4])]
     reqs.append((1, "s", prompts[5], SamplingParams(temperature=0.7, top_p=0.8, seed=2, max_tokens=5, ignore_eos=True)))

@@ -22,8 +22,8 @@ def test_a_stage_without_a_mesh_is_the_default_device():
     stage = _stage()
     x = jnp.arange(4)
     assert stage.replicated is None and stage.place(x) is x and stage.place(None) is None
-    up = stage.upload((np.arange(3, dtype=np.int32), np.ones(2, np.int32)))
-    assert all(isinstance(a, jax.Array) and a.devices() == {jax.devices()[0]} for a in up)
+    host = (np.arange(3, dtype=np.int32), np.ones(2, np.int32))
+    assert stage.upload(host) is host  # the jitted step copies host arrays up as it dispatches
     assert stage.gather_logits(x) is x and stage.jit_shardings() == {}
 
 
