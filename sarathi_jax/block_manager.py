@@ -196,6 +196,8 @@ class BlockManager:
         placeholder). A block whose content is already registered elsewhere stays private."""
         if not self.enable_prefix_caching:
             return
+        if seq.num_computed_tokens < (seq.num_registered_blocks + 1) * self.block_size:
+            return  # no block past the registered ones is computed full yet: most steps of a decode
         known = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
         full = min(known // self.block_size, len(seq.block_table))
         if full <= seq.num_registered_blocks:

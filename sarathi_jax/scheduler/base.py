@@ -57,9 +57,11 @@ class Batch:
         return len(self.items) < self.max_seqs
 
     def add(self, seq: Sequence, num_new_tokens: int, *, is_prefill: bool) -> None:
-        assert 0 < num_new_tokens <= self.room and self.has_seq_room and seq.seq_id not in self.seq_ids
+        seq_id = seq.seq_id
+        assert 0 < num_new_tokens <= self.token_limit - self.num_tokens and len(self.items) < self.max_seqs
+        assert seq_id not in self.seq_ids
         self.items.append([seq, num_new_tokens, is_prefill])
-        self.seq_ids.add(seq.seq_id)
+        self.seq_ids.add(seq_id)
         self.num_tokens += num_new_tokens
 
     def __bool__(self) -> bool:
@@ -145,19 +147,22 @@ class Scheduler:
         self._preempted = []
         rejected, self._rejected = tuple(self._rejected), []
         batch = self._schedule()
-        chunks = tuple(ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill) for seq, n, prefill in batch.items)
-        self._in_flight.update(c.seq.seq_id for c in chunks)
+        chunks = tuple([ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill)
+                        for seq, n, prefill in batch.items])
+        self._in_flight |= batch.seq_ids
         return SchedulerOutput.of(chunks, preempted=tuple(self._preempted), rejected=rejected)
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The batch ran: its tokens' K/V are in the cache. Call before appending sampled tokens."""
+        in_flight, running = self._in_flight, SequenceStatus.RUNNING
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for chunk in output.chunks:
             seq = chunk.seq
-            self._in_flight.discard(seq.seq_id)
-            if seq.status is SequenceStatus.RUNNING:  # skip sequences aborted while in flight
+            in_flight.discard(seq.seq_id)
+            if seq.status is running:  # skip sequences aborted while in flight
                 assert seq.num_computed_tokens == chunk.start_position, (seq, chunk.start_position)
                 seq.num_computed_tokens += chunk.num_new_tokens
-                self.block_manager.cache_full_blocks(seq)
+                cache_full_blocks(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._rejected)
@@ -211,35 +216,44 @@ class Scheduler:
     def _new_batch(self, token_limit: int | None = None) -> Batch:
         return Batch(self.config.batch_token_limit if token_limit is None else token_limit, self.config.max_num_seqs)
 
-    def _ready_running(self) -> list[Sequence]:
-        """Running sequences that may be scheduled now, earliest arrival first: not in flight, and not already
-        holding (with pending tokens) all max_tokens outputs, which only wait for the host to finish them.
-        A snapshot: entries may get preempted while the caller iterates, so callers re-check `status`."""
-        return [
-            s for s in self._running
-            if s.seq_id not in self._in_flight and s.num_tokens < s.max_total_tokens
-        ]
+    def _ready_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Running sequences that may be scheduled now, earliest arrival first, as (decodes, prefills): not in
+        flight, and not already holding (with pending tokens) all max_tokens outputs, which only wait for the
+        host to finish them. A snapshot: entries may get preempted while the caller iterates, so callers
+        re-check `status` (scheduling, preemption aside, changes neither readiness nor `is_decode`)."""
+        decodes, prefills, in_flight = [], [], self._in_flight
+        for s in self._running:
+            if s.seq_id not in in_flight and s.num_tokens < s.max_total_tokens:
+                (decodes if s.is_decode else prefills).append(s)
+        return decodes, prefills
 
-    def _schedule_decodes(self, batch: Batch) -> None:
-        """Every ready running decode, earliest arrival first; one that cannot get a block preempts later
-        arrivals, or itself when there are none."""
-        bm = self.block_manager
-        for seq in self._ready_running():
-            if seq.status is not SequenceStatus.RUNNING or not seq.is_decode:
+    def _schedule_decodes(self, batch: Batch, decodes: list[Sequence] | None = None) -> None:
+        """Every ready running decode (`decodes`: from `_ready_running()`, taken now if None), earliest arrival
+        first; one that cannot get a block preempts later arrivals, or itself when there are none."""
+        bm, block_size, running = self.block_manager, self.block_manager.block_size, SequenceStatus.RUNNING
+        # A decode takes one token and one sequence slot, and only the decodes below change the batch.
+        slots = min(batch.room, batch.max_seqs - len(batch.items))
+        for seq in self._ready_running()[0] if decodes is None else decodes:
+            if seq.status is not running:
                 continue
-            if batch.room < 1 or not batch.has_seq_room:
+            if slots < 1:
                 break
-            if self._make_room(seq, bm.blocks_needed(seq, seq.num_computed_tokens + 1), batch):
+            # Most decodes write into their last block; only every block_size-th one needs a new block.
+            if len(seq.block_table) * block_size <= seq.num_computed_tokens:
+                if not self._make_room(seq, bm.blocks_needed(seq, seq.num_computed_tokens + 1), batch):
+                    self._preempt(seq)
+                    continue
                 bm.allocate(seq, seq.num_computed_tokens + 1)
-                batch.add(seq, 1, is_prefill=False)
-            else:
-                self._preempt(seq)
+            batch.add(seq, 1, is_prefill=False)
+            slots -= 1
 
-    def _schedule_running_prefills(self, batch: Batch, *, chunked: bool) -> None:
-        """Running sequences still (re-)prefilling, earliest first. chunked: each gets min(left, room)
-        tokens, shrunk to what memory allows; otherwise whole or not at all (stopping at the first misfit)."""
-        for seq in self._ready_running():
-            if seq.status is not SequenceStatus.RUNNING or seq.is_decode:
+    def _schedule_running_prefills(self, batch: Batch, prefills: list[Sequence] | None = None, *,
+                                   chunked: bool) -> None:
+        """Running sequences still (re-)prefilling (`prefills`: from `_ready_running()`, taken now if None),
+        earliest first. chunked: each gets min(left, room) tokens, shrunk to what memory allows; otherwise
+        whole or not at all (stopping at the first misfit)."""
+        for seq in self._ready_running()[1] if prefills is None else prefills:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             if batch.room < 1 or not batch.has_seq_room:
                 break
@@ -263,12 +277,14 @@ class Scheduler:
         other (admission never over-commits memory; only decode growth can force a preemption). A cached
         prefix (prefix caching) is neither computed nor counted, except cached blocks nobody holds now.
         """
+        if not self._admission_open(batch):
+            return 0  # the usual case once requests run: skip the sum over the running sequences below
         bm = self.block_manager
         committed = 0
         if self.admission == "chunk":
             committed = sum(bm.blocks_needed(s, s.num_tokens) for s in self._running if not s.is_decode)
         admitted = 0
-        while self._waiting and batch.has_seq_room and len(self._running) < self.config.max_num_seqs:
+        while self._admission_open(batch):
             seq = self._waiting[0]
             hit = bm.match_prefix(seq)  # a waiting sequence has nothing computed: it starts after its cached prefix
             tokens = seq.num_tokens - hit.num_tokens
@@ -286,6 +302,10 @@ class Scheduler:
             batch.add(seq, n, is_prefill=True)
             admitted += 1
         return admitted
+
+    def _admission_open(self, batch: Batch) -> bool:
+        """A waiting request could be admitted into `batch` as far as the queue and the sequence limits go."""
+        return bool(self._waiting) and batch.has_seq_room and len(self._running) < self.config.max_num_seqs
 
     def _admission_blocks(self, reserve_tokens: int, hit: PrefixHit) -> int:
         """Free blocks that admitting a sequence for `reserve_tokens` takes: new blocks past its cached

@@ -22,8 +22,9 @@ class SarathiScheduler(Scheduler):
 
     def _schedule(self) -> Batch:
         batch = self._new_batch()
-        self._schedule_decodes(batch)
-        self._schedule_running_prefills(batch, chunked=True)
+        decodes, prefills = self._ready_running()  # one snapshot for both passes: neither admits anything
+        self._schedule_decodes(batch, decodes)
+        self._schedule_running_prefills(batch, prefills, chunked=True)
         self._admit(batch, chunked=True)
         if self.config.tile_size:
             _align_to_tile(batch, self.config.tile_size)
