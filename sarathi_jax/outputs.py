@@ -71,12 +71,13 @@ class RequestMetrics(RequestLatencies):
     num_preemptions: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """The state of one request after a step.
+    """The state of one request after a step: a snapshot, read-only by convention.
 
     `new_token_ids` / `text_delta` / `new_logprobs` are what this step added; `token_ids` / `text` are the
-    whole output so far. `text` is "" when no tokenizer is loaded.
+    whole output so far. `text` is "" when no tokenizer is loaded. Not a frozen dataclass: the engine makes one
+    per request per step, and a frozen one takes twice as long to build (3 against 1.3 microseconds here).
     """
 
     request_id: str
