@@ -152,7 +152,7 @@ def _measure(args: argparse.Namespace) -> dict:
 
     engine = _engine(args)
     results = [_run_workload(engine, name, args) for name in args.workloads]
-    return {"tree": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__import__("sarathi_jax").__file__)))),
+    return {"tree": os.path.dirname(os.path.dirname(os.path.abspath(__import__("sarathi_jax").__file__))),
             "jax": jax.__version__, "backend": jax.default_backend(),
             "attention_backend": engine.config.attention_backend, "scan_layers": engine.config.scan_layers,
             "workloads": results}
