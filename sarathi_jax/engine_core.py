@@ -35,13 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
+from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from sarathi_jax.sequence import Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker
 
-# (params, seed, token ids banned until params.min_tokens outputs): a request's sampling settings, fixed while
-# it runs (`input_batch.RequestSampling`); the step index comes from the sequence itself.
-RequestSampling = tuple
 
 
 class SampledBatch(Protocol):

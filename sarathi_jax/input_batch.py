@@ -34,14 +34,11 @@ from sarathi_jax.sampling_inputs import (
     variant_of,
     write_sampling_row,
 )
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, sampling_views
 
-# A request's sampling settings that do not change while it runs: (params, seed, token ids banned until
-# params.min_tokens outputs). The engine core hands a function that gives them for a sequence.
-RequestSampling = tuple[SamplingParams, int, tuple[int, ...]]
 
 
 class InputBatch:

@@ -10,10 +10,11 @@ serves (a batch then runs in the smallest bucket already built that holds it). S
 `num_compilations` counts traces and lets tests check that.
 
 Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
-settings) travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by `sarathi_jax.input_batch`) that the
-jitted calls copy up as they dispatch (`Stage.upload`), parameters and the KV cache stay on the device, and
-`submit()` returns at once; the sampled tokens start their copy to the host as soon as they are dispatched. A pending token (the overlapped loop: a decode scheduled before its
-input token reached the host) is read on the device from the previous step's sampled tokens.
+settings) travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by `sarathi_jax.input_batch`) that
+the jitted calls copy up as they dispatch (`Stage.upload`), parameters and the KV cache stay on the device,
+and `submit()` returns at once; the sampled tokens start their copy to the host as soon as they are
+dispatched. A pending token (the overlapped loop: a decode scheduled before its input token reached the host)
+is read on the device from the previous step's sampled tokens.
 
 Parallelism (`plan`, see `sarathi_jax.parallel`): the model is cut into `pp` pipeline stages (contiguous
 layer ranges), each one jitted function on its own sub-mesh of `tp` devices (`sarathi_jax.parallel.stages`
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sarathi_jax.executable_cache import ExecutableCache
-from sarathi_jax.input_batch import InputBatch, RequestSampling
+from sarathi_jax.input_batch import InputBatch
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
@@ -44,6 +45,7 @@ from sarathi_jax.parallel.stages import Stage, build_stages, copy_to_every_proce
 from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, run_builds
 from sarathi_jax.precompile import compile_threads as _default_compile_threads
 from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerOutput, SamplerVariant, sample
+from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.sizing import SMALLEST_BUCKET, bucket_for, token_buckets

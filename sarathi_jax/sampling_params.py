@@ -111,3 +111,9 @@ class SamplingParams:
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+# A request's sampling settings that do not change while it runs: (params, seed, token ids banned until
+# params.min_tokens outputs). The engine core hands the executor a function that gives them for a sequence;
+# the step index comes from the sequence itself.
+RequestSampling = tuple[SamplingParams, int, tuple[int, ...]]
