@@ -158,6 +158,7 @@ class LLMEngine(CoreFrontEnd):
             "kv_cache_bytes": num_blocks * kv_bytes_per_block(mc, config.block_size, config.dtype),
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "activation_bytes_estimate": kv_budget.activation_bytes if kv_budget else 0,
+            "kv_unfragmented_bytes": kv_budget.unfragmented_bytes if kv_budget else None,
             "peak_bytes_in_use": max(peak) if all(p is not None for p in peak) else None,
             "scan_layers": scan_layers,
             "compilation_cache_dir": cache_dir,
@@ -262,6 +263,8 @@ class LLMEngine(CoreFrontEnd):
         `scan_layers` (resolved), `dtype` (resolved) and `dtype_setting` (as given), `num_kv_blocks` and
         `kv_cache_bytes` (the cache allocated), `gpu_memory_utilization` (None: a fixed budget or num_blocks),
         `activation_bytes_estimate` (set aside per device under memory-fraction sizing, else 0),
+        `kv_unfragmented_bytes` (per device, what the memory fraction allowed when the largest free block of
+        device memory allowed less and decided; else None),
         `peak_bytes_in_use` (the most any device held by the end of start-up; None where not reported),
         `compilation_cache_dir` (None: no persistent cache), `executables` (built during start-up),
         `cache_hits` (of those, loaded from the cache) and `cache_misses` (compiled; None without a cache),
@@ -306,6 +309,9 @@ def _kv_words(s: dict) -> str:
     kv = f"KV cache {s['num_kv_blocks']} blocks ({s['kv_cache_bytes'] / 2**30:.2f} GiB"
     if s["gpu_memory_utilization"] is not None:
         kv += f", gpu_memory_utilization {s['gpu_memory_utilization']:g}"
+    if s.get("kv_unfragmented_bytes") is not None:
+        kv += (f", cut from {s['kv_unfragmented_bytes'] / 2**30:.2f} GiB per device to fit the largest free block "
+               f"of device memory")
     if s["peak_bytes_in_use"] is not None:
         kv += f"; device memory peak {s['peak_bytes_in_use'] / 2**30:.2f} GiB"
     return kv + ")"

@@ -79,6 +79,9 @@ JAX_DEFAULT_MEM_FRACTION = 0.75
 POOL_HEADROOM_FRACTION = 0.9  # of JAX's pool, at most, for weights, KV and activations by default
 # Transient memory outside the per-token estimate: XLA's scratch (cuBLAS workspaces, sort buffers).
 ACTIVATION_RESERVE_BYTES = 256 << 20
+# Of the largest free block, what the KV cache may take: K and V are one allocation each, placed back to back
+# in it, and small allocations (constants, the first step's scratch) may land there first.
+LARGEST_BLOCK_FRACTION = 0.98
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class KVBudget:
     kv_cache_bytes: int
     gpu_memory_utilization: float | None  # the fraction used; None: a fixed budget
     activation_bytes: int = 0  # the activation estimate set aside (memory-fraction sizing only)
+    # Bytes per device the fraction allowed, when the largest free block of device memory allowed less (the
+    # weights' loading left the allocator's pool fragmented); None when it did not bind.
+    unfragmented_bytes: int | None = None
 
 
 def jax_mem_fraction(environ: Mapping[str, str] = os.environ) -> float:
@@ -125,7 +131,8 @@ def kv_cache_budget(
     `jax.Device.memory_stats()` after the weights are placed (`bytes_limit`: what JAX's allocator may hand
     out, `mem_fraction` of the device's memory; `bytes_in_use`: weights and anything else live). When every
     device reports them and no fixed budget is given, the budget is, per device, gpu_memory_utilization x
-    its memory - bytes in use - the activation estimate, the tightest device deciding, times the number of
+    its memory - bytes in use - the activation estimate, but at most what the device's largest free block
+    holds (`largest_free_block_bytes`, where reported), the tightest device deciding, times the number of
     distinct shares of the cache (layers split evenly over pipeline stages, KV heads over tensor-parallel
     devices). Otherwise (CPU) a fixed budget.
 
@@ -152,19 +159,28 @@ def kv_cache_budget(
     utilization = explicit if explicit is not None else min(DEFAULT_GPU_MEMORY_UTILIZATION,
                                                             POOL_HEADROOM_FRACTION * mem_fraction)
     activations = activation_bytes_estimate(config, model_config)
-    per_device = min(
+    by_fraction = min(
         int(utilization * s["bytes_limit"] / mem_fraction) - s.get("bytes_in_use", 0) - activations
         for s in memory_stats
     )
+    # The stacked K and V caches are one allocation each: they need room in one free block, not only in all
+    # the free memory together. Loading the weights (the checkpoint layout, then fused and unstacked copies)
+    # can leave holes in JAX's pool: on an H100, mistral-7b's 13.5 GiB of weights left 45 GiB free but no
+    # block over 32 GiB, and a 38 GiB cache failed to allocate.
+    by_block = min((int(LARGEST_BLOCK_FRACTION * s["largest_free_block_bytes"]) - activations
+                    for s in memory_stats if s.get("largest_free_block_bytes")), default=by_fraction)
+    per_device = min(by_fraction, by_block)
     if per_device <= 0:
         raise ValueError(
             f"gpu_memory_utilization={utilization:g} leaves no memory for the KV cache after the weights and "
-            f"{activations / 2**20:.0f} MiB of activations; raise it, or use a smaller model or token budget"
+            f"{activations / 2**20:.0f} MiB of activations (or no free block of device memory holds it); raise "
+            f"it, or use a smaller model or token budget"
         )
     # A device holds 1/pp of the layers and 1/min(tp, kv heads) of the KV heads (KV heads fewer than the
     # tensor-parallel devices are replicated: docs/parallelism.md); the budget counts the logical cache.
     shares = config.pipeline_parallel_size * min(config.tensor_parallel_size, model_config.num_key_value_heads)
-    return KVBudget(per_device * shares, utilization, activations)
+    return KVBudget(per_device * shares, utilization, activations,
+                    unfragmented_bytes=by_fraction if by_block < by_fraction else None)
 
 
 def size_engine(
