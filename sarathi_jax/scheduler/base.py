@@ -351,7 +351,10 @@ class Scheduler:
         for cand in reversed(self._running):  # latest arrival first
             if cand is seq:
                 return None  # only later arrivals are evicted for seq
-            if cand.seq_id not in batch.seq_ids and cand.seq_id not in self._in_flight:
+            # One holding all its outputs (a pending one included, in the overlapped loop) frees its blocks
+            # when the host finishes it; evicting it would queue a recompute of tokens nobody will use.
+            if (cand.seq_id not in batch.seq_ids and cand.seq_id not in self._in_flight
+                    and cand.num_tokens < cand.max_total_tokens):
                 return cand
         return None
 

@@ -211,6 +211,9 @@ class CheckedScheduler:
             stalled = [s.seq_id for s in ready_decodes if s.seq_id not in scheduled | preempted]
             assert not stalled, f"decodes stalled: {stalled}"
         for s in out.preempted:
+            # One that holds all its outputs frees its blocks once the host finishes it; evicting it would
+            # only queue a recompute of tokens nobody will use.
+            assert s.num_tokens < s.max_total_tokens, f"{s!r} preempted with all its outputs"
             if s.status is SequenceStatus.RUNNING:  # re-admitted at once after its cached prefix (in the batch)
                 assert self.inner.block_manager.enable_prefix_caching and s.seq_id in scheduled, s
             else:
