@@ -167,7 +167,7 @@ def kv_cache_budget(
     # the free memory together. Loading the weights (the checkpoint layout, then fused and unstacked copies)
     # can leave holes in JAX's pool: on an H100, mistral-7b's 13.5 GiB of weights left 45 GiB free but no
     # block over 32 GiB, and a 38 GiB cache failed to allocate.
-    by_block = min((int(LARGEST_BLOCK_FRACTION * s["largest_free_block_bytes"]) - activations
+    by_block = min((int(LARGEST_BLOCK_FRACTION * _largest_allocation(s)) - activations
                     for s in memory_stats if s.get("largest_free_block_bytes")), default=by_fraction)
     per_device = min(by_fraction, by_block)
     if per_device <= 0:
@@ -181,6 +181,14 @@ def kv_cache_budget(
     shares = config.pipeline_parallel_size * min(config.tensor_parallel_size, model_config.num_key_value_heads)
     return KVBudget(per_device * shares, utilization, activations,
                     unfragmented_bytes=by_fraction if by_block < by_fraction else None)
+
+
+def _largest_allocation(stats: Mapping[str, int]) -> int:
+    """The largest single allocation a device's allocator can still make: its largest free block, or the
+    room its pool may still grow by (a new region is one block; under XLA_PYTHON_CLIENT_PREALLOCATE=false
+    the pool starts small), whichever is larger."""
+    growth = stats["bytes_limit"] - stats["pool_bytes"] if stats.get("pool_bytes") else 0
+    return max(stats["largest_free_block_bytes"], growth)
 
 
 def size_engine(

@@ -210,6 +210,11 @@ def test_kv_budget_fits_the_largest_free_block():
     two = kv_cache_budget(tp2, mc, [{**_stats(60 * GiB, 7 * GiB), "largest_free_block_bytes": 20 * GiB},
                                     {**_stats(60 * GiB, 7 * GiB), "largest_free_block_bytes": 50 * GiB}], 0.75)
     assert two.kv_cache_bytes == 2 * (int(LARGEST_BLOCK_FRACTION * 20 * GiB) - act)
+    # Without preallocation the pool starts small: the room it may still grow by is one block too.
+    growing = {**_stats(60 * GiB, 14 * GiB), "largest_free_block_bytes": GiB, "pool_bytes": 15 * GiB}
+    assert kv_cache_budget(config, mc, [growing], 0.75).unfragmented_bytes is None
+    preallocated = {**holed, "pool_bytes": 60 * GiB}
+    assert kv_cache_budget(config, mc, [preallocated], 0.75).kv_cache_bytes == cut.kv_cache_bytes
     with pytest.raises(ValueError, match="no free block of device memory holds it"):
         kv_cache_budget(config, mc, [{**_stats(60 * GiB, 14 * GiB), "largest_free_block_bytes": act // 2}], 0.75)
 
