@@ -51,7 +51,8 @@ class InputBatch:
         v = BatchLayout(max_num_tokens, s, b).host_views(self._batch)
         self._kv_lens, self._cu_q_lens, self._num_seqs = v["kv_lens"], v["cu_q_lens"], v["num_seqs"]
         self._logits_indices, self._block_tables = v["logits_indices"], v["block_tables"]
-        self._token_views: dict[int, dict[str, np.ndarray]] = {}  # bucket -> its token fields' views
+        # bucket -> (its token fields' views, its batch part's length)
+        self._token_views: dict[int, tuple[dict[str, np.ndarray], int]] = {}
         self._sampling = pack_sampling(empty_sampling_arrays(s))
         self._sv = sampling_views(self._sampling, s)
         # Per-row settings that travel with the row: banned ids (shipped only while step < min_tokens).
@@ -136,9 +137,11 @@ class InputBatch:
         self._logits_indices[:n] = cu - 1
 
         # Token fields of this bucket, padding included.
-        v = self._token_views.get(bucket)
-        if v is None:
-            v = self._token_views[bucket] = BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq).host_views(self._batch)
+        cached = self._token_views.get(bucket)
+        if cached is None:
+            layout = BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
+            cached = self._token_views[bucket] = (layout.host_views(self._batch), layout.batch_len)
+        v, size = cached
         if num_tokens == n:  # decodes only (or prompts' last tokens): one token per row
             positions = starts_a
             token_rows = self._arange[:n]
@@ -163,7 +166,6 @@ class InputBatch:
         if self._min_tokens[:n].any():
             under = (sv.steps[:n] < self._min_tokens[:n])[:, None]
             sv.banned_token_ids[:n] = np.where(under, self._static.banned_token_ids[:n], -1)
-        size = BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq).batch_len
         return PackedStep(self._batch[:size].copy(), self._sampling.copy()), self._variant
 
     # ----------------------------------------------------------------------------------- rows
@@ -177,7 +179,7 @@ class InputBatch:
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             j = row_of.get(id(seq))
-            if j is None or self._row_seq[j] is not seq or self._row_table[j] is not seq.block_table:
+            if j is None or self._row_table[j] is not seq.block_table:
                 fresh.append(i)
             else:
                 src[i] = j

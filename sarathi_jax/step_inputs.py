@@ -36,8 +36,13 @@ from sarathi_jax.models import AttentionMetadata
 from sarathi_jax.sampling_inputs import MAX_BANNED, SamplingArrays, make_sampling_arrays
 
 
+# The sampling part's fields, in `SamplingArrays` order: (entries per row, dtype as stored bit for bit).
+_SAMPLING_FIELDS = ((1, np.float32), (1, np.int32), (1, np.float32), (1, np.float32), (2, np.uint32),
+                    (1, np.int32), (MAX_BANNED, np.int32), (1, np.int32))
+
+
 def sampling_len(max_num_seqs: int) -> int:
-    return max_num_seqs * (8 + MAX_BANNED)
+    return max_num_seqs * sum(width for width, _ in _SAMPLING_FIELDS)
 
 
 class PackedStep(NamedTuple):
@@ -117,34 +122,24 @@ def pack_sampling(arrays: SamplingArrays) -> np.ndarray:
     return part
 
 
+def _split_sampling(part, max_num_seqs: int, as_dtype) -> SamplingArrays:
+    """`part` cut into the `SamplingArrays` fields (`as_dtype(x, dtype)` reinterprets an int32 slice)."""
+    s, fields, offset = max_num_seqs, [], 0
+    assert part.shape == (sampling_len(s),), (part.shape, s)
+    for width, dtype in _SAMPLING_FIELDS:
+        x = part[offset * s : (offset + width) * s]
+        x = x if dtype == np.int32 else as_dtype(x, dtype)
+        fields.append(x.reshape(s, width) if width > 1 else x)
+        offset += width
+    return SamplingArrays(*fields)
+
+
 def sampling_views(part: np.ndarray, max_num_seqs: int) -> SamplingArrays:
     """Host side: writable numpy views of each field of a sampling part (floats and keys as their dtypes)."""
-    s, m = max_num_seqs, MAX_BANNED
-    assert part.shape == (sampling_len(s),) and part.dtype == np.int32, (part.shape, part.dtype, s)
-    return SamplingArrays(
-        temperature=part[0:s].view(np.float32),
-        top_k=part[s : 2 * s],
-        top_p=part[2 * s : 3 * s].view(np.float32),
-        min_p=part[3 * s : 4 * s].view(np.float32),
-        keys=part[4 * s : 6 * s].view(np.uint32).reshape(s, 2),
-        steps=part[6 * s : 7 * s],
-        banned_token_ids=part[7 * s : (7 + m) * s].reshape(s, m),
-        num_logprobs=part[(7 + m) * s : (8 + m) * s],
-    )
+    assert part.dtype == np.int32, part.dtype
+    return _split_sampling(part, max_num_seqs, lambda x, dtype: x.view(dtype))
 
 
 def unpack_sampling(part: jax.Array, max_num_seqs: int) -> SamplingArrays:
     """Device side: the `SamplingArrays` of a sampling part."""
-    s, m = max_num_seqs, MAX_BANNED
-    assert part.shape == (sampling_len(s),), (part.shape, s)
-    as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
-    return SamplingArrays(
-        temperature=as_f32(part[0:s]),
-        top_k=part[s : 2 * s],
-        top_p=as_f32(part[2 * s : 3 * s]),
-        min_p=as_f32(part[3 * s : 4 * s]),
-        keys=jax.lax.bitcast_convert_type(part[4 * s : 6 * s], jnp.uint32).reshape(s, 2),
-        steps=part[6 * s : 7 * s],
-        banned_token_ids=part[7 * s : (7 + m) * s].reshape(s, m),
-        num_logprobs=part[(7 + m) * s : (8 + m) * s],
-    )
+    return _split_sampling(part, max_num_seqs, lambda x, dtype: jax.lax.bitcast_convert_type(x, jnp.dtype(dtype)))
