@@ -49,7 +49,7 @@ from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.sizing import SMALLEST_BUCKET, bucket_for, token_buckets
-from sarathi_jax.step_inputs import BatchLayout, PackedStep, unpack_sampling
+from sarathi_jax.step_inputs import BatchLayout, PackedStep, sampling_max_num_seqs, unpack_sampling
 
 
 def _to_host(x: Any) -> np.ndarray | None:
@@ -63,7 +63,12 @@ def _to_host(x: Any) -> np.ndarray | None:
 
 
 def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
-    return sample(logits, unpack_sampling(sampling, logits.shape[0]), variant)
+    """Sample the step's logits [R, vocab] (its `BatchLayout.num_rows` rows) with the first R rows of the
+    sampling part (laid out for S = max_num_seqs rows). The token ids come back padded to [S]: the next step
+    reads pending tokens from them whatever its own bucket."""
+    rows, s = logits.shape[0], sampling_max_num_seqs(sampling.shape[0])
+    out = sample(logits, unpack_sampling(sampling, s, rows), variant)
+    return out._replace(token_ids=jnp.pad(out.token_ids, (0, s - rows)))
 
 
 # Module level: engines with the same shapes share the compiled sampler variants.
@@ -84,8 +89,8 @@ class PendingStep:
     """A dispatched step; `result()` waits for it and returns the host `SamplerOutput` (cached): token ids,
     and the logprob arrays when the step's sampler variant computed them (else None). The arrays it will
     fetch are already being copied to the host as soon as they are ready. With
-    `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits `[max_num_seqs, vocab]` on
-    the host after `result()`."""
+    `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits `[R, vocab]` on the host after
+    `result()` (R = min(bucket, max_num_seqs): row i is the batch's i-th sequence)."""
 
     def __init__(self, out: SamplerOutput, want_logprobs: bool, num_padded_tokens: int, logits: Any = None,
                  record: Any = None, timeline: Any = None) -> None:
@@ -176,7 +181,8 @@ class ModelRunner:
     def _make_stage_step(self, stage: Stage) -> Callable:
         """The jitted model step of one stage: (params, kv_cache, x, batch, prev_tokens) -> (out, kv_cache),
         `batch` the packed batch part. Stage 0 takes x = None and reads token ids from `batch` (pending ones
-        from `prev_tokens`); the last stage returns float32 logits [S, vocab], the others their activations."""
+        from `prev_tokens` [S]); the last stage returns float32 logits [R, vocab] (R = the bucket's
+        `BatchLayout.num_rows`), the others their activations."""
         model, index, is_first, is_last = stage.model, stage.index, stage.index == 0, stage.is_last
         s, b, table = self.max_num_seqs, self.max_blocks_per_seq, self._table  # not self: see `warmup`
 
@@ -186,8 +192,10 @@ class ModelRunner:
             token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
             if is_first:  # a pending token is the previous step's sample in row src_rows[t]
                 x = jnp.where(src_rows >= 0, prev_tokens[jnp.clip(src_rows, 0, s - 1)], token_ids)
+            # Logits for the rows that may sample only (`BatchLayout.num_rows`): [R, vocab].
             out, kv_cache = model.apply(
-                {"params": params}, x, positions, kv_cache, metadata, logits_indices if is_last else None
+                {"params": params}, x, positions, kv_cache, metadata,
+                logits_indices[: layout.num_rows] if is_last else None,
             )
             if is_last:
                 out = stage.gather_logits(out).astype(jnp.float32)
@@ -239,19 +247,32 @@ class ModelRunner:
         """Build every bucket's step and every sampler variant, then run the largest bucket once with an
         all-padding batch (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
 
-        The largest bucket and the general sampler (`FULL_VARIANT`) are built first: every batch can run on
-        them. Each build loads from the executable cache when it holds the executable, else compiles. The
-        other buckets and variants are built here too, or with `background`, loaded here if the cache holds
-        them and else compiled on background threads (`self.background`) while the engine serves, each one
-        used from the moment it is built. Until then a batch is padded to the smallest built bucket that holds
-        it, and sampled by FULL_VARIANT (bitwise the tokens and logprobs of the variant it stands in for; see
-        sarathi_jax/sampling.py). Builds run on `compile_threads` threads (default:
+        The largest bucket and the general sampler (`FULL_VARIANT`) for its rows are built first: every batch
+        can run on them. Each build loads from the executable cache when it holds the executable, else
+        compiles. The other buckets (each with FULL_VARIANT for its rows, `BatchLayout.num_rows`) and
+        samplers are built here too, or with `background`, loaded here if the cache holds them and else
+        compiled on background threads (`self.background`) while the engine serves, each one used from the
+        moment it is built. Until then a batch is padded to the smallest built bucket that holds it, and
+        sampled by FULL_VARIANT (bitwise the tokens and logprobs of the variant it stands in for; see
+        sarathi_jax/sampling.py). Samplers: every variant for the largest bucket's rows; for smaller row
+        counts (small buckets, where the sampler is cheap) the greedy variant and FULL_VARIANT only. Builds
+        run on `compile_threads` threads (default:
         `sarathi_jax.precompile.compile_threads`). A multi-process engine builds nothing ahead: every bucket
         and variant compiles on its first run, here."""
+        top_rows = self._layout(self.buckets[-1]).num_rows
+        # Every sampler variant for the largest bucket's rows; the greedy and the general one for the others.
+        samplers = [(v, top_rows) for v in SAMPLER_VARIANTS]
+        samplers += [(v, rows) for rows in sorted({self._layout(b).num_rows for b in self.buckets} - {top_rows})
+                     for v in (SAMPLER_VARIANTS[0], FULL_VARIANT)]
         if jax.process_count() > 1:
-            for i, bucket in enumerate(self.buckets):
-                for variant in SAMPLER_VARIANTS if i == 0 else SAMPLER_VARIANTS[:1]:
+            sampled_rows: set[int] = set()
+            for bucket in self.buckets:  # each bucket's step, and each row count's samplers once
+                rows = self._layout(bucket).num_rows
+                variants = SAMPLER_VARIANTS[:1] if rows in sampled_rows else [v for v, r in samplers if r == rows]
+                sampled_rows.add(rows)
+                for variant in variants:
                     self._dispatch(self._layout(bucket).empty(), variant, timed=False)
+            self._table.only(self.buckets, samplers)  # the rest falls back to FULL_VARIANT, compiled above
             jax.block_until_ready(self.kv_caches)
             return
         threads = compile_threads if compile_threads is not None else _default_compile_threads()
@@ -265,12 +286,13 @@ class ModelRunner:
             max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, sampler=_sample_packed_jit,
             cache=self.executable_cache, table=table,
         )
-        builder.bucket(top)
-        builder.sampler(FULL_VARIANT)
-        # Decodes land in the small buckets and greedy requests need no sampling work: those first.
-        rest = [functools.partial(builder.sampler, SAMPLER_VARIANTS[0])]
-        rest += [functools.partial(builder.bucket, bucket) for bucket in self.buckets[:-1]]
-        rest += [functools.partial(builder.sampler, v) for v in SAMPLER_VARIANTS[1:] if v != FULL_VARIANT]
+        greedy = SAMPLER_VARIANTS[0]
+        builder.bucket(top, (FULL_VARIANT,))
+        # Decodes land in the small buckets and greedy requests need no sampling work: those first. A smaller
+        # bucket builds the greedy and general samplers for its rows, unless a bigger one had the same rows.
+        rest = [functools.partial(builder.sampler, greedy, top_rows)]
+        rest += [functools.partial(builder.bucket, bucket, (greedy, FULL_VARIANT)) for bucket in self.buckets[:-1]]
+        rest += [functools.partial(builder.sampler, v, top_rows) for v in SAMPLER_VARIANTS if v not in (greedy, FULL_VARIANT)]
         if background:  # what the executable cache holds loads at once (a warm start has it all); the rest later
             rest = [build for build in rest if not build(load_only=True)]
             self.background = BackgroundBuild(rest, threads, owner=self)
@@ -314,9 +336,10 @@ class ModelRunner:
         num_tokens = BatchLayout.of_packed(packed.batch.size, self.max_num_seqs, self.max_blocks_per_seq).num_tokens
         record = timeline.begin(num_tokens) if timeline else None
         single = len(self.stages) == 1
-        executables, ready_variants = self._table.executables, self._table.variants
-        # A variant not built yet: the general one gives the same tokens (and logprobs, where asked for).
-        run_variant = variant if ready_variants is None or variant in ready_variants else FULL_VARIANT
+        executables, ready_samplers = self._table.executables, self._table.variants
+        rows = min(num_tokens, self.max_num_seqs)  # BatchLayout.num_rows
+        # A variant not built: the general one gives the same tokens (and logprobs, where asked for).
+        run_variant = variant if ready_samplers is None or (variant, rows) in ready_samplers else FULL_VARIANT
         x = None
         for stage, on_device in _on_stages(self.stages, packed):
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
@@ -325,7 +348,7 @@ class ModelRunner:
                 x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
             if stage.is_last:
                 logits = x
-                sampler = executables.get(run_variant)
+                sampler = executables.get((run_variant, rows))
                 with jax.transfer_guard_host_to_device("allow"):
                     if sampler is not None:
                         x = sampler(logits, on_device.sampling)

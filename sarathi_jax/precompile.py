@@ -1,7 +1,7 @@
 """Building a `ModelRunner`'s executables ahead of time: in the foreground, or on a background thread.
 
 `ExecutableBuilder` builds one executable at a time: a bucket's model step (each pipeline stage's) or a sampler
-variant, loaded from the `ExecutableCache` when it holds it, else lowered and compiled with
+variant for a row count (`BatchLayout.num_rows`: a bucket's steps sample min(bucket, max_num_seqs) rows), loaded from the `ExecutableCache` when it holds it, else lowered and compiled with
 `jit(...).lower(...).compile()` and saved there. Each one goes into the runner's `ExecutableTable`, which
 dispatch reads (instead of calling the jitted function) and which says what is ready. It lowers from a
 snapshot of the KV cache's shape (the live cache is donated by every step), so it may run while the engine
@@ -29,14 +29,19 @@ import jax
 from sarathi_jax.compile_cache import cache_hits_in_this_thread
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.parallel.stages import Stage
-from sarathi_jax.sampling import SamplerVariant
+from sarathi_jax.sampling import FULL_VARIANT, SamplerVariant
 from sarathi_jax.step_inputs import PackedStep
 
 COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
 _log = logging.getLogger(__name__)
 
-# What an executable is for: (stage index, packed batch rows) for a model step, or a sampler variant.
-Entry = tuple[int, int] | SamplerVariant
+# What an executable is for: (stage index, packed batch length) for a model step, or (sampler variant, logits
+# rows) for a sampler.
+Entry = tuple[int, int] | tuple[SamplerVariant, int]
+
+
+def is_sampler(entry: Entry) -> bool:
+    return isinstance(entry[0], SamplerVariant)
 
 
 def compile_threads() -> int:
@@ -76,8 +81,9 @@ class ExecutableBuilder:
     `on_stages(bucket)` yields each stage with that bucket's all-padding packed inputs on its devices;
     `no_tokens` is stage 0's previous-tokens argument; `sampler` is the jitted sampler (its `variant`
     static). Every executable built goes into `table`, and a bucket is marked ready there once all its
-    stages are built. Thread-safe: builds may run on several threads at once. Nothing runs and the KV cache
-    is not touched.
+    stages and the general sampler (`FULL_VARIANT`) for its logits rows are built, so that any batch in a
+    ready bucket can be sampled (`bucket` builds the samplers of its rows that it is asked for). Thread-safe: builds may run on several threads at once. Nothing runs and
+    the KV cache is not touched.
     """
 
     def __init__(
@@ -100,7 +106,8 @@ class ExecutableBuilder:
         self._cache = cache
         self._table = table
         self._kv_shapes = [shape_of(stage.kv_cache) for stage in self._stages]  # taken now: later donated
-        self._sampler_args: tuple | None = None  # (logits, packed sampling): the same for every bucket
+        # logits rows -> (logits, packed sampling): the sampler's arguments, from a bucket with those rows
+        self._sampler_args: dict[int, tuple] = {}
 
     def _build(self, entry: Entry, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict,
                devices: list, load_only: bool) -> Any:
@@ -121,9 +128,11 @@ class ExecutableBuilder:
         self._table.add(entry, exe, loaded)
         return exe
 
-    def bucket(self, bucket: int, load_only: bool = False) -> bool:
+    def bucket(self, bucket: int, variants: Sequence[SamplerVariant] = (FULL_VARIANT,), load_only: bool = False) -> bool:
         """Every stage's model step for `bucket`, the first stage first (each lowers with the previous one's
-        output). With `load_only`, only what the executable cache holds; False when that was not all."""
+        output), then the samplers of `variants` (FULL_VARIANT among them) for its logits rows that are not
+        built yet. With `load_only`, only what the executable cache holds; False when that was not all."""
+        assert FULL_VARIANT in variants, "a ready bucket needs the general sampler"
         x = on_device = None
         for stage, on_device in self._on_stages(bucket):
             prev = self._no_tokens if stage.index == 0 else None
@@ -141,16 +150,19 @@ class ExecutableBuilder:
                 x = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=nxt.replicated)
             else:  # off a mesh the step's inputs, so its logits, are uncommitted: no sharding to lower with
                 x = out if stage.mesh is not None else jax.ShapeDtypeStruct(out.shape, out.dtype)
-        if self._sampler_args is None:
-            self._sampler_args = (x, on_device.sampling)
+        rows = x.shape[0]
+        self._sampler_args.setdefault(rows, (x, on_device.sampling))
+        for variant in variants:
+            if (variant, rows) not in self._table.executables and not self.sampler(variant, rows, load_only):
+                return False
         self._table.bucket_ready(bucket)
         return True
 
-    def sampler(self, variant: SamplerVariant, load_only: bool = False) -> bool:
-        """The sampler for `variant`, after any `bucket` (whose logits it lowers with). With `load_only`, only
-        if the executable cache holds it; False when it did not."""
-        assert self._sampler_args is not None, "build a bucket first"
-        return self._build(variant, "sampler", ("sampler", variant), self._sampler, self._sampler_args,
+    def sampler(self, variant: SamplerVariant, rows: int, load_only: bool = False) -> bool:
+        """The sampler for `variant` on `rows` logits rows, after a `bucket` with those rows (whose logits it
+        lowers with). With `load_only`, only if the executable cache holds it; False when it did not."""
+        assert rows in self._sampler_args, f"build a bucket with {rows} logits rows first"
+        return self._build((variant, rows), "sampler", ("sampler", variant), self._sampler, self._sampler_args[rows],
                            {"variant": variant}, stage_devices(self._stages[-1]), load_only) is not None
 
 
@@ -256,14 +268,14 @@ class ExecutableTable:
     background threads; the fields dispatch reads are replaced, never mutated, so reading needs no lock).
 
     `buckets`: the ready buckets, ascending (a batch is padded to the smallest that holds it). `variants`:
-    the ready sampler variants; None means any (the jitted sampler compiles one on first use).
+    the ready samplers, (variant, logits rows); None means any (the jitted sampler compiles one on first use).
     `stage_traces` and `sampler_builds` count compilations for `ModelRunner.num_compilations`.
     """
 
     def __init__(self, buckets: Sequence[int], num_stages: int) -> None:
         self.executables: dict[Entry, Callable] = {}
         self.buckets: tuple[int, ...] = tuple(buckets)
-        self.variants: frozenset[SamplerVariant] | None = None
+        self.variants: frozenset[tuple[SamplerVariant, int]] | None = None
         self.stage_traces = [0] * num_stages
         self.sampler_builds = 0
         self.lock = threading.Lock()
@@ -273,11 +285,11 @@ class ExecutableTable:
             self.stage_traces[stage_index] += 1
 
     def add(self, entry: Entry, executable: Callable, loaded: bool) -> None:
-        """Use `executable` for `entry` from now on; a sampler variant is then ready. A loaded model step
-        counts as a compilation (a compiled one was counted when it was traced)."""
+        """Use `executable` for `entry` from now on; a sampler is then ready. A loaded model step counts as a
+        compilation (a compiled one was counted when it was traced)."""
         with self.lock:
             self.executables = {**self.executables, entry: executable}
-            if isinstance(entry, SamplerVariant):
+            if is_sampler(entry):
                 self.sampler_builds += 1
                 if self.variants is not None:
                     self.variants = self.variants | {entry}
@@ -288,7 +300,7 @@ class ExecutableTable:
         with self.lock:
             self.buckets = tuple(sorted({*self.buckets, bucket}))
 
-    def only(self, buckets: Sequence[int], variants: Sequence[SamplerVariant]) -> None:
+    def only(self, buckets: Sequence[int], variants: Sequence[tuple[SamplerVariant, int]]) -> None:
         """From now on run only these (until more are added)."""
         with self.lock:
             self.buckets = tuple(sorted(buckets))

@@ -4,8 +4,12 @@ A step needs a dozen small arrays (token ids, positions, slot mapping, attention
 the sampler's settings). Passed one by one, each is its own transfer and its own argument to dispatch; packed,
 the host fills two numpy buffers (`PackedStep`, kept and updated in place by `sarathi_jax.input_batch`) and
 hands them to the jitted calls (`Stage.upload`), and the jitted functions slice them apart with static offsets (floats travel as their
-bit patterns). The batch part's size depends on the bucket; the sampling part's does not, so the sampler
-compiles once per variant, not once per bucket.
+bit patterns). The batch part's size depends on the bucket; the sampling part's does not.
+
+A bucket of T tokens holds at most min(T, S) sequences (each has at least one token), so a step computes
+logits and samples for its first `BatchLayout.num_rows` = min(T, S) rows only: a small bucket pays for neither
+max_num_seqs rows of the LM head nor the sampler's [S, vocab] work. The sampler slices those rows out of the
+sampling part (`unpack_sampling(part, S, rows)`), so it compiles once per variant and row count.
 
 Batch part (`BatchLayout`, S(3 + B) + 2 + 4T entries), for a bucket of T tokens, S = max_num_seqs rows,
 B = max_blocks_per_seq. The per-row fields come first, so their offsets do not depend on the bucket:
@@ -41,8 +45,17 @@ _SAMPLING_FIELDS = ((1, np.float32), (1, np.int32), (1, np.float32), (1, np.floa
                     (1, np.int32), (MAX_BANNED, np.int32), (1, np.int32))
 
 
+_SAMPLING_WIDTH = sum(width for width, _ in _SAMPLING_FIELDS)  # entries per row
+
+
 def sampling_len(max_num_seqs: int) -> int:
-    return max_num_seqs * sum(width for width, _ in _SAMPLING_FIELDS)
+    return max_num_seqs * _SAMPLING_WIDTH
+
+
+def sampling_max_num_seqs(sampling_len: int) -> int:
+    """S of a sampling part of `sampling_len` entries."""
+    assert sampling_len % _SAMPLING_WIDTH == 0, sampling_len
+    return sampling_len // _SAMPLING_WIDTH
 
 
 class PackedStep(NamedTuple):
@@ -59,6 +72,11 @@ class BatchLayout:
     num_tokens: int  # T, the bucket
     max_num_seqs: int  # S
     max_blocks_per_seq: int  # B
+
+    @property
+    def num_rows(self) -> int:
+        """The rows that may sample: at most one per sequence, and a sequence has at least one token."""
+        return min(self.num_tokens, self.max_num_seqs)
 
     @property
     def batch_len(self) -> int:
@@ -122,14 +140,16 @@ def pack_sampling(arrays: SamplingArrays) -> np.ndarray:
     return part
 
 
-def _split_sampling(part, max_num_seqs: int, as_dtype) -> SamplingArrays:
-    """`part` cut into the `SamplingArrays` fields (`as_dtype(x, dtype)` reinterprets an int32 slice)."""
+def _split_sampling(part, max_num_seqs: int, as_dtype, rows: int | None = None) -> SamplingArrays:
+    """`part` cut into the `SamplingArrays` fields, each cut to its first `rows` rows (default all)
+    (`as_dtype(x, dtype)` reinterprets an int32 slice)."""
     s, fields, offset = max_num_seqs, [], 0
-    assert part.shape == (sampling_len(s),), (part.shape, s)
+    r = s if rows is None else rows
+    assert part.shape == (sampling_len(s),) and 0 < r <= s, (part.shape, s, r)
     for width, dtype in _SAMPLING_FIELDS:
-        x = part[offset * s : (offset + width) * s]
+        x = part[offset * s : offset * s + width * r]
         x = x if dtype == np.int32 else as_dtype(x, dtype)
-        fields.append(x.reshape(s, width) if width > 1 else x)
+        fields.append(x.reshape(r, width) if width > 1 else x)
         offset += width
     return SamplingArrays(*fields)
 
@@ -140,6 +160,7 @@ def sampling_views(part: np.ndarray, max_num_seqs: int) -> SamplingArrays:
     return _split_sampling(part, max_num_seqs, lambda x, dtype: x.view(dtype))
 
 
-def unpack_sampling(part: jax.Array, max_num_seqs: int) -> SamplingArrays:
-    """Device side: the `SamplingArrays` of a sampling part."""
-    return _split_sampling(part, max_num_seqs, lambda x, dtype: jax.lax.bitcast_convert_type(x, jnp.dtype(dtype)))
+def unpack_sampling(part: jax.Array, max_num_seqs: int, rows: int | None = None) -> SamplingArrays:
+    """Device side: the `SamplingArrays` of a sampling part, its first `rows` rows (default all)."""
+    return _split_sampling(part, max_num_seqs, lambda x, dtype: jax.lax.bitcast_convert_type(x, jnp.dtype(dtype)),
+                           rows)

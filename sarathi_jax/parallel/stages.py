@@ -67,7 +67,7 @@ class Stage:
 
     def gather_logits(self, logits: jax.Array) -> jax.Array:
         """Inside the step: with tensor parallelism, the logits computed vocab-sharded (else XLA may
-        all-gather the LM head), then one all-gather of [S, vocab] for an unsharded sampler."""
+        all-gather the LM head), then one all-gather of [R, vocab] for an unsharded sampler."""
         if self.mesh is None or self.tensor_parallel_size == 1:
             return logits
         if self.shard_vocab:

@@ -10,6 +10,7 @@ import pytest
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.model_runner import ModelRunner
+from sarathi_jax.precompile import is_sampler
 from sarathi_jax.sampling import make_sampling_arrays
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence
@@ -111,10 +112,32 @@ def test_no_step_copies_the_kv_cache(backend):
     assert engine.config.attention_backend == backend
     kv = runner.kv_caches[0][0]
     shape = "f32[" + ",".join(map(str, kv.shape)) + "]"
-    steps = {e: exe for e, exe in runner._table.executables.items() if isinstance(e, tuple)}
+    steps = {e: exe for e, exe in runner._table.executables.items() if not is_sampler(e)}
     assert len(steps) == len(runner.buckets) >= 3  # 4 (on a CPU), 8, 16, 32, 64
     for entry, exe in steps.items():
         text = exe.as_text()
         assert shape in text
         copies = [line for line in text.splitlines() if re.search(r"=\s*" + re.escape(shape) + r"\S*\s+copy\(", line)]
         assert not copies, f"{entry}: {copies[:2]}"
+
+
+def test_a_small_bucket_samples_its_rows_as_the_full_sampler_does():
+    # A bucket of T < S tokens samples min(T, S) rows: the same tokens and logprobs as those rows of an
+    # S-row sampler (every row is sampled on its own), with the token ids padded to S for the next step.
+    from sarathi_jax.model_runner import _sample_packed_jit
+    from sarathi_jax.sampling import FULL_VARIANT
+
+    s, vocab = 8, 300
+    rng = np.random.default_rng(4)
+    logits = jax.numpy.asarray(rng.normal(size=(s, vocab)).astype(np.float32))
+    rows = [(SamplingParams(temperature=0.0, logprobs=2), 0, 0, ()),
+            (SamplingParams(temperature=0.8, top_p=0.9, seed=3), 3, 5, ()),
+            (SamplingParams(temperature=1.1, top_k=7, min_p=0.01, seed=11), 11, 2, (4, 9))]
+    part = pack_sampling(make_sampling_arrays(rows, s))
+    full = jax.device_get(_sample_packed_jit(logits, part, variant=FULL_VARIANT))
+    for r in (3, 4):
+        got = jax.device_get(_sample_packed_jit(logits[:r], part, variant=FULL_VARIANT))
+        assert got.token_ids.shape == (s,) and (got.token_ids[r:] == 0).all()
+        np.testing.assert_array_equal(got.token_ids[:3], full.token_ids[:3])
+        for name in ("logprobs", "top_token_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(got, name)[:3], getattr(full, name)[:3], err_msg=name)

@@ -106,15 +106,15 @@ def test_no_builds_is_done_at_once():
 def test_executable_table_tracks_what_is_ready():
     table = ExecutableTable((16, 32, 64), num_stages=2)
     assert table.buckets == (16, 32, 64) and table.variants is None  # before warm-up: everything, on demand
-    table.only([64], [FULL_VARIANT])
+    table.only([64], [(FULL_VARIANT, 8)])
     greedy = SAMPLER_VARIANTS[0]
-    assert table.buckets == (64,) and table.variants == {FULL_VARIANT}
+    assert table.buckets == (64,) and table.variants == {(FULL_VARIANT, 8)}
     table.bucket_ready(16)
     assert table.buckets == (16, 64)
     step, sampler = object(), object()
     table.add((1, 40), step, loaded=True)  # a model step loaded from the executable cache counts as compiled
     table.add((0, 40), step, loaded=False)  # a compiled one was counted when it was traced
     table.traced(0)
-    table.add(greedy, sampler, loaded=False)
-    assert table.variants == {FULL_VARIANT, greedy} and table.executables[greedy] is sampler
+    table.add((greedy, 4), sampler, loaded=False)  # a sampler: (variant, logits rows)
+    assert table.variants == {(FULL_VARIANT, 8), (greedy, 4)} and table.executables[(greedy, 4)] is sampler
     assert table.stage_traces == [1, 1] and table.sampler_builds == 1

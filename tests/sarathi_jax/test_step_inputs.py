@@ -8,7 +8,7 @@ import numpy as np
 
 from sarathi_jax.sampling_inputs import MAX_BANNED, make_sampling_arrays
 from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.step_inputs import BatchLayout, pack_sampling, sampling_len, unpack_sampling
+from sarathi_jax.step_inputs import BatchLayout, pack_sampling, sampling_len, sampling_max_num_seqs, unpack_sampling
 
 
 def test_batch_part_round_trips():
@@ -49,3 +49,24 @@ def test_sampling_part_round_trips_bit_for_bit():
         have = np.asarray(have)
         assert have.dtype == want.dtype and have.shape == want.shape, name
         np.testing.assert_array_equal(have.view(np.uint32), want.view(np.uint32), err_msg=name)
+
+
+def test_sampling_part_first_rows_are_the_full_parts_first_rows():
+    rows = [
+        (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=3), 2**40 + 17, 4, (1, 2)),
+        (SamplingParams(temperature=1.3, seed=9), 2**64 - 1, 11, tuple(range(MAX_BANNED))),
+        (SamplingParams(temperature=0.0), 0, 0, ()),
+    ]
+    arrays = make_sampling_arrays(rows, 6)
+    part = jnp.asarray(pack_sampling(arrays))
+    assert sampling_max_num_seqs(part.size) == 6
+    for r in (1, 2, 3, 6):
+        got = jax.jit(unpack_sampling, static_argnums=(1, 2))(part, 6, r)
+        for name, want, have in zip(arrays._fields, arrays, got):
+            have = np.asarray(have)
+            assert have.shape == (r,) + want.shape[1:], (name, r)
+            np.testing.assert_array_equal(have.view(np.uint32), want[:r].view(np.uint32), err_msg=f"{name} {r}")
+
+
+def test_logits_rows_are_at_most_the_buckets_tokens():
+    assert [BatchLayout(t, 8, 2).num_rows for t in (4, 8, 16, 512)] == [4, 8, 8, 8]
