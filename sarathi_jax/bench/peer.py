@@ -14,6 +14,7 @@ Measurements (`--parts`, default offline,rates and capacity when --slo-tbt is gi
   offline   every request at t=0 (`--num-requests` prompts of `--prompt-len`, `--output-len` tokens each):
             prompt + generated tokens over the wall time of one pass, in-process on both sides (this engine's
             LLMEngine here; vllm.LLM in a subprocess of vLLM's interpreter), start-up and a warm-up excluded.
+            `--repeats N`: N passes each, the engines alternating (both stay up), the median pass reported.
   rates     `--num-requests` rows of the conversation trace (`--trace`, default ../shared/traces/
             splitwise_conv.csv beside the repository) with seeded Poisson arrivals at each `--qps`, sent to
             each engine's OpenAI server: TTFT and TBT P50/P99 and generated tokens/s, measured at the client.
@@ -73,6 +74,7 @@ class PeerConfig:
     num_requests: int = 64
     prompt_len: str = "uniform:128:1024"
     output_len: str = "64"
+    repeats: int = 1
     trace: str | None = None  # resolved path; None when no part needs it
     qps: tuple[float, ...] = (0.5, 1.0, 2.0)
     length_scale: float = 1.0
@@ -119,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "capacity probe)")
     w.add_argument("--prompt-len", default="uniform:128:1024", help="offline prompt lengths (bench length spec)")
     w.add_argument("--output-len", default="64", help="offline output lengths (bench length spec)")
+    w.add_argument("--repeats", type=int, default=1, help="offline: timed passes per engine, alternating between "
+                   "the engines; each reports its median pass")
     w.add_argument("--trace", default=None, metavar="PATH",
                    help="conversation trace CSV (default ../shared/traces/splitwise_conv.csv beside the repo)")
     w.add_argument("--qps", default="0.5,1,2", help="comma-separated request rates for the rates part")
@@ -210,6 +214,8 @@ def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfi
         raise BenchError(f"--qps: rates must be > 0, got {args.qps!r}")
     if args.num_requests < 1:
         raise BenchError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.repeats < 1:
+        raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
 
     model = args.model
     if args.make_model:
@@ -250,7 +256,7 @@ def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfi
         settings=settings,
         engines=tuple(ENGINE_CHOICES[e] for e in engines if e == "sarathi" or vllm_python),
         parts=parts, vllm_python=vllm_python, num_requests=args.num_requests, prompt_len=args.prompt_len,
-        output_len=args.output_len, trace=trace, qps=qps, length_scale=args.length_scale, slo_tbt=args.slo_tbt,
+        output_len=args.output_len, repeats=args.repeats, trace=trace, qps=qps, length_scale=args.length_scale, slo_tbt=args.slo_tbt,
         max_sched_delay=args.max_sched_delay, capacity_probes=args.capacity_probes, capacity_tol=args.capacity_tol,
         capacity_start_qps=args.capacity_start_qps, vllm_versions=versions,
         vllm_env=vllm_cpu_env(args.kv_cache_gib, args.vllm_cpu_bind, () if args.vllm_preload == "none" or not versions
@@ -267,23 +273,33 @@ def vocab_size(cfg: PeerConfig) -> int:
 
 
 def run_offline(cfg: PeerConfig, report: dict) -> None:
-    from sarathi_jax.bench.peer_offline import run_sarathi_offline, run_vllm_offline, vllm_spec
+    from sarathi_jax.bench.peer_offline import SarathiOffline, VllmOffline, vllm_spec
 
     s = cfg.settings
     wl = offline_workload(cfg.num_requests, cfg.prompt_len, cfg.output_len, s.max_model_len, s.seed)
     prompts = wl.prompts(vocab_size(cfg), s.seed)
     report["workloads"]["offline"] = describe_requests(wl, "all at t=0")
-    _log(cfg, f"offline: {report['workloads']['offline']['description']}")
-    results = report["offline"]
-    for engine in cfg.engines:
-        _log(cfg, f"[{engine}] offline ...")
+    _log(cfg, f"offline: {report['workloads']['offline']['description']}, {cfg.repeats} pass(es) per engine")
+    runs = {}
+    for engine in cfg.engines:  # both up and warm before any pass is timed
+        _log(cfg, f"[{engine}] offline: starting ...")
         if engine == SARATHI:
-            res = run_sarathi_offline(s, wl, prompts)
+            runs[engine] = SarathiOffline(s, wl, prompts)
         else:
-            res = run_vllm_offline(cfg.vllm_python, vllm_spec(s, wl, prompts, vocab_size(cfg)), dict(cfg.vllm_env),
-                                   Path(cfg.log_dir), timeout=cfg.startup_timeout + 3600)
-        results[engine] = res.to_dict()
-        _log(cfg, f"[{engine}] offline: {res.num_completed}/{res.num_requests} in {res.wall_s:.1f} s, "
+            spec = {**vllm_spec(s, wl, prompts, vocab_size(cfg)), "passes": cfg.repeats}
+            runs[engine] = VllmOffline(cfg.vllm_python, spec, dict(cfg.vllm_env), Path(cfg.log_dir),
+                                       timeout=cfg.startup_timeout + 3600)
+    tokens = int(wl.prompt_lens.sum() + wl.output_lens.sum())
+    for i in range(cfg.repeats):  # A B, B A, A B, ...: one engine at a time, neither always first
+        for engine in cfg.engines if i % 2 == 0 else cfg.engines[::-1]:
+            t0 = time.monotonic()
+            runs[engine].run_pass()
+            wall = time.monotonic() - t0
+            _log(cfg, f"[{engine}] offline pass {i + 1}/{cfg.repeats}: about {tokens / wall:.1f} total tok/s")
+    for engine, run in runs.items():
+        res = run.finish()
+        report["offline"][engine] = res.to_dict()
+        _log(cfg, f"[{engine}] offline: {res.num_completed}/{res.num_requests}, median pass {res.wall_s:.1f} s, "
                   f"{res.total_tokens_per_s:.1f} total tok/s")
 
 

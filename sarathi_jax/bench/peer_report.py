@@ -63,7 +63,12 @@ def offline_table(offline: dict[str, dict]) -> str:
         rows.append([engine, f"{r['num_completed']}/{r['num_requests']}", str(r["prompt_tokens"]),
                      str(r["output_tokens"])] + [fmt(v) for (_, _, fmt), v in zip(OFFLINE_COLUMNS, nums)])
     extra = _ratio_row([RATIO_LABEL], values, 3)
-    return format_rows(header, rows + ([extra] if extra else []))
+    table = format_rows(header, rows + ([extra] if extra else []))
+    passes = {e: offline[e].get("passes_total_tokens_per_s") or [] for e in _engines(offline)}
+    if any(len(p) > 1 for p in passes.values()):  # --repeats: every pass, in the order they ran
+        table += "\n" + "\n".join(f"{e} passes (total tok/s): " + ", ".join(_num(v) for v in p)
+                                   for e, p in passes.items())
+    return table
 
 
 # ----------------------------------------------------------------------------------------------- rates

@@ -4,6 +4,7 @@ offline script against a stand-in `vllm` module, and one real run of this engine
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -286,15 +287,27 @@ def test_vllm_offline_script_against_a_stand_in_vllm(tmp_path, monkeypatch):
                                                                    __version__="0.0-fake"))
     wl = offline_workload(3, "uniform:5:9", "4", 64, 0)
     prompts = wl.prompts(100, 0)
-    spec = vllm_spec(EngineSettings(model="/m", token_budget=32), wl, prompts, 100)
+    spec = {**vllm_spec(EngineSettings(model="/m", token_budget=32), wl, prompts, 100), "passes": 2}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     source = Path(peer.__file__).with_name("peer_vllm_offline.py").read_text()
-    monkeypatch.setattr(sys, "argv", ["-c", str(tmp_path / "spec.json"), str(tmp_path / "out.json")])
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    os.write(go_w, b"go\ngo\n")  # the bench's two go-aheads, written ahead here (one process)
+    monkeypatch.setattr(sys, "argv", ["-c", str(tmp_path / "spec.json"), str(tmp_path / "out.json"), str(go_r),
+                                      str(done_w)])
     with pytest.raises(SystemExit) as exit_:
         exec(compile(source, "<peer_vllm_offline>", "exec"), {"__name__": "__main__"})
     assert exit_.value.code == 0
+    os.close(done_w)
+    with os.fdopen(done_r) as done:
+        assert done.read() == "ready\npass 0\npass 1\n"  # warm, then a line after each pass
+    for fd in (go_r, go_w):
+        os.close(fd)
     out = json.loads((tmp_path / "out.json").read_text())
+    assert len(out["passes"]) == 2 and out["wall_s"] == min(out["passes"])  # the lower middle of two
     assert calls[0] == ("init", spec["engine"]) and spec["engine"]["max_num_batched_tokens"] == 32
+    assert [c[0] for c in calls] == ["init", "generate", "generate", "generate"]  # warm-up and two passes
+    assert calls[2][1] == calls[3][1]  # both passes: the same requests
     _, warm_inputs, _ = calls[1]
     _, inputs, params = calls[2]  # the timed call: the same token ids, fixed lengths, greedy
     assert [i["prompt_token_ids"] for i in inputs] == prompts
@@ -333,3 +346,37 @@ def test_this_engine_end_to_end(tiny_model, trace, tmp_path, capsys, monkeypatch
     assert len(cap["probes"]) == 2 and cap["capacity_qps"] >= 4  # a 5 s TBT SLO: the start rate passes
     assert VLLM not in report["offline"] and report["ratios"] == {}
     assert SARATHI in captured.out and "total tok/s" in captured.out
+
+
+def test_offline_repeats_alternate_the_engines_and_report_the_median(tiny_model, monkeypatch):
+    """--repeats 3: both engines up first, then A B, B A, A B; each reports its median pass."""
+    from sarathi_jax.bench import peer_offline
+    from sarathi_jax.bench.peer_offline import OfflineResult
+
+    events, walls = [], {SARATHI: [3.0, 1.0, 2.0], VLLM: [5.0, 4.0, 6.0]}
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.ran = name, []
+            events.append(("start", name))
+
+        def run_pass(self):
+            self.ran.append(walls[self.name][len(self.ran)])
+            events.append(("pass", self.name))
+
+        def finish(self):
+            return OfflineResult.of_passes(self.name, 2, 2, 90, 10, self.ran, 0.0)
+
+    monkeypatch.setattr(peer_offline, "SarathiOffline", lambda *a: Fake(SARATHI))
+    monkeypatch.setattr(peer_offline, "VllmOffline", lambda *a, **k: Fake(VLLM))
+    cfg = peer.config_from_args(_args("--model", tiny_model, "--engines", "sarathi", "--parts", "offline",
+                                      "--repeats", "3", "--quiet"), notes=[])
+    cfg = type(cfg)(**{**cfg.__dict__, "engines": (SARATHI, VLLM), "vllm_python": "python"})
+    report = {"workloads": {}, "offline": {}}
+    peer.run_offline(cfg, report)
+    assert events == [("start", SARATHI), ("start", VLLM), ("pass", SARATHI), ("pass", VLLM), ("pass", VLLM),
+                      ("pass", SARATHI), ("pass", SARATHI), ("pass", VLLM)]
+    assert report["offline"][SARATHI]["wall_s"] == 2.0 and report["offline"][VLLM]["wall_s"] == 5.0
+    assert report["offline"][SARATHI]["passes"] == [3.0, 1.0, 2.0]
+    table = offline_table(report["offline"])
+    assert f"{SARATHI} passes (total tok/s): 33.3, 100.0, 50.0" in table
