@@ -48,7 +48,7 @@ from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerOutput, 
 from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
-from sarathi_jax.sizing import SMALLEST_BUCKET, bucket_for, token_buckets
+from sarathi_jax.sizing import bucket_for
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, sampling_max_num_seqs, unpack_sampling
 
 
@@ -130,8 +130,7 @@ class ModelRunner:
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
-        max_step_tokens: int,
-        smallest_bucket: int = SMALLEST_BUCKET,
+        buckets: Sequence[int],
         plan: Any = None,
         scan_layers: bool = True,
         executable_cache: ExecutableCache | None = None,
@@ -141,7 +140,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = token_buckets(max_step_tokens, smallest_bucket)
+        self.buckets = tuple(buckets)  # ascending; the last holds the largest batch (`sizing.platform_buckets`)
         self.plan = None if plan is None or plan.is_single_device else plan
         self.timeline = None
         if self.plan is None:

@@ -11,7 +11,7 @@ import pytest
 
 from sarathi_jax.config import EngineConfig
 from sarathi_jax.models.presets import get_preset
-from sarathi_jax.sizing import DTYPE_BYTES, bucket_for, kv_bytes_per_block, size_engine, token_buckets
+from sarathi_jax.sizing import DTYPE_BYTES, bucket_for, kv_bytes_per_block, platform_buckets, size_engine, token_buckets
 
 
 def test_token_buckets_are_powers_of_two_then_the_rounded_budget():
@@ -19,6 +19,16 @@ def test_token_buckets_are_powers_of_two_then_the_rounded_budget():
     assert token_buckets(100) == (16, 32, 64, 112)  # the top is rounded up to a multiple of 16
     assert token_buckets(16) == (16,) and token_buckets(1) == (16,)
     assert token_buckets(40, smallest=8) == (8, 16, 32, 40)
+
+
+def test_a_cpu_gets_buckets_halfway_between_the_powers_of_two_from_96():
+    assert platform_buckets(512, "cpu") == (4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
+    assert platform_buckets(512, "gpu") == token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert platform_buckets(64, "cpu") == (4, 8, 16, 32, 64)  # below 96: powers of two only
+    # A midpoint only where it saves a quarter of the top or more (not 96 beside a top of 100).
+    assert platform_buckets(100, "cpu") == (4, 8, 16, 32, 64, 100)
+    assert platform_buckets(200, "cpu") == (4, 8, 16, 32, 64, 96, 128, 200)
+    assert bucket_for(platform_buckets(512, "cpu"), 300) == 384  # 1.28x padding, not 1.7x
 
 
 def test_bucket_for_pads_to_the_smallest_bucket_that_holds_the_batch():

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from sarathi_jax.bench import loop_cost as lc
-from sarathi_jax.sizing import smallest_bucket, token_buckets
+from sarathi_jax.sizing import platform_buckets
 
 
 def test_cli_runs_both_loops_on_tiny_model(tmp_path, capsys):
@@ -22,7 +22,7 @@ def test_cli_runs_both_loops_on_tiny_model(tmp_path, capsys):
     assert rc == 0
     doc = json.loads(out.read_text())
     backend = doc["platform"]["backend"]
-    assert backend and doc["engine"]["buckets"] == list(token_buckets(16, smallest_bucket(backend)))
+    assert backend and doc["engine"]["buckets"] == list(platform_buckets(16, backend))
     assert doc["rates"]["matmul_flops_per_s"] == 1e10 and doc["rates"]["bandwidth_bytes_per_s"] == 2e9
     rows = {(r["workload"], r["loop"]): r for r in doc["rows"]}
     assert set(rows) == {(w, loop) for w in ("decode", "mixed") for loop in ("sync", "async")}

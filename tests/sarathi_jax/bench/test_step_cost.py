@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from sarathi_jax.bench import step_cost as sc
-from sarathi_jax.sizing import bucket_for, smallest_bucket, token_buckets
+from sarathi_jax.sizing import bucket_for, platform_buckets
 
 
 def test_cli_runs_on_tiny_model(tmp_path, capsys):
@@ -23,7 +23,7 @@ def test_cli_runs_on_tiny_model(tmp_path, capsys):
     ])
     assert rc == 0
     doc = json.loads(out_json.read_text())
-    buckets = token_buckets(16, smallest_bucket(jax.default_backend()))
+    buckets = platform_buckets(16, jax.default_backend())
     assert doc["engine"]["buckets"] == list(buckets)
     assert doc["engine"]["model"] == "tiny-llama"
     assert doc["rates"]["matmul_flops_per_s"] == 1e10 and doc["rates"]["bandwidth_bytes_per_s"] == 2e9

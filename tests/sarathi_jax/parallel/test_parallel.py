@@ -17,7 +17,7 @@ import pytest
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.models import ModelConfig
-from sarathi_jax.sizing import smallest_bucket, token_buckets
+from sarathi_jax.sizing import platform_buckets
 from sarathi_jax.parallel import (
     initialize_distributed_from_env,
     make_plan,
@@ -167,7 +167,7 @@ def test_background_compile_on_a_tp_pp_mesh(model_dir, prompts, reference):
                   max_model_len=128, tensor_parallel_size=2, pipeline_parallel_size=2, compilation_cache_dir=None)
     engine = LLMEngine(EngineConfig(**fields))
     runner = engine.runner
-    assert runner.buckets == token_buckets(32, smallest_bucket(jax.default_backend()))
+    assert runner.buckets == platform_buckets(32, jax.default_backend())
     assert engine.startup_stats()["background_executables"] > 0
     assert_same_run(run_workload(engine, prompts), reference)
     assert engine.wait_until_compiled(timeout=600) and runner.ready_buckets == runner.buckets
