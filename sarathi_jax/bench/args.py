@@ -96,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "HOST:PORT (gRPC) or http://HOST:PORT (the OpenAI-compatible HTTP API)")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default=None, metavar="PATH",
-                   help="CSV with num_prefill_tokens, num_decode_tokens and optionally arrived_at")
+    w.add_argument("--trace", default=None, metavar="NAME|PATH",
+                   help="a shipped trace by name, arxiv (arxiv-summarization lengths) or conversation (Azure's "
+                        "conversation trace, with arrival times), or a CSV with num_prefill_tokens, "
+                        "num_decode_tokens and optionally arrived_at")
     w.add_argument("--sample", type=int, default=None, metavar="N",
                    help="use N trace rows (a contiguous window when the trace has arrival times, else random rows)")
     w.add_argument("--num-requests", type=int, default=None, metavar="N",
@@ -109,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arrival process (default: the trace's own times when it has them, else poisson)")
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival gaps")
     w.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN,
-                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:PATH")
+                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:NAME|PATH")
     w.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN,
-                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:PATH")
+                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:NAME|PATH")
     w.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply prompt and output lengths (rounded, >= 1); requests that still exceed "
                         "max_model_len are scaled down proportionally to fit")

@@ -14,8 +14,8 @@ Measurements (`--parts`, default offline,rates and capacity when --slo-tbt is gi
   offline   every request at t=0 (`--num-requests` prompts of `--prompt-len`, `--output-len` tokens each):
             prompt + generated tokens over the wall time of one pass, in-process on both sides (this engine's
             LLMEngine here; vllm.LLM in a subprocess of vLLM's interpreter), start-up and a warm-up excluded.
-  rates     `--num-requests` rows of the conversation trace (`--trace`, default ../shared/traces/
-            splitwise_conv.csv beside the repository) with seeded Poisson arrivals at each `--qps`, sent to
+  rates     `--num-requests` rows of the conversation trace (`--trace`: a CSV or a shipped trace's name,
+            default `conversation`, shipped in the package) with seeded Poisson arrivals at each `--qps`, sent to
             each engine's OpenAI server: TTFT and TBT P50/P99 and generated tokens/s, measured at the client.
   capacity  the highest rate at which P99 TBT <= `--slo-tbt`, every request finishes and at least half the
             requests waited at most `--max-sched-delay` in the server's queue (the paper's median scheduling
@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "capacity probe)")
     w.add_argument("--prompt-len", default="uniform:128:1024", help="offline prompt lengths (bench length spec)")
     w.add_argument("--output-len", default="64", help="offline output lengths (bench length spec)")
-    w.add_argument("--trace", default=None, metavar="PATH",
-                   help="conversation trace CSV (default ../shared/traces/splitwise_conv.csv beside the repo)")
+    w.add_argument("--trace", default=None, metavar="NAME|PATH",
+                   help="rates and capacity: a trace CSV or a shipped trace's name, arxiv or conversation "
+                        "(default conversation)")
     w.add_argument("--qps", default="0.5,1,2", help="comma-separated request rates for the rates part")
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply the trace's lengths (CPU-sized runs)")
     w.add_argument("--slo-tbt", type=float, default=None, metavar="SECONDS", help="capacity: P99 TBT SLO")
