@@ -57,6 +57,7 @@ from sarathi_jax.bench.peer_servers import (EngineSettings, ServerCommand, cpu_i
 from sarathi_jax.bench.peer_workloads import (check_model_dir, describe_requests, offline_workload, peer_requests,
                                               rate_workload, resolve_trace, warmup_workload)
 from sarathi_jax.bench.workload import Workload
+from sarathi_jax.paths import cli_path, cli_program
 
 PARTS = ("offline", "rates", "capacity")
 ENGINE_CHOICES = {"sarathi": SARATHI, "vllm": VLLM}
@@ -94,11 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sarathi_jax.bench.peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model and engines")
-    m.add_argument("--model", default=None, metavar="HF_DIR", help="HF Llama folder (config.json + safetensors)")
-    m.add_argument("--make-model", default=None, metavar="DIR",
+    m.add_argument("--model", type=cli_path, default=None, metavar="HF_DIR",
+                   help="HF Llama folder (config.json + safetensors)")
+    m.add_argument("--make-model", type=cli_path, default=None, metavar="DIR",
                    help="write the 60M-parameter Llama (random weights, word-level tokenizer) to DIR and use it; "
                         "needs transformers and torch (the test extras); an existing model there is reused")
-    m.add_argument("--vllm-python", default=None, metavar="PATH",
+    m.add_argument("--vllm-python", type=cli_program, default=None, metavar="PATH",
                    help="the interpreter that has vllm (default: this one, when it has vllm)")
     m.add_argument("--engines", default="sarathi,vllm", help="sarathi, vllm or both")
     m.add_argument("--token-budget", type=int, default=512, help="this engine's token budget = vLLM's "
@@ -133,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("running")
     o.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to become ready")
     o.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default: none)")
-    o.add_argument("--log-dir", default=None, help="server and vLLM logs (default: a new temporary folder)")
-    o.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
+    o.add_argument("--log-dir", type=cli_path, default=None,
+                   help="server and vLLM logs (default: a new temporary folder)")
+    o.add_argument("--out", type=cli_path, default=None, metavar="FILE.json", help="write the report as JSON")
     o.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -224,9 +227,7 @@ def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfi
             notes.append(f"wrote the 60M Llama to {model}")
     if not model:
         raise BenchError("--model HF_DIR is required (or --make-model DIR to write the 60M Llama)")
-    # Absolute from here on: vLLM runs in subprocesses of their own, and takes a relative name for a hub id.
-    model = str(Path(model).resolve())
-    check_model_dir(model)
+    check_model_dir(model)  # absolute (cli_path): vLLM runs elsewhere, and takes a relative name for a hub id
 
     vllm_python, versions = None, None
     if "vllm" in engines and parts:
