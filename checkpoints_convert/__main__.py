@@ -14,6 +14,7 @@ import sys
 from checkpoints_convert.converter import DTYPES, ConversionError, convert
 from sarathi_jax.models.config import SUPPORTED_ARCHITECTURES
 from sarathi_jax.models.loader import CheckpointError
+from sarathi_jax.paths import cli_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,10 +25,12 @@ def main(argv: list[str] | None = None) -> int:
                     + ", ".join(SUPPORTED_ARCHITECTURES),
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf", help="HF folder: config.json, *.safetensors (+ index), tokenizer files")
-    source.add_argument("--gguf", help="llama.cpp GGUF file (Llama family; any quantization the gguf package "
-                                       "dequantizes); default dtype float32")
-    parser.add_argument("--out", required=True, help="output folder (created; must not hold a checkpoint unless --force)")
+    source.add_argument("--hf", type=cli_path, help="HF folder: config.json, *.safetensors (+ index), tokenizer files")
+    source.add_argument("--gguf", type=cli_path,
+                        help="llama.cpp GGUF file (Llama family; any quantization the gguf package "
+                             "dequantizes); default dtype float32")
+    parser.add_argument("--out", type=cli_path, required=True,
+                        help="output folder (created; must not hold a checkpoint unless --force)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="parameter dtype to store (default: float32 for float32 checkpoints, else bfloat16)")
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")

@@ -47,6 +47,7 @@ from checkpoints_convert.param_reader import CHUNK_BYTES, TensorSource, read_par
 from checkpoints_convert.safetensors_stream import SafetensorsCheckpoint
 from sarathi_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from sarathi_jax.models.loader import is_orbax_checkpoint
+from sarathi_jax.paths import absolute_path
 
 DTYPES = ("bfloat16", "float32")
 
@@ -99,7 +100,8 @@ def convert(
 ) -> ConversionResult:
     """Convert the HF checkpoint folder `hf_dir` into an Orbax checkpoint folder `out_dir` (see module doc)."""
     start_time = time.monotonic()
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    # Absolute from here on: Orbax's atomic save refuses relative destinations.
+    hf_dir, out_dir = Path(absolute_path(hf_dir)), Path(absolute_path(out_dir))
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{str(hf_dir)!r} is not an HF checkpoint folder (no config.json)")
     try:

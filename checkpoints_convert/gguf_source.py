@@ -51,6 +51,7 @@ from checkpoints_convert.orbax_writer import MIN_BATCH_BYTES, ConversionResult, 
 from checkpoints_convert.param_reader import CHUNK_BYTES
 from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.models.loader import CheckpointError
+from sarathi_jax.paths import absolute_path
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # The vocabulary's large array fields: not decoded up front, dropped once the tokenizer is built.
@@ -217,7 +218,8 @@ def convert_gguf(
 ) -> ConversionResult:
     """Convert a GGUF file into an Orbax checkpoint folder `out_dir` (see module doc)."""
     start_time = time.monotonic()
-    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    # Absolute from here on: Orbax's atomic save refuses relative destinations.
+    gguf_file, out_dir = Path(absolute_path(gguf_file)), Path(absolute_path(out_dir))
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if out_dir.resolve() in gguf_file.resolve().parents:  # --force would replace (delete) the input file

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from sarathi_jax.paths import cli_path
+
 SYNTHETIC_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 1024,
     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
@@ -69,8 +71,8 @@ def write_synthetic_llama(folder: Path, config: dict = SYNTHETIC_CONFIG, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoints_convert.peak_memory")
-    parser.add_argument("--hf", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--hf", type=cli_path, required=True)
+    parser.add_argument("--out", type=cli_path, required=True)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--synthetic", action="store_true", help="first write the synthetic checkpoint into --hf")
     parser.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)

@@ -30,6 +30,8 @@ from pathlib import Path
 import jax
 from jax import monitoring
 
+from sarathi_jax.paths import absolute_path
+
 ENV_VAR = "SARATHI_JAX_COMPILATION_CACHE"
 _OFF_WORDS = ("", "0", "off", "false", "no", "none")
 
@@ -53,11 +55,13 @@ def resolve_cache_dir(setting: str | None) -> str | None:
     """The directory `setting` names (see the module docstring), or None for no persistent cache."""
     if setting is None or setting.strip().lower() in _OFF_WORDS:
         return None
+    # A path is made absolute here, where the setting and the environment variable are read: JAX keeps the
+    # string and would otherwise follow later changes of the current directory.
     if setting != "auto":
-        return str(Path(setting).expanduser())
+        return absolute_path(setting)
     env = os.environ.get(ENV_VAR)
     if env is not None:
-        return None if env.strip().lower() in _OFF_WORDS else str(Path(env).expanduser())
+        return None if env.strip().lower() in _OFF_WORDS else absolute_path(env)
     configured = jax.config.jax_compilation_cache_dir  # the user's own JAX setting wins over our default
     return configured or str(default_cache_dir())
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from sarathi_jax.models.presets import PRESETS
+from sarathi_jax.paths import absolute_path
 from sarathi_jax.scheduler.registry import TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -66,7 +69,8 @@ def resolve_scan_layers(scan_layers: bool | None, platform: str) -> bool:
 class EngineConfig:
     """Everything `LLMEngine` needs to start.
 
-    model: a preset name (see `sarathi_jax.models.PRESETS`) or an HF checkpoint folder.
+    model: a preset name (see `sarathi_jax.models.PRESETS`) or an HF checkpoint folder; a folder is made
+        absolute here (relative to the current directory), so the config means the same from anywhere.
     token_budget: most tokens (decodes + prefill chunks) in one iteration under the policies that batch by
         it (sarathi, simple_chunking, chunked_prefills_only; hybrid_batching_only, except an over-budget
         prompt that runs alone). It is the largest compiled bucket only under the chunking policies: the
@@ -139,6 +143,10 @@ class EngineConfig:
     background_compile: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
+            raise ValueError(f"model must be a preset name or a checkpoint folder, got {self.model!r}")
+        if self.model not in PRESETS:
+            object.__setattr__(self, "model", absolute_path(self.model))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self._resolve_batch_limits()

@@ -90,7 +90,8 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
     print(format_startup(engine.startup_stats()), flush=True)
     # engine.config names what "auto" resolved to (attention backend, cache directory).
-    server = GenerationServer(engine, engine_config=engine.config, model_name=args.served_model_name,
+    # The served name defaults to --model as typed (vLLM's rule); engine.config holds it made absolute.
+    server = GenerationServer(engine, engine_config=engine.config, model_name=args.served_model_name or args.model,
                               host=args.host, port=None if args.no_grpc else args.port,
                               metrics_port=args.metrics_port, http_port=args.http_port,
                               max_waiting_requests=args.max_waiting_requests,

@@ -10,6 +10,7 @@ from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY
 from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
 from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
+from sarathi_jax.paths import cli_path
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
 CPU_DEFAULT_MODEL = "tiny-llama"
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests (off by default here, as in the paper's systems; the engine's default is on)")
     g.add_argument("--simulate", action="store_true",
                    help="use SimulatedEngine (real schedulers, cost model, virtual clock) instead of LLMEngine")
-    g.add_argument("--cost-model", default=None, metavar="PATH",
+    g.add_argument("--cost-model", type=cli_path, default=None, metavar="PATH",
                    help="--simulate: a cost model calibrated on the real runner (JSON written by "
                         "`python -m sarathi_jax.bench.step_cost --mode calibrate --cost-model-out PATH`) "
                         "instead of the simulator's default")
@@ -96,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "HOST:PORT (gRPC) or http://HOST:PORT (the OpenAI-compatible HTTP API)")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default=None, metavar="PATH",
-                   help="CSV with num_prefill_tokens, num_decode_tokens and optionally arrived_at")
+    w.add_argument("--trace", default=None, metavar="NAME|PATH",
+                   help="a shipped trace by name, arxiv (arxiv-summarization lengths) or conversation (Azure's "
+                        "conversation trace, with arrival times), or a CSV with num_prefill_tokens, "
+                        "num_decode_tokens and optionally arrived_at")
     w.add_argument("--sample", type=int, default=None, metavar="N",
                    help="use N trace rows (a contiguous window when the trace has arrival times, else random rows)")
     w.add_argument("--num-requests", type=int, default=None, metavar="N",
@@ -109,16 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arrival process (default: the trace's own times when it has them, else poisson)")
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrival gaps")
     w.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN,
-                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:PATH")
+                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:NAME|PATH")
     w.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN,
-                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:PATH")
+                   help="N | uniform:LO:HI | zipf:THETA:LO:HI | trace:NAME|PATH")
     w.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply prompt and output lengths (rounded, >= 1); requests that still exceed "
                         "max_model_len are scaled down proportionally to fit")
     w.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     w.add_argument("--offline", action="store_true", help="all requests at t=0 (throughput)")
     w.add_argument("--seed", type=int, default=0, help="workload seed (lengths, arrivals, sampled rows, prompts)")
-    w.add_argument("--prompts-file", default=None, metavar="PATH",
+    w.add_argument("--prompts-file", type=cli_path, default=None, metavar="PATH",
                    help="real text prompts, one per line (request i sends line i mod the line count), rendered "
                         "with the model's chat template as a user turn when it has one; the model folder needs a "
                         "tokenizer. Requests stop at EOS (at most the workload's output length) and the first "
@@ -149,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a stall is a TBT above this many times the run's median TBT")
 
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, metavar="DIR",
+    o.add_argument("--out", type=cli_path, default=None, metavar="DIR",
                    help="write JSON and CSV per run, summary.csv/json and PNG plots here")
     o.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     o.add_argument("--quiet", action="store_true", help="no progress bars or progress lines")

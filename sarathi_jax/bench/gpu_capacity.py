@@ -39,9 +39,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from sarathi_jax.bench.__main__ import main as bench_main
+from sarathi_jax.bench.traces import SHIPPED_TRACES as TRACE_FILES
 from sarathi_jax.config import resolve_dtype
+from sarathi_jax.paths import cli_path
 
-TRACE_FILES = {"arxiv": "arxiv_summarization.csv", "conversation": "splitwise_conv.csv"}
 SLO_MULTIPLES = {"strict": 5.0, "relaxed": 25.0}  # x the decode-only iteration time (the paper's section 5)
 POLICIES = ("sarathi", "vllm", "orca")
 DECODE_TIME_FILE = "decode_time.json"
@@ -229,9 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = Experiment()
     p = argparse.ArgumentParser(prog="python -m sarathi_jax.bench.gpu_capacity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--trace-dir", default="../shared/traces",
-                   help=f"folder with {' and '.join(TRACE_FILES.values())}")
+    p.add_argument("--out", type=cli_path, required=True, metavar="DIR")
+    p.add_argument("--trace-dir", type=cli_path, default=None,
+                   help=f"a folder with other copies of {' and '.join(TRACE_FILES.values())} (default: the traces "
+                        "shipped in the package, by name)")
     p.add_argument("--smoke", action="store_true", help="tiny-llama, a handful of requests: checks the pipeline")
     p.add_argument("--traces", default=None, help=f"comma-separated, from {', '.join(TRACE_FILES)} (default all)")
     p.add_argument("--slos", default=None, help="comma-separated, from strict, relaxed (default both)")
@@ -269,7 +271,7 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
             decode_time = json.load(f)["decode_only_iteration_time"]
     commands = []
     for trace in exp.traces:
-        trace_path = os.path.join(args.trace_dir, TRACE_FILES[trace])
+        trace_path = os.path.join(args.trace_dir, TRACE_FILES[trace]) if args.trace_dir else trace
         for slo in exp.slos:
             run_dir = os.path.join(args.out, f"{trace}-{slo}", run_name(exp))
             slo_tbt = None if decode_time is None else SLO_MULTIPLES[slo] * decode_time

@@ -52,6 +52,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sarathi_jax.paths import cli_path
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TUNING_TABLE_ENV = "SARATHI_PALLAS_TUNING_TABLE"  # pallas_kernels.tuning.TABLE_ENV (not imported: no JAX here)
 DEFAULT_DEADLINE_S = 525.0
@@ -238,7 +240,8 @@ def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sarathi_jax.bench.gpu_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, metavar="DIR", help="report.md, report.json, tuning_table.json, logs")
+    p.add_argument("--out", type=cli_path, required=True, metavar="DIR",
+                   help="report.md, report.json, tuning_table.json, logs")
     p.add_argument("--smoke", action="store_true", help="toy scale on a CPU: checks the pipeline")
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {', '.join(PART_NAMES)} (default all)")
     p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",

@@ -75,6 +75,7 @@ from sarathi_jax.bench.loop_timing import (
 )
 from sarathi_jax.bench.roofline import ModelShape, Rates, best_rates, floors, measure_rates, num_params, work
 from sarathi_jax.bench.step_cost import fmt_ms, positive_ints
+from sarathi_jax.paths import cli_path
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -264,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul-rate", type=float, default=None, help="FLOP/s to use instead of measuring")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s to use instead of measuring")
     p.add_argument("--rate-repeats", type=int, default=d.rate_repeats)
-    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--json", type=cli_path, default=None, metavar="PATH")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 

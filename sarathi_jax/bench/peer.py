@@ -15,8 +15,8 @@ Measurements (`--parts`, default offline,rates and capacity when --slo-tbt is gi
             prompt + generated tokens over the wall time of one pass, in-process on both sides (this engine's
             LLMEngine here; vllm.LLM in a subprocess of vLLM's interpreter), start-up and a warm-up excluded.
             `--repeats N`: N passes each, the engines alternating (both stay up), the median pass reported.
-  rates     `--num-requests` rows of the conversation trace (`--trace`, default ../shared/traces/
-            splitwise_conv.csv beside the repository) with seeded Poisson arrivals at each `--qps`, sent to
+  rates     `--num-requests` rows of the conversation trace (`--trace`: a CSV or a shipped trace's name,
+            default `conversation`, shipped in the package) with seeded Poisson arrivals at each `--qps`, sent to
             each engine's OpenAI server: TTFT and TBT P50/P99 and generated tokens/s, measured at the client.
   capacity  the highest rate at which P99 TBT <= `--slo-tbt`, every request finishes and at least half the
             requests waited at most `--max-sched-delay` in the server's queue (the paper's median scheduling
@@ -58,6 +58,7 @@ from sarathi_jax.bench.peer_servers import (EngineSettings, ServerCommand, cpu_i
 from sarathi_jax.bench.peer_workloads import (check_model_dir, describe_requests, offline_workload, peer_requests,
                                               rate_workload, resolve_trace, warmup_workload)
 from sarathi_jax.bench.workload import Workload
+from sarathi_jax.paths import cli_path, cli_program
 
 PARTS = ("offline", "rates", "capacity")
 ENGINE_CHOICES = {"sarathi": SARATHI, "vllm": VLLM}
@@ -96,11 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sarathi_jax.bench.peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model and engines")
-    m.add_argument("--model", default=None, metavar="HF_DIR", help="HF Llama folder (config.json + safetensors)")
-    m.add_argument("--make-model", default=None, metavar="DIR",
+    m.add_argument("--model", type=cli_path, default=None, metavar="HF_DIR",
+                   help="HF Llama folder (config.json + safetensors)")
+    m.add_argument("--make-model", type=cli_path, default=None, metavar="DIR",
                    help="write the 60M-parameter Llama (random weights, word-level tokenizer) to DIR and use it; "
                         "needs transformers and torch (the test extras); an existing model there is reused")
-    m.add_argument("--vllm-python", default=None, metavar="PATH",
+    m.add_argument("--vllm-python", type=cli_program, default=None, metavar="PATH",
                    help="the interpreter that has vllm (default: this one, when it has vllm)")
     m.add_argument("--engines", default="sarathi,vllm", help="sarathi, vllm or both")
     m.add_argument("--token-budget", type=int, default=512, help="this engine's token budget = vLLM's "
@@ -123,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len", default="64", help="offline output lengths (bench length spec)")
     w.add_argument("--repeats", type=int, default=1, help="offline: timed passes per engine, alternating between "
                    "the engines; each reports its median pass")
-    w.add_argument("--trace", default=None, metavar="PATH",
-                   help="conversation trace CSV (default ../shared/traces/splitwise_conv.csv beside the repo)")
+    w.add_argument("--trace", default=None, metavar="NAME|PATH",
+                   help="rates and capacity: a trace CSV or a shipped trace's name, arxiv or conversation "
+                        "(default conversation)")
     w.add_argument("--qps", default="0.5,1,2", help="comma-separated request rates for the rates part")
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply the trace's lengths (CPU-sized runs)")
     w.add_argument("--slo-tbt", type=float, default=None, metavar="SECONDS", help="capacity: P99 TBT SLO")
@@ -136,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("running")
     o.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to become ready")
     o.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default: none)")
-    o.add_argument("--log-dir", default=None, help="server and vLLM logs (default: a new temporary folder)")
-    o.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON")
+    o.add_argument("--log-dir", type=cli_path, default=None,
+                   help="server and vLLM logs (default: a new temporary folder)")
+    o.add_argument("--out", type=cli_path, default=None, metavar="FILE.json", help="write the report as JSON")
     o.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -229,9 +233,7 @@ def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfi
             notes.append(f"wrote the 60M Llama to {model}")
     if not model:
         raise BenchError("--model HF_DIR is required (or --make-model DIR to write the 60M Llama)")
-    # Absolute from here on: vLLM runs in subprocesses of their own, and takes a relative name for a hub id.
-    model = str(Path(model).resolve())
-    check_model_dir(model)
+    check_model_dir(model)  # absolute (cli_path): vLLM runs elsewhere, and takes a relative name for a hub id
 
     vllm_python, versions = None, None
     if "vllm" in engines and parts:

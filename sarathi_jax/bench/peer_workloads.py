@@ -17,11 +17,10 @@ from typing import Any
 
 from sarathi_jax.bench.args import BenchError
 from sarathi_jax.bench.driver import workload_requests
-from sarathi_jax.bench.traces import load_trace
+from sarathi_jax.bench.traces import SHIPPED_TRACES, load_trace, trace_file
 from sarathi_jax.bench.workload import Workload, synthetic_workload, trace_workload
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "splitwise_conv.csv"
+DEFAULT_TRACE = "conversation"  # shipped with the package (bench/trace_data)
 
 LoadRequest = tuple  # (arrival seconds, prompt token ids, SamplingParams): what server.loadgen sends
 
@@ -44,12 +43,13 @@ def check_model_dir(path: str) -> dict:
 
 
 def resolve_trace(path: str | None) -> str:
-    """`path`, or the conversation trace beside the repository; a clear error when it is not there."""
-    trace = Path(path) if path else DEFAULT_TRACE
+    """The absolute file of `path` (a CSV, or a shipped trace's name; default the conversation trace); a clear
+    error when it is not there."""
+    trace = Path(trace_file(path or DEFAULT_TRACE))
     if not trace.is_file():
-        how = "" if path else f" (the default, ../shared/traces/splitwise_conv.csv beside {REPO_ROOT.name})"
-        raise BenchError(f"trace not found: {trace}{how}; give the conversation trace with --trace PATH, or run "
-                         "only the offline part (--parts offline)")
+        raise BenchError(f"trace not found: {path}; give a trace CSV or a shipped trace "
+                         f"({', '.join(SHIPPED_TRACES)}) with --trace, or run only the offline part "
+                         "(--parts offline)")
     return str(trace)
 
 

@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from sarathi_jax.paths import cli_path
+
 
 def steady_decode(engine, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
     """Add `batch` greedy requests with `context`-token prompts and step until every one of them is decoding."""
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-async", action="store_true", help="profile the synchronous loop")
     parser.add_argument("--scan-layers", default=None, action=argparse.BooleanOptionalAction,
                         help="EngineConfig.scan_layers (default: the platform's)")
-    parser.add_argument("--out", default="profile-steps")
+    parser.add_argument("--out", type=cli_path, default="profile-steps")
     args = parser.parse_args(argv)
 
     from sarathi_jax import EngineConfig, LLMEngine

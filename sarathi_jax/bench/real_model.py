@@ -26,6 +26,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sarathi_jax.paths import cli_path
+
 DEFAULT_QUESTIONS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -111,13 +113,15 @@ def run_hf(reference: str, prompt_ids: list[list[int]], max_tokens: int, stop_id
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sarathi_jax.bench.real_model", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="converted model folder with tokenizer and chat template")
-    parser.add_argument("--reference", default=None, help="HF folder or GGUF file for transformers' generate")
-    parser.add_argument("--prompts-file", default=None, help="one user message per line (default: 16 built-in)")
+    parser.add_argument("--reference", type=cli_path, default=None,
+                        help="HF folder or GGUF file for transformers' generate")
+    parser.add_argument("--prompts-file", type=cli_path, default=None,
+                        help="one user message per line (default: 16 built-in)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--token-budget", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--json-out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--json-out", type=cli_path, default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
 
     from sarathi_jax import LLM

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sarathi_jax.paths import cli_path
 from sarathi_jax.sampling import sample_jit
 from sarathi_jax.sampling_inputs import make_sampling_arrays, sampler_variant
 from sarathi_jax.sampling_params import SamplingParams
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=128, help="S: sampler rows (max_num_seqs)")
     parser.add_argument("--vocab", default="32000,128256", help="comma-separated vocabulary sizes V")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per case")
-    parser.add_argument("--baseline", help="a Python file whose `sample(logits, arrays)` is timed alongside")
+    parser.add_argument("--baseline", type=cli_path,
+                        help="a Python file whose `sample(logits, arrays)` is timed alongside")
     args = parser.parse_args(argv)
 
     baseline_module = load_baseline(args.baseline) if args.baseline else None

@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from sarathi_jax.paths import cli_path
+
 
 def _child(args: argparse.Namespace) -> int:
     from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
@@ -54,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--runs", type=int, default=2, help="fresh processes; the first one is cold")
-    parser.add_argument("--cache-dir", default=None, help="compilation cache (default: a new empty one)")
-    parser.add_argument("--json", metavar="PATH", help="write every run's stats here")
+    parser.add_argument("--cache-dir", type=cli_path, default=None, help="compilation cache (default: a new empty one)")
+    parser.add_argument("--json", type=cli_path, metavar="PATH", help="write every run's stats here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

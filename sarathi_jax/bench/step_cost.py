@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from sarathi_jax.bench.args import CPU_DEFAULT_MODEL as DEFAULT_MODEL
 from sarathi_jax.bench.args import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from sarathi_jax.bench.step_timer import DEFAULT_TOKEN_BUDGET, MODES, measure
+from sarathi_jax.paths import cli_path
 from sarathi_jax.sizing import DTYPE_BYTES, token_buckets
 
 
@@ -187,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibrate mode: buckets to fill (default: every bucket up to the token budget)")
     p.add_argument("--calib-contexts", type=positive_ints, default=[128, 512], help="calibrate mode: decode contexts")
     p.add_argument("--calib-decodes", type=int, default=32, help="calibrate mode: most decodes in a batch")
-    p.add_argument("--cost-model-out", default=None, metavar="PATH",
+    p.add_argument("--cost-model-out", type=cli_path, default=None, metavar="PATH",
                    help="calibrate mode: write the fitted simulator cost model (JSON) here; "
                         "use it with `python -m sarathi_jax.bench --simulate --cost-model PATH`")
     p.add_argument("--repeats", type=int, default=5)
@@ -196,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mb", type=int, default=256)
     p.add_argument("--matmul-rate", type=float, default=None, help="FLOP/s to use instead of measuring")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s to use instead of measuring")
-    p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--plot", default=None, metavar="PATH")
+    p.add_argument("--json", type=cli_path, default=None, metavar="PATH")
+    p.add_argument("--plot", type=cli_path, default=None, metavar="PATH")
     p.add_argument("--quiet", action="store_true")
     return p
 

@@ -2,6 +2,11 @@
 
 `load_trace` reads and validates a file and raises `TraceError` (a ValueError) naming the file, the row and the
 column of the first problem. Extra columns are ignored.
+
+Two real traces ship with the package (`trace_data/`, with their license and a README): `arxiv` (the
+arxiv-summarization lengths, no arrival times) and `conversation` (Azure's conversation trace, with arrival
+times). Every function that takes a trace path also takes these names (`trace_file`); a file of the same name
+is reached as `./arxiv`.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import csv
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -17,6 +23,9 @@ PROMPT_COLUMN = "num_prefill_tokens"
 OUTPUT_COLUMN = "num_decode_tokens"
 ARRIVAL_COLUMN = "arrived_at"
 REQUIRED_COLUMNS = (PROMPT_COLUMN, OUTPUT_COLUMN)
+
+TRACE_DATA_DIR = Path(__file__).resolve().with_name("trace_data")  # package data (pyproject's package-data)
+SHIPPED_TRACES = {"arxiv": "arxiv_summarization.csv", "conversation": "splitwise_conv.csv"}
 
 
 class TraceError(ValueError):
@@ -55,15 +64,29 @@ def _parse_length(text: str, path: str, row: int, column: str) -> int:
     return int(value)
 
 
+def trace_file(name_or_path: str | os.PathLike) -> str:
+    """The absolute file of a shipped trace's name (`arxiv`, `conversation`), else of the path as given
+    (relative to the current directory)."""
+    text = os.fspath(name_or_path)
+    if text in SHIPPED_TRACES:
+        return str(TRACE_DATA_DIR / SHIPPED_TRACES[text])
+    if not text:
+        raise TraceError(f"empty trace path; give a file or one of {', '.join(SHIPPED_TRACES)}")
+    return os.path.abspath(os.path.expanduser(text))
+
+
 def load_trace(path: str | os.PathLike) -> Trace:
-    """Read a trace CSV. Rows are numbered from 2 in messages (row 1 is the header), as a spreadsheet shows them.
+    """Read a trace CSV, or a shipped trace by name (see `trace_file`). Rows are numbered from 2 in messages
+    (row 1 is the header), as a spreadsheet shows them.
 
     Arrival times must be finite and >= 0; rows are kept in file order and sorted by arrival time (stable)
     when the file has them.
     """
-    path = os.fspath(path)
+    given = os.fspath(path)
+    path = trace_file(given)
     if not os.path.exists(path):
-        raise TraceError(f"{path}: trace file not found")
+        raise TraceError(f"{given}: trace file not found (a CSV path, or a shipped trace: "
+                         f"{', '.join(SHIPPED_TRACES)})")
     if os.path.isdir(path):
         raise TraceError(f"{path}: is a directory, expected a CSV trace file")
     with open(path, newline="", encoding="utf-8") as f:

@@ -8,7 +8,8 @@ Length specs (`--prompt-len`, `--output-len`):
   `128`                    fixed
   `uniform:32:256`         uniform integers in [32, 256]
   `zipf:1.2:16:1024`       bounded zipf, P(k) proportional to k**-1.2 over k in [16, 1024]
-  `trace:PATH`             values drawn (with replacement) from the matching column of a trace CSV
+  `trace:PATH`             values drawn (with replacement) from the matching column of a trace CSV (or a
+                           shipped trace's name: `trace:arxiv`, `trace:conversation`)
 Arrival processes: `poisson` (exponential gaps), `gamma` (gamma gaps with coefficient of variation `cv`; cv=1 is
 Poisson, larger is burstier), `constant` (evenly spaced), `trace` (the trace's `arrived_at`), `offline` (all at 0).
 Shared prefixes (prefix caching): `as_conversations` turns the requests into multi-turn conversations, each turn

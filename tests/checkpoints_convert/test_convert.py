@@ -358,6 +358,21 @@ def test_corrupt_safetensors(hf_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_relative_paths_are_read_against_the_current_directory(hf_dir, tmp_path, monkeypatch):
+    """`--hf hf --out out` as a user types it (Orbax's atomic save refuses relative paths: the converter makes them
+    absolute where they enter, in the CLI and in `convert`)."""
+    shutil.copytree(hf_dir("llama"), tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--hf", "hf", "--out", "out", "--quiet"]) == 0
+    result = convert("hf", "api-out", "float32", log=lambda message: None)
+    assert (tmp_path / "out" / CHECKPOINT_MARKER).is_file() and (tmp_path / "api-out" / CHECKPOINT_MARKER).is_file()
+    assert not list(tmp_path.glob(".*converting"))  # the temporary folders were renamed into place
+    config = EngineConfig(model="out")
+    monkeypatch.chdir("/")
+    load_model(config.model, jnp.float32)  # the config names the folder from anywhere
+    assert result.out_dir == tmp_path / "api-out"
+
+
 def test_cli_errors_exit_2(hf_dir, converted, tmp_path, capsys):
     assert main(["--hf", str(hf_dir("falcon-7b")), "--out", str(converted("falcon-7b"))]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err

@@ -171,6 +171,14 @@ def test_synthetic_gguf_quant_types_permutation_untied_head(hf_checkpoint, tmp_p
     assert not (out / "tokenizer.json").exists()
 
 
+def test_relative_gguf_and_out_paths(hf_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    """`--gguf tiny.gguf --out out` as the README types it (Orbax's atomic save refuses relative paths)."""
+    _write_llama_gguf(tmp_path / "tiny.gguf", hf_checkpoint("llama"), ("F32",))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--gguf", "tiny.gguf", "--out", "out", "--quiet"]) == 0
+    assert ModelConfig.from_pretrained(tmp_path / "out").num_key_value_heads == 2
+
+
 def test_synthetic_gguf_k_quants(hf_checkpoint, tmp_path: Path) -> None:
     """Q4_K and Q6_K tensors (256-value super-blocks: hidden 256, ffn 512), read in row chunks by the writer
     (chunk_bytes small enough to split every matrix): logits equal HF's on the same dequantized weights."""

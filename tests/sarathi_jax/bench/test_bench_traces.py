@@ -1,15 +1,11 @@
-"""Trace CSV parsing: good files, the shared traces, and bad files with clear errors."""
+"""Trace CSV parsing: good files, the traces shipped in the package (by name), and bad files with clear errors."""
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 
-from sarathi_jax.bench.traces import TraceError, load_trace
-
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "traces")
+from sarathi_jax.bench.traces import SHIPPED_TRACES, TRACE_DATA_DIR, TraceError, load_trace, trace_file
 
 
 def write(tmp_path, text, name="t.csv"):
@@ -66,10 +62,36 @@ def test_missing_file(tmp_path):
         load_trace(tmp_path)
 
 
-def test_shared_traces_load():
-    arxiv = load_trace(os.path.join(SHARED, "arxiv_summarization.csv"))
+def test_shipped_traces_load_by_name():
+    arxiv = load_trace("arxiv")
     assert len(arxiv) == 28257 and arxiv.arrivals is None
     assert int(np.median(arxiv.prompt_lens)) == 2730
-    conv = load_trace(os.path.join(SHARED, "splitwise_conv.csv"))
+    conv = load_trace("conversation")
     assert len(conv) == 19366 and conv.arrivals is not None
     assert conv.arrivals[0] == 0.0 and np.all(np.diff(conv.arrivals) >= 0)
+    # Shipped with their license, inside the package.
+    assert (TRACE_DATA_DIR / "LICENSE-vidur-data.txt").read_text().strip().startswith("MIT License")
+    assert all((TRACE_DATA_DIR / f).is_file() for f in SHIPPED_TRACES.values())
+
+
+def test_relative_path_is_the_current_directory_and_dot_slash_beats_a_name(tmp_path, monkeypatch):
+    write(tmp_path, "num_prefill_tokens,num_decode_tokens\n7,1\n", name="arxiv")
+    monkeypatch.chdir(tmp_path)
+    assert trace_file("./arxiv") == str(tmp_path / "arxiv")
+    assert len(load_trace("./arxiv")) == 1  # the file here, not the shipped trace
+    assert len(load_trace("arxiv")) == 28257
+    with pytest.raises(TraceError, match="arxiv, conversation"):
+        load_trace("arxvi")  # a misspelt name: the message lists the names
+
+
+def test_pyproject_ships_the_traces_as_package_data():
+    """The files a wheel gets come from pyproject's package-data patterns: each shipped file must match one."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    package_dir = root / "sarathi_jax" / "bench"
+    matched = {p for pattern in patterns["sarathi_jax.bench"] for p in package_dir.glob(pattern)}
+    wanted = {TRACE_DATA_DIR / f for f in [*SHIPPED_TRACES.values(), "LICENSE-vidur-data.txt"]}
+    assert wanted <= matched, wanted - matched

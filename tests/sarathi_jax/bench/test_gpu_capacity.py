@@ -28,8 +28,16 @@ def test_dry_run_prints_the_papers_configurations(tmp_path, capsys):
                    "--capacity"):
         assert all(needle in line for line in lines), needle
     assert "--slo-tbt-multiple 5" in lines[0] and "--slo-tbt-multiple 25" in lines[1]
-    assert "arxiv_summarization.csv" in lines[0] and "splitwise_conv.csv" in lines[2]
+    assert "--trace arxiv " in lines[0] and "--trace conversation " in lines[2]  # the shipped traces, by name
     assert (tmp_path / "commands.sh").read_text().count("python -m sarathi_jax.bench ") == 4
+
+
+def test_a_relative_trace_dir_is_the_current_directory(tmp_path, monkeypatch, capsys):
+    _traces(tmp_path / "traces")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--out", "out", "--dry-run", "--trace-dir", "traces", "--traces", "arxiv", "--slos", "strict"]) == 0
+    line, = capsys.readouterr().out.strip().splitlines()
+    assert f"--trace {tmp_path / 'traces' / 'arxiv_summarization.csv'} " in line
 
 
 def test_pipeline_on_the_simulated_engine(tmp_path, capsys):

@@ -19,7 +19,7 @@ from sarathi_jax.bench.peer_offline import vllm_spec
 from sarathi_jax.bench.peer_report import RATIO_LABEL, SARATHI, VLLM, capacity_table, offline_table, ratio, ratios
 from sarathi_jax.bench.peer_servers import (EngineSettings, queue_check, sarathi_server_command, vllm_cpu_env,
                                             vllm_server_command)
-from sarathi_jax.bench.peer_workloads import offline_workload, peer_requests, rate_workload
+from sarathi_jax.bench.peer_workloads import offline_workload, peer_requests, rate_workload, resolve_trace
 
 TRACE_ROWS = [(0.0, 300, 40), (1.0, 90, 12), (2.5, 700, 30), (3.0, 50, 9), (4.0, 120, 20), (6.0, 2000, 300)]
 
@@ -123,6 +123,12 @@ def test_missing_trace_is_one_clear_error(tiny_model, tmp_path, capsys):
     assert peer.main(["--model", tiny_model, "--engines", "sarathi", "--trace", str(tmp_path / "no.csv")]) == 2
     err = capsys.readouterr().err
     assert "trace not found" in err and "no.csv" in err and "Traceback" not in err
+
+
+def test_the_default_trace_is_the_shipped_conversation_trace():
+    path = Path(resolve_trace(None))
+    assert path.is_absolute() and path.name == "splitwise_conv.csv" and path.is_file()
+    assert resolve_trace("arxiv").endswith("arxiv_summarization.csv")
 
 
 def test_offline_part_needs_no_trace(tiny_model, tmp_path):
