@@ -120,7 +120,8 @@ class CompileRecorder:
 _active: list[CompileRecorder] = []  # JAX's monitoring listeners are process-wide: they feed these
 _lock = threading.Lock()
 _listeners_installed = False
-_this_thread = threading.local()  # .cache_hits: persistent-cache hits of the compiles this thread ran
+# .compiles / .cache_hits: the backend compiles this thread ran, and of those the persistent-cache hits
+_this_thread = threading.local()
 
 
 def _on_event(event: str, **_: object) -> None:
@@ -131,6 +132,8 @@ def _on_event(event: str, **_: object) -> None:
 
 
 def _on_span(event: str, start_time: float, end_time: float, **_: object) -> None:
+    if event == _COMPILE_EVENT:  # in the compiling thread too
+        _this_thread.compiles = getattr(_this_thread, "compiles", 0) + 1
     if event in _SPAN_EVENTS:
         for r in tuple(_active):
             r._spans.append((start_time, end_time))
@@ -147,11 +150,11 @@ def _install_listeners() -> None:
             _listeners_installed = True
 
 
-def cache_hits_in_this_thread() -> int:
-    """How many of the compiles the calling thread ran (since the first call of this) JAX loaded from its
-    persistent cache."""
+def compiles_in_this_thread() -> tuple[int, int]:
+    """(backend compiles, of those loaded from JAX's persistent cache) that the calling thread ran since the
+    first call of this. A `compile()` that JAX answers from its in-process cache counts in neither."""
     _install_listeners()
-    return getattr(_this_thread, "cache_hits", 0)
+    return getattr(_this_thread, "compiles", 0), getattr(_this_thread, "cache_hits", 0)
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from sarathi_jax.compile_cache import cache_hits_in_this_thread
+from sarathi_jax.compile_cache import compiles_in_this_thread
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.parallel.stages import Stage
 from sarathi_jax.sampling import FULL_VARIANT, SamplerVariant
@@ -119,11 +119,14 @@ class ExecutableBuilder:
         if not loaded:
             if load_only:
                 return None
-            hits = cache_hits_in_this_thread()
+            compiles, hits = compiles_in_this_thread()
             exe = jitted.lower(*args, **kwargs).compile()
             # XLA:CPU cannot serialize an executable that JAX loaded from its persistent cache: the copy
-            # loads, then fails with "Function ... not found" when run. Only fresh compiles are saved.
-            if key is not None and cache_hits_in_this_thread() == hits:
+            # loads, then fails with "Function ... not found" when run. Only fresh compiles are saved: not a
+            # persistent-cache hit, nor a program JAX handed back from its in-process cache (a second engine
+            # in the process), which may be such a load.
+            now_compiles, now_hits = compiles_in_this_thread()
+            if key is not None and now_compiles > compiles and now_hits == hits:
                 cache.save(key, exe)
         self._table.add(entry, exe, loaded)
         return exe

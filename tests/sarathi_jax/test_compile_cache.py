@@ -210,3 +210,37 @@ def test_programs_from_jax_cache_are_not_saved_as_ready_made_executables(tmp_pat
     assert serve(second) == expected
     third = LLMEngine(EngineConfig(**fields, background_compile=False))
     assert serve(third) == expected
+
+
+_TWO_ENGINES_SCRIPT = """
+import json, sys
+from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+out = {}
+for scheduler in ("sarathi", "vllm"):  # the bench's default: two engines in one process
+    engine = LLMEngine(EngineConfig("tiny-llama", scheduler=scheduler, token_budget=32, max_num_seqs=4,
+                                    num_blocks=8, max_model_len=64, compilation_cache_dir=sys.argv[1],
+                                    background_compile=False))
+    engine.add_request("a", [1, 5, 9, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.add_request("b", [2, 7], SamplingParams(max_tokens=4, temperature=0.9, top_p=0.8, seed=3))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[f"{scheduler}-{o.request_id}"] = list(o.token_ids)
+print("TOKENS " + json.dumps(out))
+"""
+
+
+def test_programs_reused_in_process_by_a_second_engine_are_not_saved(tmp_path):
+    """A second engine in a process gets programs the first one built back from JAX's in-process cache, with
+    no compile event: one the first engine loaded from JAX's persistent cache must not be saved as a ready-made
+    executable either. Three processes with the bench's two engines: fresh; with a changed executable-cache key
+    (an environment variable in its fingerprint) but JAX's cache warm; then that key again, which loads what
+    the second process saved. Before the fix the third failed with XLA's "Function ... not found"."""
+    runs = []
+    for key_change in ("1", "2", "2"):
+        env = dict(os.environ, SARATHI_TEST_KEY=key_change, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run([sys.executable, "-c", _TWO_ENGINES_SCRIPT, str(tmp_path / "jax-cache")],
+                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("TOKENS "))[7:]))
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 4

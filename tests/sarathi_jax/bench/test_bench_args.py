@@ -9,7 +9,8 @@ import pytest
 from bench_fakes import sim_engine
 
 from sarathi_jax.bench.args import DEFAULT_NUM_REQUESTS, BenchError, build_parser, check_args, run_configs
-from sarathi_jax.bench.report import print_report
+from sarathi_jax.bench.driver import RunResult
+from sarathi_jax.bench.report import policy_reading, print_report
 from sarathi_jax.bench.runs import BenchRuns, build_workload, run_all
 
 
@@ -65,3 +66,31 @@ def test_run_all_then_print_report(capsys):
     print_report(args, results)
     out = capsys.readouterr().out
     assert "sarathi-64" in out and "sarathi-128" in out and "P99 TBT" in out and "pass --out DIR" in out
+
+
+def test_default_compares_sarathi_with_the_prefill_first_baseline(capsys):
+    assert [(c["label"], c["scheduler"]) for c in run_configs(parse())] == [("sarathi-128", "sarathi"),
+                                                                            ("vllm", "vllm")]
+    args = parse("--num-requests", "8", "--qps", "50", "--prompt-len", "64", "--output-len", "6", "--quiet")
+    print_report(args, run_all(args, lambda kwargs: sim_engine(base=0.01, per_seq=0.001, per_prefill_token=1e-4)))
+    out = capsys.readouterr().out
+    assert "sarathi-128" in out and "\nvllm " in out and "\nreading: sarathi-128: " in out
+    assert "long on purpose" not in out  # the note is about the default prompts, and these were given
+    args = parse("--num-requests", "4", "--qps", "50", "--output-len", "2", "--quiet")
+    print_report(args, run_all(args, lambda kwargs: sim_engine(base=0.01, per_seq=0.001, per_prefill_token=1e-4)))
+    assert "(the default prompts, uniform:256:960, are long on purpose" in capsys.readouterr().out
+
+
+def _run(label: str, scheduler: str, stalls: int, p99_tbt: float, p50_ttft: float) -> RunResult:
+    summary = {"num_stalls": stalls, "tbt": {"p99": p99_tbt}, "ttft": {"p50": p50_ttft}}
+    return RunResult(label, [], [], 0, 1.0, config={"scheduler": scheduler}, summary=summary)
+
+
+def test_policy_reading_says_which_way_the_difference_goes():
+    sarathi, vllm = _run("sarathi-128", "sarathi", 0, 0.030, 0.070), _run("vllm", "vllm", 10, 0.060, 0.050)
+    line = policy_reading([sarathi, vllm])
+    assert line.startswith("reading: sarathi-128: 0 stalls, P99 TBT 30.0 ms; vllm: 10 stalls, P99 TBT 60.0 ms.")
+    assert "2.0x lower P99 TBT" in line and "the price is time to first token (P50 70.0 ms against 50.0 ms)" in line
+    no_gain = policy_reading([_run("sarathi-128", "sarathi", 3, 0.050, 0.05), _run("vllm", "vllm", 2, 0.040, 0.05)])
+    assert "No stall-free advantage on this run" in no_gain and "lower P99 TBT" not in no_gain
+    assert policy_reading([sarathi]) is None and policy_reading([vllm, _run("orca", "orca", 0, 0.01, 0.01)]) is None

@@ -56,8 +56,8 @@ def test_trace_capacity_and_slo_multiple_on_fake_engine(tmp_path, capsys):
     trace = tmp_path / "trace.csv"
     trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{40 + i},{400 + i}\n" for i in range(50)))
     out = tmp_path / "out"
-    rc = main(["--trace", str(trace), "--sample", "40", "--length-scale", "0.1", "--capacity", "--slo-tbt-multiple",
-               "2", "--capacity-probes", "6", "--out", str(out), "--quiet"],
+    rc = main(["--scheduler", "sarathi", "--trace", str(trace), "--sample", "40", "--length-scale", "0.1",
+               "--capacity", "--slo-tbt-multiple", "2", "--capacity-probes", "6", "--out", str(out), "--quiet"],
               engine_factory=lambda kw: sim_engine(base=0.01, per_seq=0.0005))
     assert rc == 0
     text = capsys.readouterr().out
