@@ -332,11 +332,11 @@ class ModelRunner:
 
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
         timeline = self.timeline if timed else None
-        num_tokens = BatchLayout.of_packed(packed.batch.size, self.max_num_seqs, self.max_blocks_per_seq).num_tokens
+        layout = BatchLayout.of_packed(packed.batch.size, self.max_num_seqs, self.max_blocks_per_seq)
+        num_tokens, rows = layout.num_tokens, layout.num_rows
         record = timeline.begin(num_tokens) if timeline else None
         single = len(self.stages) == 1
         executables, ready_samplers = self._table.executables, self._table.variants
-        rows = min(num_tokens, self.max_num_seqs)  # BatchLayout.num_rows
         # A variant not built: the general one gives the same tokens (and logprobs, where asked for).
         run_variant = variant if ready_samplers is None or (variant, rows) in ready_samplers else FULL_VARIANT
         x = None
