@@ -1,45 +1,34 @@
-"""The one admission path: every request is validated, tokenised and (for chat) rendered here, once.
+"""The one admission path: every request rule is decided here, once; text is tokenised and chats rendered.
 
-`LLMEngine.add_request` (offline API) and both server front ends (gRPC, OpenAI HTTP) call `Admission`;
-what it returns, an `AdmittedRequest`, is what the engine core trusts (`LLMEngine.add_admitted` only asserts
-the contract). Front ends run it in their own thread, so tokenisation and template rendering never hold up
+`LLMEngine.add_request` (offline API), `SimulatedEngine.add_request` and both server front ends (gRPC, OpenAI
+HTTP) call `Admission`; what it returns, an `AdmittedRequest`, is what the engine core trusts (the scheduler
+only asserts it). Front ends run it in their own thread, so tokenisation and template rendering never hold up
 the engine thread, and the token count they apply back-pressure with is the real one.
 
-A refusal is an `AdmissionError` (a ValueError) whose message starts with the field at fault (`prompt: ...`,
-`max_tokens: ...`), also in `.param`.
+The rules, each written once:
+- what a sampling field means on its own (types, ranges): `SamplingParams` (sarathi_jax/sampling_params.py);
+- what depends on the engine, here: prompt token ids inside the vocabulary (text needs a tokenizer), a
+  prompt that is not empty and leaves room to generate within max_model_len, prompt + max_tokens within
+  max_model_len and within the KV cache, stop strings only where the engine sees text, stop ids inside the
+  vocabulary, and at most MAX_BANNED ids suppressed before min_tokens.
+A refusal is an `AdmissionError` (a ValueError): its field is `.param`, its message `"{param}: {reason}"`.
+Servers map it to a status; they check only what belongs to their protocol (JSON types, fields they do not
+serve, the model name).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.sampling_inputs import MAX_BANNED
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.sampling_params import AdmissionError, SamplingParams
 from sarathi_jax.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
-
-# SamplingParams' ValueErrors start with the field name ("top_p must be in (0, 1]").
-_PARAM_FIELDS = tuple(f for f in SamplingParams.__dataclass_fields__)
-
-
-class AdmissionError(ValueError):
-    """A request refused before it reached the engine; `param` names the field at fault."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-def param_of(error: ValueError) -> str | None:
-    """The request field a validation error is about: `AdmissionError.param`, or SamplingParams' leading word."""
-    if isinstance(error, AdmissionError):
-        return error.param
-    head = str(error).split(" ", 1)[0].rstrip(":")
-    return head if head in _PARAM_FIELDS else None
 
 
 @dataclass(frozen=True)
@@ -50,11 +39,29 @@ class AdmittedRequest:
     params: SamplingParams
 
 
-class Admission:
-    """Validation, tokenisation and chat rendering for one engine (its model, tokenizer, lengths and cache).
+@dataclass(frozen=True)
+class KVCapacity:
+    """The KV cache a whole request must fit in: `num_blocks` blocks of `block_size` tokens, of which the
+    scheduler keeps `watermark_blocks` free when it admits a request."""
 
-    `never_fits(num_prompt_tokens, max_tokens)` is the scheduler's rule for a request that could never run
-    (max_model_len, KV cache size): a reason, or None.
+    block_size: int
+    num_blocks: int
+    watermark_blocks: int
+
+    @classmethod
+    def of(cls, block_manager: BlockManager) -> KVCapacity:
+        """The block manager's sizes; read after the scheduler is built (it raises the watermark to its own)."""
+        return cls(block_manager.block_size, block_manager.num_total_blocks, block_manager.watermark_blocks)
+
+
+class Admission:
+    """The request rules of one engine (its vocabulary, tokenizer, max_model_len and KV cache), tokenisation
+    and chat rendering.
+
+    kv_cache: the cache a whole request must fit in (None: only max_model_len bounds a request).
+    stop_strings: whether the engine ends requests on stop strings; None means when it has a tokenizer (its
+    detokenizer finds them). The simulator says True: it stands for an engine that has one, and accepts what
+    that engine would (its dummy tokens have no text, so they never match, as they never hit an EOS).
     """
 
     def __init__(
@@ -62,35 +69,31 @@ class Admission:
         *,
         vocab_size: int,
         max_model_len: int,
-        tokenizer: Tokenizer | None,
-        eos_token_ids: Sequence[int],
-        chat_template: ChatTemplate | None,
-        never_fits: Callable[[int, int], str | None],
+        kv_cache: KVCapacity | None = None,
+        tokenizer: Tokenizer | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: ChatTemplate | None = None,
+        stop_strings: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.kv_cache = kv_cache
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template  # a plain attribute: tests swap it
-        self._never_fits = never_fits
+        self.stop_strings = tokenizer is not None if stop_strings is None else stop_strings
 
     # ----------------------------------------------------------------------------------- prompts
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """A text prompt tokenised (special tokens added, as HF does), or token ids checked against the vocab."""
+        """A text prompt tokenised (special tokens added, as HF does), or token ids checked against the vocab.
+        Emptiness is `check`'s (`room`'s) rule: an empty text gives no ids, not a lone BOS."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise AdmissionError("prompt", "text prompts need a tokenizer; this model has none, pass token ids")
-            if not prompt:
-                raise AdmissionError("prompt", "empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise AdmissionError("prompt", "empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise AdmissionError("prompt", f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+            return self.tokenizer.encode(prompt) if prompt else []
+        ids = [int(t) for t in prompt]
+        self._check_vocab("prompt", ids)
         return ids
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
@@ -110,6 +113,17 @@ class Admission:
             raise AdmissionError("messages", str(exc)) from None
         return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def room(self, prompt_ids: Sequence[int]) -> int:
+        """The most tokens a request with this prompt may generate (OpenAI's default max_tokens for a chat);
+        AdmissionError when the prompt is empty or leaves no room."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise AdmissionError("prompt", "empty")
+        if n >= self.max_model_len:
+            raise AdmissionError("prompt", f"{n} tokens leave no room to generate within "
+                                           f"max_model_len={self.max_model_len}")
+        return self.max_model_len - n
+
     # ----------------------------------------------------------------------------------- requests
 
     def admit(self, prompt: Prompt, params: SamplingParams | None = None) -> AdmittedRequest:
@@ -121,21 +135,28 @@ class Admission:
         return self.check(self.chat_prompt_ids(messages, **template_kwargs), params)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams | None) -> AdmittedRequest:
-        """The checks that need both the prompt and the sampling parameters."""
+        """The rules on a prompt (ids as `prompt_ids` or `chat_prompt_ids` return them: inside the vocabulary)
+        together with its sampling parameters."""
         params = params or SamplingParams()
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise AdmissionError("prompt", f"{n} tokens leave no room to generate within "
-                                           f"max_model_len={self.max_model_len}")
-        why = self._never_fits(n, params.max_tokens)
-        if why is not None:
-            raise AdmissionError("max_tokens", why)
-        if params.stop and self.tokenizer is None:
+        n, m = len(prompt_ids), params.max_tokens
+        if m > self.room(prompt_ids):
+            raise AdmissionError("max_tokens", f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} tokens exceeds "
+                                               f"max_model_len ({self.max_model_len})")
+        kv = self.kv_cache
+        if kv is not None:
+            # The scheduler admits a request only when its whole (re-)prefill's blocks are free above the
+            # watermark, and a preempted one re-prefills up to prompt + max_tokens - 1 tokens: the full
+            # length must fit, or it would wait forever.
+            blocks, usable = -(-(n + m) // kv.block_size), kv.num_blocks - kv.watermark_blocks
+            if blocks > usable:
+                raise AdmissionError(
+                    "max_tokens", f"prompt + max_tokens = {n + m} tokens need {blocks} KV blocks of {kv.block_size} "
+                                  f"tokens, but the cache has {kv.num_blocks} blocks ({usable} usable at admission, "
+                                  f"above the watermark of {kv.watermark_blocks})")
+        if params.stop and not self.stop_strings:
             raise AdmissionError("stop", "stop strings need a tokenizer, and this model has none "
                                          "(use stop_token_ids)")
-        bad_stop_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop_ids:
-            raise AdmissionError("stop_token_ids", f"{bad_stop_ids} outside the vocabulary of size {self.vocab_size}")
+        self._check_vocab("stop_token_ids", params.stop_token_ids)
         if len(self.banned_until_min_tokens(params)) > MAX_BANNED:
             raise AdmissionError("stop_token_ids",
                                  f"with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
@@ -148,5 +169,10 @@ class Admission:
             return ()
         return tuple(dict.fromkeys((() if params.ignore_eos else self.eos_token_ids) + params.stop_token_ids))
 
+    def _check_vocab(self, param: str, ids: Sequence[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise AdmissionError(param, f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
 
-__all__ = ["Admission", "AdmissionError", "AdmittedRequest", "Prompt", "param_of"]
+
+__all__ = ["Admission", "AdmissionError", "AdmittedRequest", "KVCapacity", "Prompt"]

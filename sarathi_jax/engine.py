@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_kernel_status, get_attention_fn
-from sarathi_jax.admission import Admission, AdmittedRequest
+from sarathi_jax.admission import Admission, AdmittedRequest, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.compile_cache import PhaseTimer, enable_compilation_cache, record_compiles
@@ -130,10 +130,10 @@ class LLMEngine(CoreFrontEnd):
         self.admission = Admission(
             vocab_size=mc.vocab_size,
             max_model_len=self.max_model_len,
+            kv_cache=KVCapacity.of(self.block_manager),
             tokenizer=self.tokenizer,
             eos_token_ids=mc.eos_token_ids,
             chat_template=ChatTemplate.from_folder(config.model) if is_folder else None,
-            never_fits=self.scheduler.never_fits,
         )
         num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
         store = self.runner.executable_cache
@@ -184,17 +184,16 @@ class LLMEngine(CoreFrontEnd):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError naming the bad field; the engine is unchanged then."""
-        if request_id in self.core:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        """Validate and queue a request. Raises AdmissionError (a ValueError) naming the bad field; the engine is
+        unchanged then."""
+        self.check_new_id(request_id)
         self.add_admitted(request_id, self.admission.admit(prompt, params), arrival_time)
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
-        """Queue a request that `self.admission` admitted, under a new id. The contract is asserted, not
-        re-checked: servers admit in their own thread and hand this the result."""
+        """Queue a request that `self.admission` admitted, under a new id. Nothing is re-checked (the scheduler
+        asserts what admission guarantees): servers admit in their own thread and hand this the result."""
         ids, params = list(request.prompt_token_ids), request.params
         assert request_id not in self.core, request_id
-        assert 0 < len(ids) < self.max_model_len and len(ids) + params.max_tokens <= self.max_model_len, len(ids)
         seq = Sequence(request_id, ids, params, time.monotonic() if arrival_time is None else arrival_time)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None

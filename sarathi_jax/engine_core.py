@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
-from sarathi_jax.sampling_params import RequestSampling
+from sarathi_jax.sampling_params import AdmissionError, RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from sarathi_jax.sequence import Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker
@@ -184,10 +184,6 @@ class EngineCore:
         When nothing new could be scheduled, the oldest batch in flight is retired, so every call progresses."""
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        for seq in sched.rejected:
-            state = self._requests.pop(seq.seq_id)
-            seq.metrics.finished_time = self.executor.now()
-            outputs.append(self._make_output(state))
         if sched.chunks:
             self._dispatch(sched)
         while self._in_flight and (len(self._in_flight) >= self.loop.max_in_flight or not sched.chunks):
@@ -268,7 +264,7 @@ class EngineCore:
         if reason is None and past_min_tokens:
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
                 reason = "stop"
-        # prompt + max_tokens <= max_model_len is enforced at admission (longer requests are rejected).
+        # prompt + max_tokens <= max_model_len is enforced at admission (longer requests are refused).
         if reason is None and num_outputs >= params.max_tokens:
             reason = "length"
         if reason is not None:
@@ -328,6 +324,11 @@ class CoreFrontEnd:
     hands straight to it. The engine sets `core`."""
 
     core: EngineCore
+
+    def check_new_id(self, request_id: str) -> None:
+        """The one request rule admission cannot decide: the id must not be in use here."""
+        if request_id in self.core:
+            raise AdmissionError("request_id", f"{request_id!r} is already in use")
 
     def abort(self, request_id: str) -> bool:
         """Abort a request now: its KV blocks are freed at once and its last output says finish_reason='abort'."""

@@ -22,8 +22,7 @@ if TYPE_CHECKING:
     import jax
 
 # Width of the per-row banned-token table (EOS + stop_token_ids suppressed before min_tokens outputs).
-# A request whose banned set is larger cannot be served: the engine must reject it at validation
-# (`make_sampling_arrays` raises ValueError as a last line of defence).
+# A request whose banned set is larger cannot be served: admission refuses it (sarathi_jax/admission.py).
 MAX_BANNED = 16
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by ~0 would overflow.
@@ -83,8 +82,7 @@ def empty_sampling_arrays(max_num_seqs: int) -> SamplingArrays:
 
 def write_sampling_row(arrays: SamplingArrays, i: int, params: SamplingParams, seed: int, banned: Sequence[int]) -> None:
     """Row i's settings (all but `steps`) from a request's params, its seed and the ids it bans."""
-    if len(banned) > MAX_BANNED:
-        raise ValueError(f"stop_token_ids: at most {MAX_BANNED} ids can be suppressed, got {len(banned)}")
+    assert len(banned) <= MAX_BANNED, (len(banned), "admission caps the banned ids")
     arrays.temperature[i] = params.temperature if params.temperature >= SAMPLING_EPS else 0.0
     arrays.top_k[i] = min(params.top_k, 2**31 - 1) if params.top_k > 0 else 0  # >= V is "off" anyway
     arrays.top_p[i] = params.top_p

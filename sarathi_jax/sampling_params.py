@@ -1,4 +1,8 @@
-"""Per-request sampling settings, with vLLM's field names."""
+"""Per-request sampling settings, with vLLM's field names, and `AdmissionError`, the one error of a bad request.
+
+SamplingParams checks what a field means on its own (types, ranges); `sarathi_jax.admission.Admission` checks
+what depends on the model and the engine (vocabulary, tokenizer, lengths). Both raise `AdmissionError`.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,22 @@ from dataclasses import dataclass
 
 # Fixed width of the device sampler's top-N logprobs output; requests may ask for at most this many.
 MAX_LOGPROBS = 20
+
+
+class AdmissionError(ValueError):
+    """A request refused before it reached the engine. `param` names the request field at fault (servers
+    report it as data: OpenAI's error `param`); the message is `"{param}: {reason}"`.
+
+    Defined here, the lowest module that raises it (SamplingParams validates its own fields); callers import
+    it from `sarathi_jax.admission`. A ValueError, so callers that catch ValueError keep working.
+    """
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param, self.reason = param, reason
+
+    def __reduce__(self) -> tuple:  # pickles (to another process) with both arguments, not the joined message
+        return type(self), (self.param, self.reason)
 
 
 def _is_int(value: object) -> bool:
@@ -58,7 +78,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         stop_token_ids = tuple(self.stop_token_ids or ())
         if not all(_is_int(t) for t in stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {list(stop_token_ids)!r}")
+            raise AdmissionError("stop_token_ids", f"must be integers, got {list(stop_token_ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_token_ids))
         # numpy integers (e.g. from a config or a random draw) become plain ints: hashable, JSON-friendly.
         for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
@@ -75,35 +95,36 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise AdmissionError(name, f"must be a finite number, got {value!r}")
         for name in ("top_k", "max_tokens", "min_tokens"):
             if not _is_int(getattr(self, name)):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+                raise AdmissionError(name, f"must be an integer, got {getattr(self, name)!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise AdmissionError("temperature", f"must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise AdmissionError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise AdmissionError("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise AdmissionError("min_p", f"must be in [0, 1], got {self.min_p}")
         # Any size is accepted; the sampler keys on seed modulo 2**64.
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+            raise AdmissionError("seed", f"must be a non-negative integer or None, got {self.seed!r}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise AdmissionError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise AdmissionError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise AdmissionError("min_tokens", f"{self.min_tokens} must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a sequence of strings, got {list(self.stop)!r}")
+            raise AdmissionError("stop", f"must be a string or a sequence of strings, got {list(self.stop)!r}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise AdmissionError("stop", "strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")
+            raise AdmissionError("stop_token_ids", f"must be non-negative, got {list(self.stop_token_ids)}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise AdmissionError("logprobs",
+                                 f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -3,8 +3,11 @@
 `SimulatedEngine` has the engine API of docs/design.md on a virtual clock: it is the engine's own core
 (`sarathi_jax.engine_core.EngineCore`: scheduler, block manager, postprocessing, outputs) driving
 `CostModelExecutor`, whose batches advance `clock` by the cost model's time and sample dummy tokens.
-`simulate()` feeds a trace of timed arrivals. Stop conditions: those of the engine; dummy tokens never hit
-an EOS (the simulator has none) or a stop token unless asked. No JAX.
+`simulate()` feeds a trace of timed arrivals. Requests go through the engine's own admission
+(`sarathi_jax.admission`), so the simulator refuses what `LLMEngine` refuses, with the same error, except text
+prompts (no tokenizer: it takes token ids or a prompt length). Stop conditions: those of the engine; dummy
+tokens never hit an EOS (the simulator has none) or a stop token unless asked, and have no text, so stop
+strings are accepted (as the engine the simulator stands for accepts them) and never match. No JAX.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Protocol
 
 from collections.abc import Sequence as Sequence_
 
+from sarathi_jax.admission import Admission, KVCapacity
 from sarathi_jax.bench.metrics import percentile  # numpy only
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
@@ -26,7 +30,7 @@ from sarathi_jax.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutp
 from sarathi_jax.sequence import Sequence
 from sarathi_jax.tokenizer import StopStringChecker
 
-DUMMY_VOCAB = LLAMA2_VOCAB_SIZE  # dummy tokens are drawn below it
+DUMMY_VOCAB = LLAMA2_VOCAB_SIZE  # the default vocabulary: dummy tokens are drawn below it
 
 
 class IterationCost(Protocol):
@@ -98,17 +102,19 @@ class _SimulatedStep:
 
 class CostModelExecutor:
     """The `engine_core.Executor` of the simulator: a batch takes `cost_model.iteration_time` virtual seconds,
-    back to back on one virtual device, and samples a dummy token (a function of its position)."""
+    back to back on one virtual device, and samples a dummy token (a function of its position, below
+    `vocab_size`)."""
 
-    def __init__(self, cost_model: IterationCost) -> None:
+    def __init__(self, cost_model: IterationCost, vocab_size: int = DUMMY_VOCAB) -> None:
         self.cost_model = cost_model
+        self.vocab_size = vocab_size
         self.clock = 0.0
         self._device_free_at = 0.0  # when the batches submitted so far are done
 
     def submit(self, chunks: Sequence_[ScheduledChunk], sampling_of: Any) -> _SimulatedStep:
         start = max(self.clock, self._device_free_at)
         self._device_free_at = end = start + self.cost_model.iteration_time(SchedulerOutput.of(tuple(chunks)))
-        tokens = [((c.start_position + c.num_new_tokens) * 7919) % DUMMY_VOCAB for c in chunks]
+        tokens = [((c.start_position + c.num_new_tokens) * 7919) % self.vocab_size for c in chunks]
         # BucketCostModel pads like the engine it stands for.
         padded = self.cost_model.padded(sum(c.num_new_tokens for c in chunks))
         return _SimulatedStep(self, end, tokens, padded)
@@ -120,7 +126,8 @@ class CostModelExecutor:
 class SimulatedEngine(CoreFrontEnd):
     """The engine API on a virtual clock: the engine core (scheduler, block manager, postprocessing, outputs)
     with a cost model for an executor. Times in RequestMetrics and IterationRecord are virtual seconds.
-    Synchronous by default: a virtual device has no host work to hide."""
+    Synchronous by default: a virtual device has no host work to hide. `vocab_size`: the vocabulary that
+    admission checks token ids against, and the dummy tokens are drawn from."""
 
     def __init__(
         self,
@@ -131,6 +138,7 @@ class SimulatedEngine(CoreFrontEnd):
         *,
         async_scheduling: bool = False,
         enable_prefix_caching: bool = False,
+        vocab_size: int = DUMMY_VOCAB,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cost_model = cost_model or CostModel()
@@ -141,7 +149,9 @@ class SimulatedEngine(CoreFrontEnd):
         self.max_model_len = scheduler_config.max_model_len
         self.model_config = None
         self.tokenizer = None
-        self.executor = CostModelExecutor(self.cost_model)
+        self.admission = Admission(vocab_size=vocab_size, max_model_len=self.max_model_len,
+                                   kv_cache=KVCapacity.of(self.block_manager), stop_strings=True)
+        self.executor = CostModelExecutor(self.cost_model, vocab_size)
         self.core = EngineCore(self.scheduler, self.executor, loop=LoopConfig(async_scheduling=async_scheduling))
 
     @property
@@ -163,25 +173,18 @@ class SimulatedEngine(CoreFrontEnd):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """`prompt` is token ids or just a length (dummy ids are made up). ValueError naming the bad field."""
-        params = params or SamplingParams()
-        if request_id in self.core:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            raise ValueError("prompt: the simulator has no tokenizer; pass token ids or a prompt length")
+        """`prompt` is token ids or just a length (dummy ids are made up; a length < 1 is an empty prompt).
+        Raises AdmissionError (a ValueError) naming the bad field, as `LLMEngine.add_request` does."""
+        self.check_new_id(request_id)
         if isinstance(prompt, int):
-            if prompt < 1:
-                raise ValueError(f"prompt: length must be >= 1, got {prompt}")
-            prompt = [(7 * i + 1) % DUMMY_VOCAB for i in range(prompt)]
-        if not prompt:
-            raise ValueError("prompt: empty")
-        if len(prompt) >= self.max_model_len:  # as LLMEngine.add_request: refused at the edge
-            raise ValueError(
-                f"prompt: {len(prompt)} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
-        seq = Sequence(request_id, list(prompt), params, self.clock if arrival_time is None else arrival_time)
-        self.core.add(RequestState(seq, seed=0, banned_until_min_tokens=(), detokenizer=None,
-                                   stop_checker=StopStringChecker(())))
+            prompt = [(7 * i + 1) % self.admission.vocab_size for i in range(prompt)]
+        request = self.admission.admit(prompt, params)
+        params = request.params
+        seq = Sequence(request_id, list(request.prompt_token_ids), params,
+                       self.clock if arrival_time is None else arrival_time)
+        # No detokenizer, so no text: stop strings never match (see the module docstring).
+        self.core.add(RequestState(seq, seed=0, banned_until_min_tokens=self.admission.banned_until_min_tokens(params),
+                                   detokenizer=None, stop_checker=StopStringChecker(())))
 
     def step(self) -> list[RequestOutput]:
         return self.core.step()
@@ -236,7 +239,8 @@ def simulate(
     max_steps: int | None = None,
 ) -> SimulationResult:
     """Feed `requests` by arrival time on the virtual clock (idle time jumps to the next arrival) and run
-    until all finish. Requests arriving during an iteration join when it ends."""
+    until all finish. Requests arriving during an iteration join when it ends. A request that admission
+    refuses (one that could never fit) raises its AdmissionError."""
     engine = SimulatedEngine(scheduler_config, num_blocks, block_size, cost_model)
     pending = sorted(requests, key=lambda r: r.arrival_time)
     final: dict[str, RequestOutput] = {}

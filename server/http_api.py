@@ -135,7 +135,8 @@ class _Api:
         self.server = server
 
     def _check_body(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """What admission cannot know: fields this server does not honour, and the model name."""
+        """The protocol's own checks, which admission cannot know: fields this server does not honour, and the
+        model name. Every request rule is admission's."""
         field = body.unsupported()
         if field is not None:
             raise AdmissionError(field, "not supported by this server")
@@ -157,7 +158,7 @@ class _Api:
             ids = admission.chat_prompt_ids([m.as_template_message() for m in body.messages])
             max_tokens = body.requested_max_tokens()
             if max_tokens is None:  # OpenAI's default for chat: as much as the context leaves
-                max_tokens = admission.max_model_len - len(ids)
+                max_tokens = admission.room(ids)
             return admission.check(ids, body.sampling_params(body.requested_logprobs(), max_tokens))
 
         return await self._serve(body, build, request)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sarathi_jax.admission import Admission, AdmittedRequest
+from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.sampling_params import SamplingParams
 from server.proto.sarathi.v1 import generation_pb2 as pb
 
@@ -29,7 +29,7 @@ _INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
 def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     """SamplingParams from the request's sampling fields; unset fields keep SamplingParams' defaults.
 
-    Raises ValueError naming the bad field (SamplingParams' own validation).
+    Raises AdmissionError naming the bad field (SamplingParams' own validation).
     """
     kwargs: dict[str, Any] = {}
     for name in _FLOAT_FIELDS:
@@ -53,7 +53,7 @@ def admission_from_proto(request: pb.GenerateRequest) -> Callable[[Admission], A
 
     def build(admission: Admission) -> AdmittedRequest:
         if which is None:
-            raise ValueError("prompt: must be set (text, token_ids or messages)")
+            raise AdmissionError("prompt", "must be set (text, token_ids or messages)")  # the oneof: protocol shape
         params = sampling_params_from_proto(request)
         if which == "messages":
             return admission.admit_chat([{"role": m.role, "content": m.content} for m in request.messages.messages],

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from sarathi_jax.admission import Admission, AdmittedRequest, param_of
+from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.outputs import RequestOutput
 from server.engine_worker import EngineError, EngineWorker, ServingEngine
 from server.metrics import ServerMetrics
@@ -310,8 +310,9 @@ class GenerationServer:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
             try:
                 admitted = build(self.engine.admission)
-            except ValueError as exc:  # AdmissionError, SamplingParams' own checks
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param_of(exc)) from None
+            except ValueError as exc:  # AdmissionError names its field; any other ValueError is bad input too
+                param = exc.param if isinstance(exc, AdmissionError) else None
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param) from None
             rid = self._request_id(request_id)
             num_tokens = len(admitted.prompt_token_ids)
             self._check_capacity(num_tokens)

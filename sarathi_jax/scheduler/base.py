@@ -18,7 +18,8 @@ Shared rules (every policy):
   sequence whose sampled token is still pending on the device (`Sequence.num_pending_tokens`) is scheduled
   again at once: its next decode reads that token on the device. A sequence whose outputs, pending ones
   included, already reach max_tokens is not scheduled again.
-- Requests that can never run are rejected at `add_sequence` and reported in the next output's `rejected`.
+- Requests that could never run (longer than max_model_len, or than the KV cache above the watermark) are
+  refused before they get here, by admission (sarathi_jax/admission.py); `add_sequence` only asserts it.
 - Prefix caching (when the block manager has it on): a request admitted, or re-admitted after a preemption,
   takes the leading full blocks already cached (shared, reference counted) and starts computing after them,
   so every policy simply prefills less. Admission counts the blocks past that prefix, plus the cached ones it
@@ -98,7 +99,6 @@ class Scheduler:
         self._order: dict[str, int] = {}  # arrival rank (add order): the FCFS and preemption key
         self._counter = itertools.count()
         self._in_flight: set[str] = set()  # seq ids in outputs whose on_step_done has not come yet
-        self._rejected: list[Sequence] = []
         self._preempted: list[Sequence] = []  # during one schedule() call
         self._num_preemptions = 0
 
@@ -107,26 +107,19 @@ class Scheduler:
     def add_sequence(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
-        error = self._never_fits(seq)
-        if error is not None:
-            seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
-            self._rejected.append(seq)
-            return
+        # Admission's guarantee (sarathi_jax/admission.py), asserted: a request past these limits would wait forever.
+        bm = self.block_manager
+        assert (0 < seq.num_prompt_tokens and seq.max_total_tokens <= self.config.max_model_len
+                and bm.blocks_for_tokens(seq.max_total_tokens) <= bm.num_total_blocks - bm.watermark_blocks), seq
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
         self._order[seq.seq_id] = next(self._counter)
         self._waiting.append(seq)
 
     def abort_sequence(self, seq_id: str) -> Sequence | None:
-        """Remove a sequence in any state and free its blocks now. None if unknown or already finished.
-        A rejected sequence not yet reported is taken back too (it will not appear in `rejected`)."""
+        """Remove a sequence in any state and free its blocks now. None if unknown or already finished."""
         seq = self._seqs.get(seq_id)
         if seq is None:
-            for i, rejected in enumerate(self._rejected):
-                if rejected.seq_id == seq_id:
-                    del self._rejected[i]
-                    rejected.finish_reason = "abort"
-                    return rejected
             return None
         self.finish_sequence(seq, "abort")
         return seq
@@ -145,12 +138,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._preempted = []
-        rejected, self._rejected = tuple(self._rejected), []
         batch = self._schedule()
         chunks = tuple([ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill)
                         for seq, n, prefill in batch.items])
         self._in_flight |= batch.seq_ids
-        return SchedulerOutput.of(chunks, preempted=tuple(self._preempted), rejected=rejected)
+        return SchedulerOutput.of(chunks, preempted=tuple(self._preempted))
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The batch ran: its tokens' K/V are in the cache. Call before appending sampled tokens."""
@@ -165,7 +157,7 @@ class Scheduler:
                 cache_full_blocks(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._rejected)
+        return bool(self._waiting or self._running)
 
     @property
     def num_running(self) -> int:
@@ -374,27 +366,3 @@ class Scheduler:
         while i > 0 and order[queue[i - 1].seq_id] > rank:  # from the back: admissions are usually latest
             i -= 1
         queue.insert(i, seq)
-
-    def _never_fits(self, seq: Sequence) -> str | None:
-        """Why `seq` can never run under this config and cache, or None."""
-        return self.never_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
-
-    def never_fits(self, n: int, m: int) -> str | None:
-        """Why a request of `n` prompt tokens and max_tokens `m` can never run here, or None. Reads only
-        fixed sizes, so admission (sarathi_jax/admission.py) calls it from any thread."""
-        cfg, bm = self.config, self.block_manager
-        if n == 0:
-            return "prompt is empty"
-        if n + m > cfg.max_model_len:
-            return f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} tokens exceeds max_model_len ({cfg.max_model_len})"
-        # Admission needs the whole (re-)prefill's blocks free above the watermark, and a preempted sequence
-        # re-prefills up to prompt + max_tokens - 1 tokens: check the full length.
-        blocks = bm.blocks_for_tokens(n + m)
-        usable = bm.num_total_blocks - bm.watermark_blocks
-        if blocks > usable:
-            return (
-                f"prompt + max_tokens = {n + m} tokens need {blocks} KV blocks of {bm.block_size} tokens, but the "
-                f"cache has {bm.num_total_blocks} blocks ({usable} usable at admission, above the watermark of "
-                f"{bm.watermark_blocks})"
-            )
-        return None

@@ -44,23 +44,19 @@ class SchedulerOutput:
 
     chunks: the work of this iteration, in a fixed order (the runner packs them in this order).
     preempted: sequences evicted (by recompute) while building this batch; they are back in the waiting queue.
-    rejected: requests that can never run (too long for max_model_len or for the KV cache); they are FINISHED
-        with finish_reason "error" and `seq.error` set, and the engine reports them.
     """
 
     chunks: tuple[ScheduledChunk, ...] = ()
     preempted: tuple[Sequence, ...] = ()
-    rejected: tuple[Sequence, ...] = ()
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
     @classmethod
-    def of(cls, chunks: tuple[ScheduledChunk, ...], *, preempted: tuple[Sequence, ...] = (),
-           rejected: tuple[Sequence, ...] = ()) -> SchedulerOutput:
+    def of(cls, chunks: tuple[ScheduledChunk, ...], *, preempted: tuple[Sequence, ...] = ()) -> SchedulerOutput:
         """The output for `chunks`, with its prefill / decode token counts."""
         num_decode = sum([c.is_decode for c in chunks])
         num_prefill = sum([c.num_new_tokens for c in chunks]) - num_decode
-        return cls(chunks, preempted, rejected, num_prefill, num_decode)
+        return cls(chunks, preempted, num_prefill, num_decode)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -68,5 +64,5 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """No work to run (there may still be rejected or preempted sequences to report)."""
+        """No work to run (there may still be preempted sequences to report)."""
         return not self.chunks

@@ -225,7 +225,7 @@ def test_chat_without_template_is_a_clear_error(smollm2_dir: Path, tmp_path: Pat
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     llm = LLM.__new__(LLM)  # no engine needed: admission alone refuses the conversation
     admission = Admission(vocab_size=49152, max_model_len=1024, tokenizer=object(), eos_token_ids=(),
-                          chat_template=ChatTemplate.from_folder(folder), never_fits=lambda n, m: None)
+                          chat_template=ChatTemplate.from_folder(folder))
     llm.engine = type("E", (), {"admission": admission})()
     with pytest.raises(ValueError, match="has no chat template"):
         llm.chat([{"role": "user", "content": "hi"}])

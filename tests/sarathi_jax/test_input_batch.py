@@ -11,6 +11,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.input_batch import InputBatch
@@ -116,6 +117,7 @@ def _run(seed: int, overlapped: bool, num_blocks: int) -> dict:
                                                max_model_len=MAX_LEN, watermark=0.0), bm)
     executor = ComparingExecutor(rng, vocab)
     core = EngineCore(scheduler, executor, loop=LoopConfig(async_scheduling=overlapped), eos_token_ids=(2,))
+    admission = Admission(vocab_size=vocab, max_model_len=MAX_LEN, kv_cache=KVCapacity.of(bm))
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(4, 24))] for _ in range(3)]
     live: list[str] = []
     aborts = 0
@@ -124,7 +126,11 @@ def _run(seed: int, overlapped: bool, num_blocks: int) -> dict:
             rid = f"r{step}"
             prompt = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
             params = _params(rng)
-            if len(prompt) + params.max_tokens <= MAX_LEN:
+            try:  # as in the engines: a request that could never run is refused before the core
+                admission.check(prompt, params)
+            except AdmissionError:
+                pass
+            else:
                 seq = Sequence(rid, prompt, params, 0.0)
                 banned = tuple(params.stop_token_ids) + (2,) if params.min_tokens else ()
                 core.add(RequestState(seq, rng.randrange(2**63), banned, None, StopStringChecker(())))

@@ -1,5 +1,6 @@
 import pytest
 
+from sarathi_jax.admission import AdmissionError
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SchedulerConfig
 from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -52,19 +53,38 @@ def test_engine_api_on_virtual_clock():
     assert s["kv_cache_usage"] == 0.0 and s["num_preemptions"] == 0
 
 
-def test_engine_abort_and_reject():
+def test_engine_abort_and_refusal():
     eng = SimulatedEngine(_cfg(), num_blocks=64, block_size=16)
     eng.add_request("a", 200, SamplingParams(max_tokens=50))
-    eng.add_request("big", 500, SamplingParams(max_tokens=50))  # 550 > max_model_len
-    outs = eng.step()
-    rejected = [o for o in outs if o.request_id == "big"]
-    assert rejected and rejected[0].finish_reason == "error" and "max_model_len" in rejected[0].error
+    with pytest.raises(AdmissionError) as refused:  # 550 > max_model_len: refused at once, as by LLMEngine
+        eng.add_request("big", 500, SamplingParams(max_tokens=50))
+    assert refused.value.param == "max_tokens" and "max_model_len (512)" in str(refused.value)
+    eng.step()
+    assert not eng.abort("big")  # nothing of it reached the engine
     assert eng.stats()["num_free_blocks"] < 64
     assert eng.abort("a") and not eng.abort("a") and not eng.abort("zzz")
     assert eng.stats()["num_free_blocks"] == 64
     outs = eng.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "abort")]
     assert not eng.has_unfinished_requests()
+
+
+def test_admission_is_the_engines_and_stop_strings_never_match():
+    eng = SimulatedEngine(_cfg(), num_blocks=64, vocab_size=100)
+    with pytest.raises(AdmissionError) as text:  # no tokenizer: LLMEngine's refusal for a model without one
+        eng.add_request("t", "hello")
+    assert text.value.param == "prompt" and "need a tokenizer" in str(text.value)
+    with pytest.raises(AdmissionError) as empty:
+        eng.add_request("e", 0)
+    assert str(empty.value) == "prompt: empty"
+    with pytest.raises(AdmissionError) as vocab:
+        eng.add_request("v", [1, 100])
+    assert vocab.value.param == "prompt" and "[0, 100)" in str(vocab.value)
+    # Stop strings are accepted, as by the engine the simulator stands for; dummy tokens have no text.
+    eng.add_request("s", 10, SamplingParams(max_tokens=5, stop=["x"]))
+    final = [o for _ in range(20) for o in eng.step() if o.finished]
+    assert [(o.finish_reason, len(o.token_ids), o.text) for o in final] == [("length", 5, "")]
+    assert all(t < 100 for t in final[0].token_ids)  # dummy tokens come from its vocabulary
 
 
 @pytest.mark.parametrize("policy", SCHEDULER_POLICIES)

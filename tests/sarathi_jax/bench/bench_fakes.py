@@ -40,7 +40,7 @@ class LoadCostModel:
 def sim_engine(*, base: float = 0.01, per_seq: float = 0.0001, per_prefill_token: float = 0.0,
                max_num_seqs: int = 10_000, max_model_len: int = 4096) -> SimulatedEngine:
     """A `SimulatedEngine` that runs every admitted request each step, on `LoadCostModel`'s clock (from 100 s).
-    A request whose prompt + max_tokens exceeds max_model_len is rejected (finish_reason "error")."""
+    A request whose prompt + max_tokens exceeds max_model_len is refused (add_request raises AdmissionError)."""
     config = SchedulerConfig(policy="sarathi", token_budget=max(TOKEN_BUDGET, max_num_seqs), max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, watermark=0.0)
     engine = SimulatedEngine(config, NUM_BLOCKS, BLOCK_SIZE, LoadCostModel(base, per_seq, per_prefill_token))

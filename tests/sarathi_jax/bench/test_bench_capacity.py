@@ -65,8 +65,8 @@ def test_driver_rebases_times_and_reuses_engine():
 
 
 def test_driver_records_rejected_requests():
-    # Two ways to refuse a request: the scheduler rejects one that can never fit (an output with finish_reason
-    # "error"), and add_request raises ValueError for a prompt >= max_model_len (as LLMEngine does).
+    # Admission refuses (add_request raises AdmissionError, as LLMEngine's does) both a prompt + max_tokens
+    # beyond max_model_len and a prompt >= max_model_len; the driver records each as an error, never run.
     eng = sim_engine(max_model_len=10)
     wl = Workload([0.0, 0.0, 0.0], [3, 9, 12], [2, 5, 1])
     r = run_workload(eng, wl, wl.prompts(1000, 0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
 from sarathi_jax.outputs import RequestOutput
@@ -34,7 +35,7 @@ class Req:
 class RunResult:
     seqs: list[Sequence]
     first_scheduled: dict[str, int] = field(default_factory=dict)  # seq_id -> step
-    rejected_at: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, AdmissionError] = field(default_factory=dict)  # seq_id -> why admission refused it
     num_steps: int = 0
     num_preemptions: int = 0
     outputs: list[SchedulerOutput] = field(default_factory=list)  # one per step (schedule() call), in order
@@ -193,9 +194,6 @@ class CheckedScheduler:
         check_output(out, cfg, sched, in_flight_ids if pipelined else set())
         self._check_and_record_kv(out)
         res.outputs.append(out)
-        for seq in out.rejected:
-            assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "error" and seq.error
-            res.rejected_at[seq.seq_id] = self.step
         for c in out.chunks:
             res.first_scheduled.setdefault(c.seq.seq_id, self.step)
             assert ready(c.seq), f"{c.seq!r} scheduled though not ready"
@@ -250,6 +248,8 @@ def run_trace(
     res = RunResult(seqs)
     checked = CheckedScheduler(sched, cfg, loop, executor, res)
     core = EngineCore(checked, executor, loop=loop)
+    # Requests reach the core through admission, as in the engines: one that could never run is refused there.
+    admission = Admission(vocab_size=1 << 30, max_model_len=cfg.max_model_len, kv_cache=KVCapacity.of(bm))
     if max_steps is None:
         max_steps = 200 + 20 * sum(r.prompt_len + r.max_tokens for r in reqs)
     streamed: dict[str, list[int]] = {}
@@ -257,10 +257,16 @@ def run_trace(
     while nxt < len(reqs) or core.has_unfinished_requests():
         assert step < max_steps, f"no completion after {max_steps} steps: {sched.running} {sched.waiting}"
         while nxt < len(reqs) and reqs[nxt].arrival_step <= step:
-            core.add(RequestState(seqs[nxt], seed=0, banned_until_min_tokens=(), detokenizer=None,
-                                  stop_checker=StopStringChecker(())))
-            streamed[seqs[nxt].seq_id] = []
+            seq = seqs[nxt]
             nxt += 1
+            try:
+                admission.check(seq.prompt_token_ids, seq.sampling_params)
+            except AdmissionError as e:
+                res.refused[seq.seq_id] = e
+                continue
+            core.add(RequestState(seq, seed=0, banned_until_min_tokens=(), detokenizer=None,
+                                  stop_checker=StopStringChecker(())))
+            streamed[seq.seq_id] = []
         checked.step = step
         for out in core.step():
             assert out.request_id not in res.final, f"{out.request_id} got an output after it finished"
@@ -276,6 +282,9 @@ def run_trace(
     assert not executor.in_flight and not sched.has_unfinished()
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == num_blocks
     for seq in seqs:
+        if seq.seq_id in res.refused:
+            assert seq.seq_id not in res.final and seq.seq_id not in res.first_scheduled
+            continue
         out = res.final[seq.seq_id]
         assert out.finish_reason == seq.finish_reason and list(out.token_ids) == seq.output_token_ids
         assert seq.num_pending_tokens == 0 and not seq.block_table

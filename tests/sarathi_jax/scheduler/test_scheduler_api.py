@@ -1,4 +1,4 @@
-"""Scheduler API: config validation, registry, abort, rejection, preemption details."""
+"""Scheduler API: config validation, registry, abort, the limits admission enforces, preemption details."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SCHEDULERS, SchedulerConfig, make_scheduler
@@ -84,21 +85,22 @@ def test_watermark_fraction_reaches_block_manager():
 
 
 @pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
-def test_never_fitting_requests_rejected_at_once(policy):
-    sched, bm = _make(policy, num_blocks=10, block_size=4, max_model_len=128)  # cache: 40 tokens
-    too_long = Sequence("long", list(range(100)), SamplingParams(max_tokens=29), 0.0)  # 129 > 128
-    too_big = Sequence("big", list(range(30)), SamplingParams(max_tokens=20), 0.0)  # 50 tokens > 40
-    ok = Sequence("ok", list(range(20)), SamplingParams(max_tokens=4), 0.0)
-    for s in (too_long, too_big, ok):
-        sched.add_sequence(s)
-    out = sched.schedule()
-    assert out.rejected == (too_long, too_big)
-    assert "max_model_len (128)" in too_long.error and "129" in too_long.error
-    assert "KV blocks" in too_big.error and "13" in too_big.error
-    for s in (too_long, too_big):
-        assert s.status is SequenceStatus.FINISHED and s.finish_reason == "error" and not s.block_table
-    assert [c.seq for c in out.chunks] == [ok]
-    assert sched.num_running == 1 and sched.schedule().rejected == ()
+def test_never_fitting_requests_are_refused_by_admission(policy):
+    """The scheduler's limits (max_model_len, KV blocks above its watermark) are admission's rules: a request
+    that could never run is refused before it reaches the scheduler, which only asserts it."""
+    sched, bm = _make(policy, num_blocks=11, block_size=4, max_model_len=128, watermark=0.1)  # 40 usable tokens
+    admission = Admission(vocab_size=1000, max_model_len=128, kv_cache=KVCapacity.of(bm))
+    assert admission.kv_cache == KVCapacity(block_size=4, num_blocks=11, watermark_blocks=1)  # the scheduler's
+    with pytest.raises(AdmissionError) as too_long:  # 129 > 128
+        admission.check(list(range(100)), SamplingParams(max_tokens=29))
+    assert too_long.value.param == "max_tokens" and "max_model_len (128)" in str(too_long.value)
+    with pytest.raises(AdmissionError) as too_big:  # 44 tokens: 11 blocks > 10 usable
+        admission.check(list(range(30)), SamplingParams(max_tokens=14))
+    assert too_big.value.param == "max_tokens" and "11 KV blocks" in str(too_big.value)
+    admission.check(list(range(30)), SamplingParams(max_tokens=10))  # 40 tokens: 10 blocks fit
+    with pytest.raises(AssertionError):
+        sched.add_sequence(Sequence("long", list(range(100)), SamplingParams(max_tokens=29), 0.0))
+    assert not sched.has_unfinished()
 
 
 def test_duplicate_id_raises():
@@ -225,12 +227,3 @@ def test_in_flight_sequences_are_never_scheduled_or_preempted():
     assert b.is_empty and not b.preempted
     complete(sched, a)
     assert not sched.is_in_flight(s0)
-
-
-def test_abort_of_a_rejected_request_not_yet_reported():
-    sched, _ = _make(max_model_len=32)
-    seq = _seq(0, 30, 8)
-    sched.add_sequence(seq)
-    assert sched.has_unfinished()
-    assert sched.abort_sequence("s0") is seq and seq.finish_reason == "abort" and seq.error
-    assert sched.schedule().rejected == () and not sched.has_unfinished()

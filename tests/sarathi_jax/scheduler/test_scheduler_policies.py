@@ -1,5 +1,5 @@
 """Every policy on random traces: limits, stall-freedom (sarathi), FCFS, completion, block conservation,
-rejection and the pipeline-parallel rule (checked on every batch by the harness), driven by the engine core
+refusal at admission and the pipeline-parallel rule (checked on every batch by the harness), driven by the engine core
 in each loop mode: synchronous, overlapped (async scheduling) and pipeline parallel."""
 
 from __future__ import annotations
@@ -57,11 +57,10 @@ def _check_run(cfg, num_blocks, block_size, reqs, mode=SYNC, prefix_caching=Fals
         total = req.prompt_len + req.max_tokens
         fits = total <= MAX_MODEL_LEN and -(-total // block_size) <= usable
         if fits:
-            assert seq.finish_reason == "length", seq
+            assert seq.seq_id not in res.refused and seq.finish_reason == "length", seq
             assert seq.num_output_tokens == req.max_tokens
-        else:  # rejected at once (in the first batch after it arrived), with a reason, never run
-            assert seq.finish_reason == "error" and seq.error, seq
-            assert res.rejected_at[seq.seq_id] == req.arrival_step
+        else:  # refused by admission, naming max_tokens (the prompt alone always fits here), never run
+            assert res.refused[seq.seq_id].param == "max_tokens", seq
             assert seq.seq_id not in res.first_scheduled
     # FCFS: first scheduled steps follow arrival order (preemption only re-queues already-started ones).
     started = [res.first_scheduled[s.seq_id] for s in res.seqs if s.seq_id in res.first_scheduled]
