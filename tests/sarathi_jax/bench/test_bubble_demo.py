@@ -1,4 +1,4 @@
-"""`sarathi_jax.parallel.bubble_demo`: the seeded workload, the replay loop (arrivals on the wall clock,
+"""`sarathi_jax.bench.bubble_demo`: the seeded workload, the replay loop (arrivals on the wall clock,
 greedy requests added in order), and the report's table, with a fake engine in place of a pipelined one (a real
 pp=2 run of the CLI takes about half a minute on a small CPU host)."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sarathi_jax.parallel import bubble_demo
+from sarathi_jax.bench import bubble_demo
 
 
 def test_make_requests_is_seeded_and_within_the_ranges():
