@@ -18,8 +18,8 @@ Per case it prints:
     softmax is not counted) and the minimal bytes that must move (q in, out back, every sequence's K and V
     read once per KV head);
   * the hardware floor: max(FLOPs / measured matmul rate, bytes / measured bandwidth), where the rates are
-    measured once per run on this device (a jnp matmul in the input dtype; a jnp elementwise float32
-    copy, read + write);
+    measured once per run on this device by `pallas_kernels.machine_rates` (a jnp matmul in the input dtype;
+    a jnp elementwise float32 copy, read + write);
   * which kernel config it used (tuning-table entry or rules, see `pallas_kernels/tuning.py`);
   * per implementation: time per call, TFLOP/s, GB/s, time / floor; Pallas / FlashAttention when PyTorch
     with CUDA is importable (it says so when not); the max difference between Pallas and XLA outputs.
@@ -27,9 +27,9 @@ Per case it prints:
 On a CPU (`jax.default_backend() == "cpu"`) the default is the CPU suite instead (`CPU_SUITE`, `--cpu-heads`):
 the C++ kernel (`attention_backend="cpu"`) and the jnp path (`"xla"`) side by side, for head layouts with
 GQA groups 1, 4 and 8 at head_dim 64 and 128, decode batches of 1-128 rows at contexts 64-4096, and
-prefills and chunks; the floors use the matmul rate and the read bandwidth measured by
-`sarathi_jax.bench.roofline` (attention mostly reads). The jnp path is skipped where its K/V exceed
-`--xla-max-mb` (it would take seconds per call); `--cpu-only` skips it everywhere.
+prefills and chunks; the floors use the matmul rate and the read bandwidth (attention mostly reads). The jnp
+path is skipped where its K/V exceed `--xla-max-mb` (it would take seconds per call); `--cpu-only` skips it
+everywhere.
 
     python -m pallas_kernels.bench                            # on a CPU: the CPU suite
     python -m pallas_kernels.bench --cpu-heads 8,8,64 --decodes 32 --decode-ctx 512
@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import machine_rates
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_kernel_config
 from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -160,16 +161,6 @@ def time_fn(fn, *args, iters: int, repeats: int = 3, warmup: int = 1) -> float:
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t0) / iters)
     return best
-
-
-def measure_device(dtype, *, matmul_n: int, copy_mib: int, iters: int):
-    a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.float32).astype(dtype)
-    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    flops_per_s = 2 * matmul_n**3 / time_fn(mm, a, a, iters=iters)
-    n = copy_mib * 2**20 // 4
-    x = jnp.arange(n, dtype=jnp.float32)
-    bytes_per_s = 2 * n * 4 / time_fn(jax.jit(lambda x: x + 1.0), x, iters=iters)
-    return flops_per_s, bytes_per_s
 
 
 def torch_status() -> tuple[object | None, str]:
@@ -349,15 +340,13 @@ def format_cpu_table(records: list[dict]) -> str:
 
 
 def cpu_main(args, cases) -> None:
-    from sarathi_jax.bench.roofline import measure_bandwidth, measure_matmul_rate
-
     status = cpu_kernel_status()
     if status is not None:
         raise SystemExit(f"the CPU kernel is not available: {status}")
     args.iters = args.iters or 10
     args.repeats = args.repeats or 3
-    peak_flops = measure_matmul_rate(args.matmul_n or 1024, args.dtype)
-    peak_bw = measure_bandwidth(args.copy_mib or 512)["read_bytes_per_s"]
+    peak_flops = machine_rates.matmul_rate(args.matmul_n or 1024, args.dtype)
+    peak_bw = machine_rates.memory_bandwidth(args.copy_mib or 512).read_bytes_per_s
     heads_list = [tuple(h) for h in args.cpu_heads]
     print(f"device: {jax.devices()[0].device_kind} (cpu); dtype {args.dtype}; block_size {args.block_size}")
     print(f"measured: matmul {peak_flops / 1e9:.4g} GFLOP/s ({args.dtype}), read bandwidth {peak_bw / 1e9:.4g} GB/s")
@@ -478,7 +467,9 @@ def main(argv=None):
     matmul_n = args.matmul_n or (512 if on_cpu else 8192)
     copy_mib = args.copy_mib or (64 if on_cpu else 1024)
     dtype = jnp.dtype(args.dtype)
-    peak_flops, peak_bw = measure_device(dtype, matmul_n=matmul_n, copy_mib=copy_mib, iters=max(args.iters, 3))
+    rate_iters = max(args.iters, 3)
+    peak_flops = machine_rates.matmul_rate(matmul_n, dtype.name, repeats=3, iters=rate_iters)
+    peak_bw = machine_rates.memory_bandwidth(copy_mib, repeats=3, iters=rate_iters).copy_bytes_per_s
     torch, torch_msg = torch_status() if args.torch else (None, "disabled (--no-torch)")
     device = jax.devices()[0].device_kind
     hq, hkv, d = args.heads
