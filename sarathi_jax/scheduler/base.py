@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
-from sarathi_jax.scheduler.config import SchedulerConfig
 from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
 from sarathi_jax.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the config validates against the registry of these classes: it sits above them
+    from sarathi_jax.scheduler.config import SchedulerConfig
 
 
 class Batch:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.scheduler.base import Scheduler
 from sarathi_jax.scheduler.chunked_prefills_only import ChunkedPrefillsOnlyScheduler
-from sarathi_jax.scheduler.config import SchedulerConfig
 from sarathi_jax.scheduler.faster_transformer import FasterTransformerScheduler
 from sarathi_jax.scheduler.hybrid_batching_only import HybridBatchingOnlyScheduler
 from sarathi_jax.scheduler.orca import OrcaScheduler
 from sarathi_jax.scheduler.sarathi import SarathiScheduler
 from sarathi_jax.scheduler.simple_chunking import SimpleChunkingScheduler
 from sarathi_jax.scheduler.vllm import VLLMScheduler
+
+if TYPE_CHECKING:  # the config validates against this registry: it sits above it
+    from sarathi_jax.scheduler.config import SchedulerConfig
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
     cls.name: cls
