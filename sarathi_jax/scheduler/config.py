@@ -1,7 +1,7 @@
 """Scheduler settings: one frozen dataclass, validated on construction against the policies' registry.
 
-It sits above the registry: the scheduler classes and the registry name this type only in annotations
-(`TYPE_CHECKING`), so no import runs back here from below.
+It sits above the registry and the scheduler classes, which read it through the `SchedulerSettings` protocol
+(scheduler/base.py) and import nothing from here.
 """
 
 from __future__ import annotations

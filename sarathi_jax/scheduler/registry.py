@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.scheduler.base import Scheduler
+from sarathi_jax.scheduler.base import Scheduler, SchedulerSettings
 from sarathi_jax.scheduler.chunked_prefills_only import ChunkedPrefillsOnlyScheduler
 from sarathi_jax.scheduler.faster_transformer import FasterTransformerScheduler
 from sarathi_jax.scheduler.hybrid_batching_only import HybridBatchingOnlyScheduler
@@ -13,9 +11,6 @@ from sarathi_jax.scheduler.orca import OrcaScheduler
 from sarathi_jax.scheduler.sarathi import SarathiScheduler
 from sarathi_jax.scheduler.simple_chunking import SimpleChunkingScheduler
 from sarathi_jax.scheduler.vllm import VLLMScheduler
-
-if TYPE_CHECKING:  # the config validates against this registry: it sits above it
-    from sarathi_jax.scheduler.config import SchedulerConfig
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
     cls.name: cls
@@ -40,7 +35,7 @@ WHOLE_PROMPT_POLICIES: tuple[str, ...] = tuple(n for n, c in SCHEDULERS.items() 
 CHUNKING_POLICIES: tuple[str, ...] = tuple(n for n, c in SCHEDULERS.items() if c.chunks_prompts)
 
 
-def make_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
+def make_scheduler(config: SchedulerSettings, block_manager: BlockManager) -> Scheduler:
     cls = SCHEDULERS.get(config.policy)
     if cls is None:
         raise ValueError(f"unknown scheduler policy {config.policy!r}; choose one of {SCHEDULER_POLICIES}")
