@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from server.engine_worker import EngineWorker, ServingEngine
+from server.grpc_service import build_grpc_server, set_health
 from server.metrics import ServerMetrics
 from server.session import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, RequestSession
 
@@ -90,8 +91,6 @@ class GenerationServer:
             self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
         # The engine compiles and warms up in its constructor, so it is ready as soon as its thread runs.
         if self._health is not None:
-            from server.grpc_service import set_health
-
             await set_health(self._health, serving=True)
         log.info("serving %s%s%s%s", self.model_name,
                  f", gRPC on {self.host}:{self.port}" if self.port is not None else "",
@@ -99,8 +98,6 @@ class GenerationServer:
                  f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "")
 
     async def _start_grpc(self) -> None:
-        from server.grpc_service import build_grpc_server
-
         self._grpc, self._health, self.port = await build_grpc_server(self.session, self.host, self.port)
 
     async def wait_stopped(self) -> None:
