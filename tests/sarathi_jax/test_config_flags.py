@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 
 import pytest
@@ -28,7 +29,8 @@ def other_value(cls: type, name: str) -> object:
     no rule here fails, so a new kind of field gets one)."""
     field = next(f for f in dataclasses.fields(cls) if f.name == name)
     kind = typing.get_type_hints(cls)[name]
-    kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # X | None -> X
+    if isinstance(kind, types.UnionType):  # X | None -> X
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
     default = field.default
     if "choices" in field.metadata:
         return next(c for c in reversed(field.metadata["choices"]) if c != default)
