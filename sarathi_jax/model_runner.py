@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sarathi_jax.config import EngineConfig, resolve_dtype, resolve_scan_layers
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.input_batch import InputBatch
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
@@ -48,7 +49,7 @@ from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerOutput, 
 from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
-from sarathi_jax.sizing import bucket_for
+from sarathi_jax.sizing import EngineSizing, bucket_for, platform_buckets
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, sampling_max_num_seqs, unpack_sampling
 
 
@@ -123,24 +124,26 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         params: dict,
+        config: EngineConfig,
+        sizing: EngineSizing,
         *,
-        dtype: jnp.dtype,
         attention_fn: Callable,
-        num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        buckets: Sequence[int],
         plan: Any = None,
-        scan_layers: bool = True,
         executable_cache: ExecutableCache | None = None,
     ) -> None:
+        """`config` as the engine resolved it, or with "auto" and None left for this platform to decide (dtype,
+        scan_layers); `sizing` (`sizing.size_engine`) gives the KV blocks, max_model_len and the largest step,
+        whose token buckets are this platform's (`sizing.platform_buckets`). `attention_fn`: the kernel that
+        `config.attention_backend` names (`pallas_kernels.get_attention_fn`)."""
+        platform = jax.default_backend()
+        dtype = jnp.dtype(resolve_dtype(config.dtype, platform))
+        scan_layers = resolve_scan_layers(config.scan_layers, platform)
         self.model_config = model_config
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = tuple(buckets)  # ascending; the last holds the largest batch (`sizing.platform_buckets`)
+        self.block_size = block_size = config.block_size
+        self.num_blocks = num_blocks = sizing.num_blocks
+        self.max_num_seqs = max_num_seqs = config.max_num_seqs
+        self.max_blocks_per_seq = -(-sizing.max_model_len // block_size)
+        self.buckets = platform_buckets(sizing.max_step_tokens, platform)  # ascending; the last holds the largest batch
         self.plan = None if plan is None or plan.is_single_device else plan
         self.timeline = None
         if self.plan is None:
