@@ -32,7 +32,7 @@ LAYERS: Layers = (
         "sarathi_jax.tokenizer", "sarathi_jax.chat_template", "sarathi_jax.sequence", "sarathi_jax.block_manager",
         "sarathi_jax.models.config", "sarathi_jax.models.presets",
     )),
-    ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config", "sarathi_jax.sizing")),
+    ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config", "sarathi_jax.config_flags", "sarathi_jax.sizing")),
     ("models", ("sarathi_jax.models.*",)),
     ("parallelism", ("sarathi_jax.parallel.*",)),
     ("model runner", (
