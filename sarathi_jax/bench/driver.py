@@ -8,6 +8,7 @@ the next arrival (a real engine sleeps, the simulator jumps). Offline runs put e
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,14 @@ class RunResult:
     pipeline: dict | None = None  # engine.pipeline_stats() of the run (bubble fraction) under pipeline parallelism
     first_completion: str | None = None  # the text of request 0's output, when the engine detokenizes
     prefix_cache: dict | None = None  # this run's prefix-cache "queries" and "hits" (tokens), when the engine counts them
+
+    def to_json(self) -> dict:
+        """Plain JSON types; `from_json` gives the run back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> RunResult:
+        return cls(**{**d, "records": [RequestRecord(**r) for r in d["records"]]})
 
 
 def sampling_params_for(output_len: int, temperature: float = 0.0, stop_at_eos: bool = False) -> SamplingParams:

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchErro
                                    run_configs)
 from sarathi_jax.bench.capacity import CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
+from sarathi_jax.bench.endpoint import EndpointError, run_endpoint
 from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import fmt_seconds, summarize
 from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_workload, trace_workload,
@@ -98,33 +99,6 @@ def engine_description(engine: Engine, kwargs: dict, simulate: bool) -> dict:
         d["startup"] = startup
     d["num_total_blocks"] = engine.stats()["num_total_blocks"]
     return d
-
-
-def run_endpoint(args: argparse.Namespace, workload: Workload, prompts: list[list[int]], progress: bool) -> RunResult:
-    """LOADGEN HOOK (--endpoint): drive a running server through the server's load driver, `server/loadgen.py`.
-
-    Contract: `server.loadgen.run_bench_workload(endpoint, workload, prompts, *, temperature, progress)` sends
-    request i at `workload.arrivals[i]` with `prompts[i]`, max_tokens = `workload.output_lens[i]`, ignore_eos,
-    and returns a `RunResult` whose RequestRecords hold times relative to the run start (no iteration records:
-    a client cannot see the server's iterations). Imported lazily: the bench works without the server package.
-    """
-    import importlib
-
-    try:
-        loadgen = importlib.import_module("server.loadgen")
-    except ImportError as e:
-        raise BenchError(
-            f"--endpoint needs the load driver server/loadgen.py, which is not importable ({e}); "
-            "install the server extras or drop --endpoint to run an in-process engine"
-        )
-    runner = getattr(loadgen, "run_bench_workload", None)
-    if runner is None:
-        raise BenchError("--endpoint: server/loadgen.py has no run_bench_workload(); the bench hook is not wired")
-    try:
-        return runner(args.endpoint, workload, prompts, temperature=args.temperature, progress=progress)
-    except Exception as e:  # noqa: BLE001 - connection failures etc.: one clear line
-        raise BenchError(f"--endpoint {args.endpoint}: {type(e).__name__}: {e or 'no details'} "
-                         "(is the server running there?)") from e
 
 
 def text_prompts(engine: Engine, workload: Workload, path: str, max_model_len: int | None
@@ -207,7 +181,10 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         _log(quiet, f"workload: {workload.describe()}")
         for note in workload.notes:
             _log(quiet, f"  note: {note}")
-        run = run_endpoint(args, workload, prompts, progress)
+        try:
+            run = run_endpoint(args.endpoint, workload, prompts, args.temperature)
+        except EndpointError as e:
+            raise BenchError(f"--endpoint {args.endpoint}: {e} (is the server running there?)") from None
         run.summary = summarize(run.records, run.iterations, slo_ttft=args.slo_ttft, slo_tbt=slo_tbt,
                                 stall_factor=args.stall_factor, num_preemptions=run.num_preemptions)
         runs.append(run)
