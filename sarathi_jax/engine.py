@@ -30,6 +30,7 @@ from sarathi_jax.config import (
     resolve_dtype,
     resolve_scan_layers,
 )
+from sarathi_jax.engine_api import WallClock
 from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.model_runner import ModelRunner
@@ -44,6 +45,10 @@ from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tok
 
 
 class LLMEngine(CoreFrontEnd):
+    """The engine API (`engine_api.Engine`) over a model: weights, KV cache and compiled steps."""
+
+    clock = WallClock()  # what metrics are stamped with: time.monotonic(), as `ModelRunner.now`
+
     def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
         """Build the engine: load the weights, size the KV cache and the scheduler, compile and warm up.
 

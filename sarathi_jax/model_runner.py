@@ -27,6 +27,7 @@ device, and the code below reads as the single-device runner it then is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -117,8 +118,13 @@ class PendingStep:
         return self._result
 
 
+StepObserver = Callable[[Sequence[ScheduledChunk], PackedStep, SamplerVariant], None]
+
+
 class ModelRunner:
     """Owns the parameters, the paged KV cache and the compiled step function(s) of one model."""
+
+    _step_observer: StepObserver | None = None  # see `observe_steps`
 
     def __init__(
         self,
@@ -319,6 +325,8 @@ class ModelRunner:
         sequence's sampling settings; it is asked only when the sequence enters the batch's rows."""
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
         packed, variant = self.input_batch.prepare(chunks, self.bucket_for(num_tokens), sampling_of)
+        if self._step_observer is not None:
+            self._step_observer(chunks, packed, variant)
         return self._dispatch(packed, variant)
 
     def now(self) -> float:
@@ -327,6 +335,27 @@ class ModelRunner:
     def capture_logits(self, enable: bool = True) -> None:
         """Make every step also return its logits (`PendingStep.logits`), for tests and debugging."""
         self._capture_logits = enable
+
+    # ------------------------------------------------------------------------------------- measuring hooks
+
+    def observe_steps(self, observer: StepObserver | None) -> None:
+        """Call `observer(chunks, packed, variant)` for each batch `submit` dispatches (step replay); None stops."""
+        self._step_observer = observer
+
+    def padding_step(self, bucket: int) -> PackedStep:
+        """Packed inputs of an all-padding batch of `bucket` tokens: it writes no KV and samples nothing."""
+        return self._layout(bucket).empty()
+
+    @contextlib.contextmanager
+    def dispatch_outside_loop(self) -> Iterator[Callable[[PackedStep, SamplerVariant], PendingStep]]:
+        """Yields `dispatch(packed, variant)` for steps outside the serving loop (replays, warm-up): off the
+        pipeline timeline, each one's samples feeding the next; on exit the next real step reads the last real
+        step's samples again."""
+        prev_tokens = self._prev_tokens
+        try:
+            yield functools.partial(self._dispatch, timed=False)
+        finally:
+            self._prev_tokens = prev_tokens
 
     # ------------------------------------------------------------------------------------- internals
 
