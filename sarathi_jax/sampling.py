@@ -1,7 +1,7 @@
 """Device sampler: one jitted, fixed-shape function from logits to next tokens and logprobs (its host-side
 inputs, `SamplingArrays` and the `SamplerVariant`, are built in sarathi_jax/sampling_inputs.py).
 
-`sample(logits f32[S, V], arrays, variant)` runs after the engine's jitted step; S rows (the step's min(bucket, max_num_seqs)), one
+`sample(logits f32[S, V], arrays, variant)` runs after the engine's jitted step; S rows (the step's `step_inputs.sample_rows`), one
 per scheduled sequence, the rest padding (temperature < 0: their outputs are meaningless and ignored).
 
 Per non-greedy row: logits / temperature, then the top-k, top-p and min-p masks (vLLM's order and semantics:

@@ -164,8 +164,9 @@ def warm_up_greedy(runner: Any) -> None:
     from sarathi_jax.sampling_params import SamplingParams
 
     variant = sampler_variant([(SamplingParams(temperature=0.0), 0, 0, ())])
-    for bucket in runner.buckets:
-        runner._dispatch(runner._layout(bucket).empty(), variant, timed=False).result()
+    for bucket in runner.buckets:  # each bucket's step, and the greedy sampler for each row count (its rows)
+        layout = runner._layout(bucket)
+        runner._dispatch(layout.empty(), variant, timed=False, rows=layout.num_rows).result()
 
 
 def all_decoding(engine: Any, batch: int) -> bool:

@@ -115,6 +115,6 @@ def test_executable_table_tracks_what_is_ready():
     table.add((1, 40), step, loaded=True)  # a model step loaded from the executable cache counts as compiled
     table.add((0, 40), step, loaded=False)  # a compiled one was counted when it was traced
     table.traced(0)
-    table.add((greedy, 4), sampler, loaded=False)  # a sampler: (variant, logits rows)
+    table.add((greedy, 4), sampler, loaded=False)  # a sampler: (variant, rows R)
     assert table.variants == {(FULL_VARIANT, 8), (greedy, 4)} and table.executables[(greedy, 4)] is sampler
     assert table.stage_traces == [1, 1] and table.sampler_builds == 1
