@@ -270,7 +270,7 @@ class ModelRunner:
         variant for the largest bucket's rows; for smaller row counts (small buckets, and steps of few
         sequences in any bucket, where the sampler is cheap) the greedy variant and FULL_VARIANT only. A step
         runs the smallest R that holds its sequences and has its variant, or else FULL_VARIANT, built
-        (`_sampler_for`). Builds run on `compile_threads` threads (default:
+        (`ExecutableTable.sampler_for`). Builds run on `compile_threads` threads (default:
         `sarathi_jax.precompile.compile_threads`). A multi-process engine builds nothing ahead: every bucket
         and variant compiles on its first run, here."""
         top_rows = self._layout(self.buckets[-1]).num_rows
@@ -354,21 +354,6 @@ class ModelRunner:
     def _lm_head(self) -> LMHead:
         return self.stages[-1].lm_head()
 
-    def _sampler_for(self, variant: SamplerVariant, layout: BatchLayout, rows: int) -> tuple[SamplerVariant, int]:
-        """The (variant, rows) a step runs, from `rows` (a `row_ladder` value that holds its sequences) up to
-        its bucket's `num_rows`: the first built with `variant`, else with FULL_VARIANT (the same tokens, and
-        logprobs where asked for). A ready bucket has FULL_VARIANT for its `num_rows`."""
-        ready = self._table.variants
-        if ready is None:  # not warmed up: the jitted sampler compiles what is asked for
-            return variant, rows
-        ladder = self.row_ladder
-        for r in ladder[ladder.index(rows):]:
-            if (variant, r) in ready:
-                return variant, r
-            if (FULL_VARIANT, r) in ready or r >= layout.num_rows:
-                return FULL_VARIANT, r
-        raise AssertionError(f"{rows} rows are past the row ladder {ladder}")
-
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True,
                   rows: int | None = None) -> PendingStep:
         """Run a step of host `packed` inputs. Its LM head and sampler run on `rows` (a `row_ladder` value;
@@ -378,7 +363,7 @@ class ModelRunner:
         num_tokens = layout.num_tokens
         if rows is None:
             rows = sample_rows(self.row_ladder, layout.num_seqs(packed.batch))
-        run_variant, rows = self._sampler_for(variant, layout, rows)
+        run_variant, rows = self._table.sampler_for(variant, rows, self.row_ladder, layout.num_rows)
         record = timeline.begin(num_tokens) if timeline else None
         single = len(self.stages) == 1
         executables, head = self._table.executables, self._lm_head

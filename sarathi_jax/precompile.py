@@ -312,6 +312,21 @@ class ExecutableTable:
         with self.lock:
             self.buckets = tuple(sorted({*self.buckets, bucket}))
 
+    def sampler_for(self, variant: SamplerVariant, rows: int, ladder: Sequence[int],
+                    bucket_rows: int) -> tuple[SamplerVariant, int]:
+        """The (variant, rows) a step runs, from `rows` (the `ladder` value that holds its sequences) up to its
+        bucket's `bucket_rows`: the first built with `variant`, else with FULL_VARIANT (the same tokens, and
+        logprobs where asked for), which a ready bucket has for its `bucket_rows`."""
+        ready = self.variants
+        if ready is None:  # not warmed up: the jitted sampler compiles what is asked for
+            return variant, rows
+        for r in ladder[ladder.index(rows):]:
+            if (variant, r) in ready:
+                return variant, r
+            if (FULL_VARIANT, r) in ready or r >= bucket_rows:
+                return FULL_VARIANT, r
+        raise AssertionError(f"{rows} rows are past the row ladder {ladder}")
+
     def only(self, buckets: Sequence[int], variants: Sequence[tuple[SamplerVariant, int]]) -> None:
         """From now on run only these (until more are added)."""
         with self.lock:
