@@ -170,8 +170,9 @@ def warm_up_greedy(runner: ModelRunner) -> None:
 
     variant = sampler_variant([(SamplingParams(temperature=0.0), 0, 0, ())])
     with runner.dispatch_outside_loop() as dispatch:
-        for bucket in runner.buckets:
-            dispatch(runner.padding_step(bucket), variant).result()
+        for bucket in runner.buckets:  # each bucket's step, and the greedy sampler at each bucket's rows
+            packed = runner.padding_step(bucket)
+            dispatch(packed, variant, rows=min(bucket, runner.max_num_seqs)).result()
 
 
 def all_decoding(engine: LLMEngine, batch: int) -> bool:
