@@ -15,7 +15,13 @@ import sys
 
 from sarathi_jax.config import EngineConfig  # plain Python: --help stays fast
 from sarathi_jax.config_flags import ConfigFlags
-from server.service import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, GenerationServer
+from server.http_guards import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, HttpLimits
+from server.service import GenerationServer
+from server.session import (
+    DEFAULT_MAX_REQUEST_ID_LENGTH,
+    DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+)
 
 ENGINE_FLAGS = ConfigFlags(EngineConfig)  # every field, under its own name
 
@@ -35,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (RESOURCE_EXHAUSTED) beyond this many requests waiting for their first token")
     p.add_argument("--max-waiting-prompt-tokens", type=int, default=DEFAULT_MAX_WAITING_PROMPT_TOKENS,
                    help="refuse (RESOURCE_EXHAUSTED) beyond this many prompt tokens waiting")
+    p.add_argument("--max-request-id-length", type=int, default=DEFAULT_MAX_REQUEST_ID_LENGTH,
+                   help="refuse (INVALID_ARGUMENT) a gRPC request_id longer than this many characters")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="HTTP: refuse (413) a request body larger than this")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="HTTP: close a connection whose request head is not complete within this many seconds")
     p.add_argument("--drain-grace", type=float, default=None,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them (default: no limit)")
     p.add_argument("--log-level", default="INFO")
@@ -63,7 +75,10 @@ async def _serve(args: argparse.Namespace) -> None:
                               host=args.host, port=None if args.no_grpc else args.port,
                               metrics_port=args.metrics_port, http_port=args.http_port,
                               max_waiting_requests=args.max_waiting_requests,
-                              max_waiting_prompt_tokens=args.max_waiting_prompt_tokens)
+                              max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
+                              max_request_id_length=args.max_request_id_length,
+                              http_limits=HttpLimits(max_body_bytes=args.max_body_bytes,
+                                                     header_timeout_s=args.header_timeout))
     await server.start()
     if server.port is not None:
         print(f"sarathi server listening on {server.host}:{server.port}"

@@ -16,8 +16,14 @@ import grpc
 
 from server.engine_worker import EngineWorker, ServingEngine
 from server.grpc_service import build_grpc_server, set_health
+from server.http_guards import HttpLimits
 from server.metrics import ServerMetrics
-from server.session import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, RequestSession
+from server.session import (
+    DEFAULT_MAX_REQUEST_ID_LENGTH,
+    DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    RequestSession,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +32,8 @@ class GenerationServer:
     """One engine behind a gRPC `sarathi.v1.Generation` service, health checking and reflection, and (with
     `http_port`) the OpenAI-compatible HTTP API of server/http_api.py. Both front ends go through
     `self.session` (`RequestSession`: admission, back-pressure with `max_waiting_requests` and
-    `max_waiting_prompt_tokens`, metrics). `port=None` serves HTTP only.
+    `max_waiting_prompt_tokens`, metrics). `port=None` serves HTTP only. `http_limits`: the HTTP body-size limit
+    and head deadline; `max_request_id_length`: the longest client request id.
 
     Use from asyncio (`await start()`, `await wait_stopped()`, `await drain_async()`), or from plain threads
     (`start_in_thread()`, `drain()`, `stop()`), as the tests and `python -m server` do.
@@ -46,6 +53,8 @@ class GenerationServer:
         http_host: str | None = None,
         max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
         max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+        max_request_id_length: int = DEFAULT_MAX_REQUEST_ID_LENGTH,
+        http_limits: HttpLimits = HttpLimits(),
     ) -> None:
         self.engine = engine
         self.engine_config = engine_config if engine_config is not None else engine.config
@@ -56,11 +65,13 @@ class GenerationServer:
         self.metrics_host = metrics_host or host
         self.http_port = http_port
         self.http_host = http_host or host
+        self.http_limits = http_limits
         self.metrics = ServerMetrics(self.model_name)
         self.worker = EngineWorker(engine, on_stats=self.metrics.update_engine_stats)
         self.session = RequestSession(engine, self.engine_config, self.model_name, self.worker, self.metrics,
                                       max_waiting_requests=max_waiting_requests,
-                                      max_waiting_prompt_tokens=max_waiting_prompt_tokens)
+                                      max_waiting_prompt_tokens=max_waiting_prompt_tokens,
+                                      max_request_id_length=max_request_id_length)
         self._drain_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -85,7 +96,7 @@ class GenerationServer:
         if self.http_port is not None:
             from server.http_api import HttpFrontEnd  # FastAPI and uvicorn load only when HTTP is served
 
-            self._http = HttpFrontEnd(self.session)
+            self._http = HttpFrontEnd(self.session, self.http_limits)
             self.http_port = await self._http.start(self.http_host, self.http_port)
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)

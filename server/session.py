@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_WAITING_PROMPT_TOKENS = 1 << 20
+# A client's request id is echoed on every streamed message: bounded, so that it cannot multiply the output.
+DEFAULT_MAX_REQUEST_ID_LENGTH = 256
 
 
 class RequestSession:
@@ -37,12 +39,14 @@ class RequestSession:
     `max_waiting_requests` requests, or more than `max_waiting_prompt_tokens` prompt tokens, waiting, where
     waiting means admitted but without its first output yet. A lone request is always admitted whatever its
     prompt length (the engine bounds that with max_model_len). Once `stop_admitting` is called every new
-    request is refused with UNAVAILABLE.
+    request is refused with UNAVAILABLE. A client request id longer than `max_request_id_length` characters is
+    refused with INVALID_ARGUMENT.
     """
 
     def __init__(self, engine: ServingEngine, engine_config: Any, model_name: str, worker: EngineWorker,
                  metrics: ServerMetrics, *, max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-                 max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS) -> None:
+                 max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+                 max_request_id_length: int = DEFAULT_MAX_REQUEST_ID_LENGTH) -> None:
         self.engine = engine
         self.engine_config = engine_config
         self.model_name = model_name
@@ -50,6 +54,7 @@ class RequestSession:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
+        self.max_request_id_length = max_request_id_length
         self._active: dict[str, ActiveRequest] = {}
         self._pending_requests = 0
         self._pending_tokens = 0
@@ -84,6 +89,10 @@ class RequestSession:
             return uuid.uuid4().hex
         if not request_id:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty when set", "request_id")
+        if len(request_id) > self.max_request_id_length:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id: {len(request_id)} characters, more than the limit of "
+                               f"{self.max_request_id_length} (--max-request-id-length)", "request_id")
         if request_id in self._active:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in flight",
                                "request_id")
