@@ -26,6 +26,7 @@ from server.proto_convert import (
     add_logprobs,
     admission_from_proto,
     fill_finish_fields,
+    fill_shutdown_fields,
     fill_timings,
     request_id_of,
     stream_response,
@@ -113,9 +114,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(exc.code, exc.message)
 
     async def _next(self, state, context: grpc.aio.ServicerContext):
+        """The request's next output, or None when the server ended it (drain grace over: the caller answers
+        FINISH_REASON_ABORT in-band, as the proto promises); aborts the RPC on any other error."""
         try:
             return await self._session.next_output(state)
         except RequestError as exc:
+            if state.ended_by_shutdown:
+                return None
             await context.abort(exc.code, exc.message)
 
     async def Generate(self, request, context):
@@ -125,6 +130,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             while True:
                 out = await self._next(state, context)
+                if out is None:
+                    await context.write(fill_shutdown_fields(pb.GenerateResponse(request_id=state.request_id), state))
+                    return
                 send_timings = bool(out.new_token_ids) and not state.first_timings_sent
                 if send_timings or out.finished:
                     state.first_timings_sent = True
@@ -140,6 +148,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             while True:
                 out = await self._next(state, context)
+                if out is None:
+                    return fill_shutdown_fields(resp, state)
                 resp.token_ids.extend(out.new_token_ids)
                 add_logprobs(resp, out)
                 if out.finished:

@@ -27,6 +27,10 @@ from server.session import (
 
 log = logging.getLogger(__name__)
 
+# After the drain grace, how long the front ends get to end their requests' streams in-band (a client that does
+# not read may hold a write); what is still running then is cancelled.
+STREAM_END_TIMEOUT_S = 5.0
+
 
 class GenerationServer:
     """One engine behind a gRPC `sarathi.v1.Generation` service, health checking and reflection, and (with
@@ -118,7 +122,9 @@ class GenerationServer:
     async def drain_async(self, grace: float | None = None) -> None:
         """Refuse new requests (UNAVAILABLE, health NOT_SERVING), let running ones finish, then stop.
 
-        After `grace` seconds (None: no limit) requests still running are cancelled.
+        After `grace` seconds (None: no limit) requests still running are ended in-band: an HTTP stream with an
+        SSE error event and `data: [DONE]` (a non-streamed request: 503), a gRPC stream with a last message
+        carrying FINISH_REASON_ABORT (Complete: its response).
         """
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain(grace))
@@ -130,7 +136,12 @@ class GenerationServer:
         try:
             await asyncio.wait_for(self.session.wait_until_idle(), grace)
         except asyncio.TimeoutError:
-            log.warning("drain grace over: cancelling %d requests", self.session.num_active_requests)
+            log.warning("drain grace over: ending %d requests", self.session.end_all_requests())
+            try:
+                await asyncio.wait_for(self.session.wait_until_idle(), STREAM_END_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("%d requests did not end in %.0f s: cancelling them", self.session.num_active_requests,
+                            STREAM_END_TIMEOUT_S)
         # A short grace lets an RPC that slipped in meanwhile get its UNAVAILABLE answer instead of a
         # cancellation; stop() returns as soon as no RPC is left.
         await self.stop_async(grace=0 if self.session.num_active_requests else 1.0)

@@ -22,7 +22,7 @@ from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.outputs import RequestOutput
 from server.engine_worker import EngineError, EngineWorker, ServingEngine
 from server.metrics import ServerMetrics
-from server.request_state import ActiveRequest, RequestError
+from server.request_state import SHUTDOWN_ABORT_MESSAGE, ActiveRequest, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,15 @@ class RequestSession:
         """Until no request is in flight."""
         assert self._idle is not None, "session not bound to a loop"
         await self._idle.wait()
+
+    def end_all_requests(self) -> int:
+        """The drain grace ran out: every request in flight ends at its next `next_output` (RequestError
+        UNAVAILABLE, with `state.ended_by_shutdown` set), so that each front end closes its stream in-band.
+        Returns how many were ended; each is aborted in the engine when its front end releases it."""
+        for state in self._active.values():
+            state.ended_by_shutdown = True
+            state.queue.put_nowait(None)  # wakes a reader waiting for its next output
+        return len(self._active)
 
     def _request_id(self, request_id: str | None) -> str:
         if request_id is None:
@@ -173,8 +182,11 @@ class RequestSession:
             self._idle.set()
 
     async def next_output(self, state: ActiveRequest) -> RequestOutput:
-        """The request's next RequestOutput; raises RequestError for an engine-side error."""
-        item = await state.queue.get()
+        """The request's next RequestOutput; raises RequestError for an engine-side error, or once the server ended
+        the request (`end_all_requests`)."""
+        item = None if state.ended_by_shutdown else await state.queue.get()
+        if state.ended_by_shutdown:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_ABORT_MESSAGE)
         self._unpend(state)
         if isinstance(item, BaseException):
             state.finished = True  # nothing left in the engine to abort

@@ -7,7 +7,9 @@ SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import os
 import queue
 import signal
@@ -81,6 +83,57 @@ def test_drain_lets_in_flight_streams_complete(llama_engine):
     finally:
         server.resume_engine()
         server.stop(grace=0, timeout=30)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_after_the_drain_grace_every_request_ends_in_band(llama_engine):
+    """Requests still running when the grace runs out: an HTTP stream ends with an SSE error event then
+    `data: [DONE]` (not a cut connection), a non-streamed HTTP request gets a 503, a gRPC stream ends with a last
+    message carrying FINISH_REASON_ABORT (not UNAVAILABLE), and Complete answers with it; nothing is logged as
+    cancelled."""
+    engine, config = llama_engine
+    server = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0).start_in_thread()
+    body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
+    logged = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio", "grpc", "")]
+    for logger in loggers:  # uvicorn's loggers do not propagate to the root
+        logger.addHandler(logged)
+    try:
+        server.pause_engine()  # nothing finishes: every request is still running when the grace ends
+        with grpc.insecure_channel(server.target) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                httpx2.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json={**body, "stream": True}) as http_stream:
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.Generate(make_request([5, 6, 7], max_tokens=50, ignore_eos=True), timeout=60)
+            complete = stub.Complete.future(make_request([5, 6, 8], max_tokens=50, ignore_eos=True), timeout=60)
+            not_streamed = pool.submit(http.post, "/v1/completions", json=body)
+            wait_until(lambda: server.num_active_requests == 4, what="four requests in flight")
+            server.drain(grace=0.3, timeout=60)
+
+            [last] = list(stream)  # no RpcError: the stream ends with a message
+            assert last.finished and finish_reason_name(last.finish_reason) == "abort" and "drain grace" in last.error
+            assert finish_reason_name(complete.result(timeout=30).finish_reason) == "abort"
+            resp = not_streamed.result(timeout=30)
+            assert resp.status_code == 503 and "drain grace" in resp.json()["error"]["message"]
+            lines = [line for line in http_stream.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            assert "drain grace" in json.loads(lines[-2][6:])["error"]["message"]
+        assert server.num_active_requests == 0 and not server.worker.alive
+    finally:
+        server.resume_engine()
+        server.stop(grace=0, timeout=30)
+        for logger in loggers:
+            logger.removeHandler(logged)
+    errors = [r for r in logged.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 LONG_MAX_TOKENS = 1000
