@@ -50,9 +50,13 @@ async def build_grpc_server(session: RequestSession, host: str, port: int
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         grpc_server,
     )
-    bound = grpc_server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = grpc_server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind": as any other start-up failure to bind, an OSError
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}")
+        await grpc_server.stop(None)
+        raise OSError(f"could not bind gRPC to {host}:{port} (address in use or not available)")
     return grpc_server, health, bound
 
 

@@ -292,7 +292,11 @@ class HttpFrontEnd:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"could not bind HTTP to {host}:{port}: {exc.strerror}") from None
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
                                 http=h11_protocol_with_header_timeout(self.limits.header_timeout_s),
                                 h11_max_incomplete_event_size=self.limits.max_header_bytes)

@@ -87,11 +87,19 @@ class GenerationServer:
 
     # ----------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Start the engine thread, the gRPC and HTTP servers and the metrics endpoint; SERVING once all are up."""
+        """Start the engine thread, the gRPC and HTTP servers and the metrics endpoint; SERVING once all are up.
+        If one cannot start (a port in use: OSError), what did start is stopped before the error is raised."""
         self._loop = asyncio.get_running_loop()
         self.session.bind(self._loop)
         self._stopped = asyncio.Event()
         self._stop_lock = asyncio.Lock()
+        try:
+            await self._start_all()
+        except BaseException:
+            await self.stop_async(grace=0)
+            raise
+
+    async def _start_all(self) -> None:
         if self.port is not None:
             await self._start_grpc()
         self.worker.start()

@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -207,3 +208,37 @@ def test_sigterm_drains_then_exits(hf_checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def _server_cmd(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "server", "--model", "tiny-llama", "--host", "127.0.0.1", "--token-budget", "64",
+            "--max-num-seqs", "16", "--max-model-len", "256", *flags]
+
+
+def test_sigterm_during_start_up_exits_0():
+    proc = subprocess.Popen(_server_cmd("--port", "0", "--log-level", "INFO"), cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the engine is being built: nothing is served yet
+            if "building engine" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("clash", ["--port", "--http-port"])
+def test_a_port_in_use_is_one_clear_error(clash):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        flags = ["--port", port] if clash == "--port" else ["--port", "0", "--http-port", port]
+        result = subprocess.run(_server_cmd(*flags, "--log-level", "WARNING"), cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=300)
+    assert result.returncode == 1
+    assert "could not start" in result.stderr and f"127.0.0.1:{port}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr, result.stderr
