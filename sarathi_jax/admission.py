@@ -10,14 +10,21 @@ The rules, each written once:
 - what depends on the engine, here: prompt token ids inside the vocabulary (text needs a tokenizer), a
   prompt that is not empty and leaves room to generate within max_model_len, prompt + max_tokens within
   max_model_len and within the KV cache, stop strings only where the engine sees text, stop ids inside the
-  vocabulary, and at most MAX_BANNED ids suppressed before min_tokens.
+  vocabulary, and at most MAX_BANNED ids suppressed before min_tokens;
+- what keeps a hostile input from costing more than it may: text must be valid Unicode (encodable as
+  UTF-8: JSON can carry lone surrogates, which the tokenizer cannot take), and a prompt too long to fit
+  max_model_len is refused before it is tokenised or converted (token ids: more than max_model_len of them;
+  text: more characters than max_model_len tokens of the tokenizer's longest token can hold).
 A refusal is an `AdmissionError` (a ValueError): its field is `.param`, its message `"{param}: {reason}"`.
+Whatever a request's input is, admitting it raises nothing else: servers answer every refusal with a 400 /
+INVALID_ARGUMENT naming the field, and anything else would be a server error.
 Servers map it to a status; they check only what belongs to their protocol (JSON types, fields they do not
 serve, the model name).
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,10 +98,34 @@ class Admission:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise AdmissionError("prompt", "text prompts need a tokenizer; this model has none, pass token ids")
-            return self.tokenizer.encode(prompt) if prompt else []
+            return self._encode("prompt", prompt, add_special_tokens=True) if prompt else []
+        try:
+            n = len(prompt)
+        except TypeError:
+            raise AdmissionError("prompt", f"must be a string or a sequence of token ids, got "
+                                           f"{type(prompt).__name__}") from None
+        if n >= self.max_model_len:  # before converting a list that could be huge
+            self.room(range(n))
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise AdmissionError("prompt", "token ids must be integers")
         ids = [int(t) for t in prompt]
         self._check_vocab("prompt", ids)
         return ids
+
+    def _encode(self, param: str, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text the request carries (`param`: the field it came from), refused with an
+        AdmissionError when it is not valid Unicode or too long to fit max_model_len, before tokenising."""
+        assert self.tokenizer is not None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\ud800"): the tokenizer raises TypeError
+            raise AdmissionError(param, f"not valid Unicode: {exc.reason} at character {exc.start}") from None
+        limit = self.max_model_len * self.tokenizer.longest_token_chars
+        if len(text) > limit:
+            raise AdmissionError(param, f"{len(text)} characters cannot fit max_model_len={self.max_model_len} "
+                                        f"tokens of at most {self.tokenizer.longest_token_chars} characters "
+                                        f"(limit {limit} characters)")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                         **template_kwargs: Any) -> list[int]:
@@ -111,7 +142,7 @@ class Admission:
                                              **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error (raise_exception, sandbox) is the request's fault
             raise AdmissionError("messages", str(exc)) from None
-        return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.prompt_ids(self._encode("messages", text, add_special_tokens=False))
 
     def room(self, prompt_ids: Sequence[int]) -> int:
         """The most tokens a request with this prompt may generate (OpenAI's default max_tokens for a chat);

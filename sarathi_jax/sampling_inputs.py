@@ -35,6 +35,7 @@ TOP_K_CANDIDATES = 128
 SAMPLER_FILTERS = ("none", "top_k", "exact")
 
 _U32_MASK = 0xFFFFFFFF
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class SamplingArrays(NamedTuple):
@@ -83,7 +84,10 @@ def empty_sampling_arrays(max_num_seqs: int) -> SamplingArrays:
 def write_sampling_row(arrays: SamplingArrays, i: int, params: SamplingParams, seed: int, banned: Sequence[int]) -> None:
     """Row i's settings (all but `steps`) from a request's params, its seed and the ids it bans."""
     assert len(banned) <= MAX_BANNED, (len(banned), "admission caps the banned ids")
-    arrays.temperature[i] = params.temperature if params.temperature >= SAMPLING_EPS else 0.0
+    # SamplingParams takes any finite temperature; one beyond float32's range would overflow to inf (with a
+    # RuntimeWarning). The largest float32 samples as it would: 1/t underflows, the logits flatten, uniform.
+    temperature = min(params.temperature, _F32_MAX)
+    arrays.temperature[i] = temperature if temperature >= SAMPLING_EPS else 0.0
     arrays.top_k[i] = min(params.top_k, 2**31 - 1) if params.top_k > 0 else 0  # >= V is "off" anyway
     arrays.top_p[i] = params.top_p
     arrays.min_p[i] = params.min_p

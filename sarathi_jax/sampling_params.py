@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 # Fixed width of the device sampler's top-N logprobs output; requests may ask for at most this many.
 MAX_LOGPROBS = 20
+# Bounds on a request's stop lists, so that one request cannot make every engine step slow (the detokenizer
+# looks for each stop string in the new text; stop ids are checked per token) or the request huge.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class AdmissionError(ValueError):
@@ -76,7 +81,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", ())
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise AdmissionError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         stop_token_ids = tuple(self.stop_token_ids or ())
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise AdmissionError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
         if not all(_is_int(t) for t in stop_token_ids):
             raise AdmissionError("stop_token_ids", f"must be integers, got {list(stop_token_ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_token_ids))
@@ -120,6 +129,8 @@ class SamplingParams:
             raise AdmissionError("stop", f"must be a string or a sequence of strings, got {list(self.stop)!r}")
         if any(not s for s in self.stop):
             raise AdmissionError("stop", "strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise AdmissionError("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if any(t < 0 for t in self.stop_token_ids):
             raise AdmissionError("stop_token_ids", f"must be non-negative, got {list(self.stop_token_ids)}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):

@@ -6,6 +6,7 @@ usual side files (`generation_config.json`, `config.json`, `tokenizer_config.jso
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -41,6 +42,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Ids the tokenizer can produce, added tokens included (a model's vocab may be padded larger)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token's vocabulary string has, added tokens included: an upper bound on the
+        characters of text one token covers (byte-level BPE writes one character per byte, SentencePiece one
+        per character, byte fallback `<0x41>` more), so a text longer than max_model_len times this cannot fit
+        max_model_len tokens. Admission refuses such a text before tokenising it."""
+        return max((len(token) for token in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
+import os
 import signal
 import sys
 
 from sarathi_jax.config import EngineConfig  # plain Python: --help stays fast
 from sarathi_jax.config_flags import ConfigFlags
-from server.service import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, GenerationServer
+from server.http_guards import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, HttpLimits
+from server.service import GenerationServer
+from server.session import (
+    DEFAULT_MAX_REQUEST_ID_LENGTH,
+    DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+)
 
 ENGINE_FLAGS = ConfigFlags(EngineConfig)  # every field, under its own name
 
@@ -35,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (RESOURCE_EXHAUSTED) beyond this many requests waiting for their first token")
     p.add_argument("--max-waiting-prompt-tokens", type=int, default=DEFAULT_MAX_WAITING_PROMPT_TOKENS,
                    help="refuse (RESOURCE_EXHAUSTED) beyond this many prompt tokens waiting")
+    p.add_argument("--max-request-id-length", type=int, default=DEFAULT_MAX_REQUEST_ID_LENGTH,
+                   help="refuse (INVALID_ARGUMENT) a gRPC request_id longer than this many characters")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="HTTP: refuse (413) a request body larger than this")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="HTTP: close a connection whose request head is not complete within this many seconds")
     p.add_argument("--drain-grace", type=float, default=None,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them (default: no limit)")
     p.add_argument("--log-level", default="INFO")
@@ -47,44 +61,67 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**ENGINE_FLAGS.given(args))
 
 
+class _StartupInterrupted(Exception):
+    """SIGTERM or Ctrl-C before the server was serving: nothing to drain."""
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from sarathi_jax.engine import LLMEngine, format_startup
 
     log = logging.getLogger("server")
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    serving: list[GenerationServer] = []  # the server, once it serves
+    signals = {"n": 0}
+
+    def on_signal(signame: str) -> None:
+        signals["n"] += 1
+        if not serving:  # still starting (building the engine, binding ports): nothing is served yet
+            log.info("%s during start-up: exiting", signame)
+            main_task.cancel()
+        elif signals["n"] == 1:
+            log.info("%s: draining", signame)
+            asyncio.ensure_future(serving[0].drain_async(args.drain_grace))
+        else:
+            log.info("%s again: stopping now", signame)
+            asyncio.ensure_future(serving[0].stop_async(grace=0))
+
+    # Installed first: a SIGTERM at any moment, start-up included, ends the process cleanly (exit 0).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
     config = engine_config_from_args(args)
     log.info("building engine: %s", config)
-    # Engine construction compiles and warms up: keep the loop responsive meanwhile (nothing is served yet).
-    engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
-    print(format_startup(engine.startup_stats()), flush=True)
-    # engine.config names what "auto" resolved to (attention backend, cache directory).
-    # The served name defaults to --model as typed (vLLM's rule); engine.config holds it made absolute.
-    model_name = args.served_model_name or args.model or engine.config.model  # the last: the default preset
-    server = GenerationServer(engine, engine_config=engine.config, model_name=model_name,
-                              host=args.host, port=None if args.no_grpc else args.port,
-                              metrics_port=args.metrics_port, http_port=args.http_port,
-                              max_waiting_requests=args.max_waiting_requests,
-                              max_waiting_prompt_tokens=args.max_waiting_prompt_tokens)
-    await server.start()
+    # Engine construction compiles and warms up: keep the loop responsive meanwhile (nothing is served yet). Its
+    # own thread, not the loop's default executor, which asyncio.run would wait for after a start-up SIGTERM.
+    build = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-build")
+    try:
+        engine = await loop.run_in_executor(build, LLMEngine, config)
+        print(format_startup(engine.startup_stats()), flush=True)
+        # engine.config names what "auto" resolved to (attention backend, cache directory).
+        # The served name defaults to --model as typed (vLLM's rule); engine.config holds it made absolute.
+        model_name = args.served_model_name or args.model or engine.config.model  # the last: the default preset
+        server = GenerationServer(engine, engine_config=engine.config, model_name=model_name,
+                                  host=args.host, port=None if args.no_grpc else args.port,
+                                  metrics_port=args.metrics_port, http_port=args.http_port,
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
+                                  max_request_id_length=args.max_request_id_length,
+                                  http_limits=HttpLimits(max_body_bytes=args.max_body_bytes,
+                                                         header_timeout_s=args.header_timeout))
+        await server.start()  # on failure (a port in use) it stops what it started, then raises
+    except asyncio.CancelledError:
+        raise _StartupInterrupted from None
+    finally:
+        build.shutdown(wait=False)
+    serving.append(server)
     if server.port is not None:
         print(f"sarathi server listening on {server.host}:{server.port}"
               + (f" (metrics on :{server.metrics_port})" if server.metrics_port is not None else ""), flush=True)
     if server.http_port is not None:
         print(f"sarathi HTTP API on http://{server.http_host}:{server.http_port}/v1", flush=True)
-
-    loop = asyncio.get_running_loop()
-    signals = {"n": 0}
-
-    def on_signal(signame: str) -> None:
-        signals["n"] += 1
-        if signals["n"] == 1:
-            log.info("%s: draining", signame)
-            asyncio.ensure_future(server.drain_async(args.drain_grace))
-        else:
-            log.info("%s again: stopping now", signame)
-            asyncio.ensure_future(server.stop_async(grace=0))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig.name)
+    if signals["n"]:  # a signal while the last port was binding
+        asyncio.ensure_future(server.drain_async(args.drain_grace))
     await server.wait_stopped()
 
 
@@ -94,7 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_grpc and args.http_port is None:
         parser.error("--no-grpc needs --http-port (nothing would be served)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(args))
+    try:
+        asyncio.run(_serve(args))
+    except _StartupInterrupted:
+        # The engine may still be building in its thread, which nothing can interrupt: leave without joining it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    except OSError as exc:  # a port in use, an address that does not resolve: one line, not a traceback
+        print(f"python -m server: could not start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

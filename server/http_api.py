@@ -4,8 +4,9 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both st
 events when `stream` is true, ending `data: [DONE]`), GET /health, GET /metrics (the server's Prometheus
 registry). Requests go through `RequestSession.admit` / `next_output` / `release`, as gRPC's do: same
 admission, back-pressure (429, gRPC's RESOURCE_EXHAUSTED), cancellation (a client that disconnects aborts its
-request, which frees its KV blocks at once) and metrics. Errors use OpenAI's JSON shape
-`{"error": {"message", "type", "param", "code"}}`.
+request, which frees its KV blocks at once) and metrics. Every error, the framework's own (404, 405, an
+unparsable body) and the body-size limit's 413 included, uses OpenAI's JSON shape
+`{"error": {"message", "type", "param", "code"}}`. Limits on a client's cost: server/http_guards.py.
 """
 
 from __future__ import annotations
@@ -25,35 +26,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.outputs import RequestOutput, TokenLogprob
+from server.http_errors import (
+    ErrorJSONResponse,
+    error_body,
+    error_json,
+    error_response,
+    framework_error_response,
+    validation_error_response,
+)
+from server.http_guards import BodySizeLimit, HttpLimits, h11_protocol_with_header_timeout
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.request_state import ActiveRequest, RequestError
 from server.session import RequestSession
-
-# gRPC status (the servers' shared vocabulary) -> HTTP status and OpenAI error type.
-_HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-}
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _error_json(exc: RequestError) -> dict[str, Any]:
-    _, type_ = _HTTP_STATUS.get(exc.code, (500, "server_error"))
-    return error_body(exc.message, type_, exc.param, exc.code.name.lower())
-
-
-def error_response(exc: RequestError) -> JSONResponse:
-    return JSONResponse(_error_json(exc), status_code=_HTTP_STATUS.get(exc.code, (500, ""))[0])
-
 
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -141,7 +129,7 @@ class _Api:
         field = body.unsupported()
         if field is not None:
             raise AdmissionError(field, "not supported by this server")
-        if body.model and body.model != self.session.model_name:
+        if body.model is not None and body.model != self.session.model_name:
             raise AdmissionError("model", f"the model `{body.model}` does not exist; this server serves "
                                           f"`{self.session.model_name}`")
 
@@ -199,7 +187,7 @@ class _Api:
                     out = await self.session.next_output(state)
                     finish = _finish_reason(out)
                 except RequestError as exc:  # the status line is sent: report it in-band, as vLLM does
-                    yield _sse(_error_json(exc))
+                    yield _sse(error_json(exc))
                     break
                 if out.new_token_ids or out.text_delta or out.finished:
                     choice = r.choice(out.text_delta, out.new_token_ids, out.new_logprobs, finish, stream=True,
@@ -235,9 +223,21 @@ async def _until_disconnect(work: Any, request: Request) -> Any:
     return task.result()
 
 
-def build_app(session: RequestSession) -> FastAPI:
+def build_app(session: RequestSession, limits: HttpLimits = HttpLimits()) -> FastAPI:
     api = _Api(session)
     app = FastAPI(title="sarathi-jax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code in (400, 413):  # a bad body, as a validation error counts
+            session.metrics.request_rejected("invalid_argument")
+        return framework_error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
+        return ErrorJSONResponse(error_body(f"internal error: {exc!r}", "server_error", None, "internal"),
+                                 status_code=500)
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -245,14 +245,8 @@ def build_app(session: RequestSession) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0] if exc.errors() else {}
-        if err.get("type") == "json_invalid":  # loc is ("body", character position)
-            param, message = None, f"the body is not valid JSON: {err.get('msg')} at character {err['loc'][-1]}"
-        else:
-            param = ".".join(str(part) for part in err.get("loc", ()) if part != "body") or None
-            message = f"{param}: {err.get('msg', 'invalid request')}" if param else err.get("msg", "invalid request")
         session.metrics.request_rejected("invalid_argument")
-        return JSONResponse(error_body(message, "invalid_request_error", param, err.get("type")), status_code=400)
+        return validation_error_response(exc.errors())
 
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
@@ -287,8 +281,9 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class HttpFrontEnd:
     """The app on uvicorn, in the running event loop."""
 
-    def __init__(self, session: RequestSession) -> None:
-        self.app = build_app(session)
+    def __init__(self, session: RequestSession, limits: HttpLimits = HttpLimits()) -> None:
+        self.app = build_app(session, limits)
+        self.limits = limits
         self._uvicorn: _EmbeddedUvicorn | None = None
         self._task: asyncio.Future | None = None
 
@@ -297,8 +292,14 @@ class HttpFrontEnd:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"could not bind HTTP to {host}:{port}: {exc.strerror}") from None
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
+                                http=h11_protocol_with_header_timeout(self.limits.header_timeout_s),
+                                h11_max_incomplete_event_size=self.limits.max_header_bytes)
         self._uvicorn = _EmbeddedUvicorn(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:  # uvicorn sets a flag, no event: poll the loop briefly

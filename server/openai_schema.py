@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI-compatible HTTP API (pydantic), and their mapping onto `SamplingParams`.
 
-Unknown fields are ignored, as OpenAI's API does. Fields this engine cannot honour (`n > 1`, `best_of > 1`,
+Unknown fields are ignored, as OpenAI's API does. Types are strict, as OpenAI's are: no bool or string is
+coerced into a number (`"max_tokens": true` or `"5"`), nor a string into a bool (`"stream": "yes"`); an int
+is a valid float. Fields this engine cannot honour (`n > 1`, `best_of > 1`,
 `echo`, `suffix`, `tools`, a non-text `response_format`) are refused by `unsupported()`, naming the field.
 vLLM's extra sampling fields are accepted as vLLM accepts them: `top_k`, `min_p`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`, and `return_token_ids` (each choice then carries its new `token_ids`).
@@ -17,7 +19,7 @@ from sarathi_jax.sampling_params import SamplingParams
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):

@@ -15,6 +15,7 @@ from typing import Any
 from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.sampling_params import SamplingParams
 from server.proto.sarathi.v1 import generation_pb2 as pb
+from server.request_state import SHUTDOWN_ABORT_MESSAGE, ActiveRequest
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -87,6 +88,16 @@ def fill_finish_fields(resp: pb.GenerateResponse, out: Any) -> None:
     resp.usage.completion_tokens = len(out.token_ids)
     if out.error:
         resp.error = out.error
+
+
+def fill_shutdown_fields(resp: pb.GenerateResponse, state: ActiveRequest) -> pb.GenerateResponse:
+    """The last message of a request the server ended (drain grace over): FINISH_REASON_ABORT, the usage so far."""
+    resp.finished = True
+    resp.finish_reason = pb.FINISH_REASON_ABORT
+    resp.usage.prompt_tokens = state.num_prompt_tokens
+    resp.usage.completion_tokens = state.tokens_seen
+    resp.error = SHUTDOWN_ABORT_MESSAGE
+    return resp
 
 
 def stream_response(request_id: str, arrival_time: float, out: Any, send_timings: bool) -> pb.GenerateResponse:

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 import grpc
 
+# What a request still running when the drain grace runs out ends with (in-band: an SSE error event over HTTP,
+# a last message with FINISH_REASON_ABORT over gRPC).
+SHUTDOWN_ABORT_MESSAGE = "server is shutting down: the drain grace ran out before this request finished"
+
 
 class RequestError(Exception):
     """A request refused or failed: the gRPC status code (the HTTP front end maps it to an HTTP status) and,
@@ -34,3 +38,4 @@ class ActiveRequest:
     first_timings_sent: bool = False
     queue_time_observed: bool = False
     finished: bool = False
+    ended_by_shutdown: bool = False  # the drain grace ran out: the front end ends it in-band

@@ -16,17 +16,28 @@ import grpc
 
 from server.engine_worker import EngineWorker, ServingEngine
 from server.grpc_service import build_grpc_server, set_health
+from server.http_guards import HttpLimits
 from server.metrics import ServerMetrics
-from server.session import DEFAULT_MAX_WAITING_PROMPT_TOKENS, DEFAULT_MAX_WAITING_REQUESTS, RequestSession
+from server.session import (
+    DEFAULT_MAX_REQUEST_ID_LENGTH,
+    DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    RequestSession,
+)
 
 log = logging.getLogger(__name__)
+
+# After the drain grace, how long the front ends get to end their requests' streams in-band (a client that does
+# not read may hold a write); what is still running then is cancelled.
+STREAM_END_TIMEOUT_S = 5.0
 
 
 class GenerationServer:
     """One engine behind a gRPC `sarathi.v1.Generation` service, health checking and reflection, and (with
     `http_port`) the OpenAI-compatible HTTP API of server/http_api.py. Both front ends go through
     `self.session` (`RequestSession`: admission, back-pressure with `max_waiting_requests` and
-    `max_waiting_prompt_tokens`, metrics). `port=None` serves HTTP only.
+    `max_waiting_prompt_tokens`, metrics). `port=None` serves HTTP only. `http_limits`: the HTTP body-size limit
+    and head deadline; `max_request_id_length`: the longest client request id.
 
     Use from asyncio (`await start()`, `await wait_stopped()`, `await drain_async()`), or from plain threads
     (`start_in_thread()`, `drain()`, `stop()`), as the tests and `python -m server` do.
@@ -46,6 +57,8 @@ class GenerationServer:
         http_host: str | None = None,
         max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
         max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+        max_request_id_length: int = DEFAULT_MAX_REQUEST_ID_LENGTH,
+        http_limits: HttpLimits = HttpLimits(),
     ) -> None:
         self.engine = engine
         self.engine_config = engine_config if engine_config is not None else engine.config
@@ -56,11 +69,13 @@ class GenerationServer:
         self.metrics_host = metrics_host or host
         self.http_port = http_port
         self.http_host = http_host or host
+        self.http_limits = http_limits
         self.metrics = ServerMetrics(self.model_name)
         self.worker = EngineWorker(engine, on_stats=self.metrics.update_engine_stats)
         self.session = RequestSession(engine, self.engine_config, self.model_name, self.worker, self.metrics,
                                       max_waiting_requests=max_waiting_requests,
-                                      max_waiting_prompt_tokens=max_waiting_prompt_tokens)
+                                      max_waiting_prompt_tokens=max_waiting_prompt_tokens,
+                                      max_request_id_length=max_request_id_length)
         self._drain_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -72,11 +87,19 @@ class GenerationServer:
 
     # ----------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Start the engine thread, the gRPC and HTTP servers and the metrics endpoint; SERVING once all are up."""
+        """Start the engine thread, the gRPC and HTTP servers and the metrics endpoint; SERVING once all are up.
+        If one cannot start (a port in use: OSError), what did start is stopped before the error is raised."""
         self._loop = asyncio.get_running_loop()
         self.session.bind(self._loop)
         self._stopped = asyncio.Event()
         self._stop_lock = asyncio.Lock()
+        try:
+            await self._start_all()
+        except BaseException:
+            await self.stop_async(grace=0)
+            raise
+
+    async def _start_all(self) -> None:
         if self.port is not None:
             await self._start_grpc()
         self.worker.start()
@@ -85,7 +108,7 @@ class GenerationServer:
         if self.http_port is not None:
             from server.http_api import HttpFrontEnd  # FastAPI and uvicorn load only when HTTP is served
 
-            self._http = HttpFrontEnd(self.session)
+            self._http = HttpFrontEnd(self.session, self.http_limits)
             self.http_port = await self._http.start(self.http_host, self.http_port)
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
@@ -107,7 +130,9 @@ class GenerationServer:
     async def drain_async(self, grace: float | None = None) -> None:
         """Refuse new requests (UNAVAILABLE, health NOT_SERVING), let running ones finish, then stop.
 
-        After `grace` seconds (None: no limit) requests still running are cancelled.
+        After `grace` seconds (None: no limit) requests still running are ended in-band: an HTTP stream with an
+        SSE error event and `data: [DONE]` (a non-streamed request: 503), a gRPC stream with a last message
+        carrying FINISH_REASON_ABORT (Complete: its response).
         """
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain(grace))
@@ -119,7 +144,12 @@ class GenerationServer:
         try:
             await asyncio.wait_for(self.session.wait_until_idle(), grace)
         except asyncio.TimeoutError:
-            log.warning("drain grace over: cancelling %d requests", self.session.num_active_requests)
+            log.warning("drain grace over: ending %d requests", self.session.end_all_requests())
+            try:
+                await asyncio.wait_for(self.session.wait_until_idle(), STREAM_END_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("%d requests did not end in %.0f s: cancelling them", self.session.num_active_requests,
+                            STREAM_END_TIMEOUT_S)
         # A short grace lets an RPC that slipped in meanwhile get its UNAVAILABLE answer instead of a
         # cancellation; stop() returns as soon as no RPC is left.
         await self.stop_async(grace=0 if self.session.num_active_requests else 1.0)

@@ -22,12 +22,14 @@ from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.outputs import RequestOutput
 from server.engine_worker import EngineError, EngineWorker, ServingEngine
 from server.metrics import ServerMetrics
-from server.request_state import ActiveRequest, RequestError
+from server.request_state import SHUTDOWN_ABORT_MESSAGE, ActiveRequest, RequestError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_WAITING_PROMPT_TOKENS = 1 << 20
+# A client's request id is echoed on every streamed message: bounded, so that it cannot multiply the output.
+DEFAULT_MAX_REQUEST_ID_LENGTH = 256
 
 
 class RequestSession:
@@ -37,12 +39,14 @@ class RequestSession:
     `max_waiting_requests` requests, or more than `max_waiting_prompt_tokens` prompt tokens, waiting, where
     waiting means admitted but without its first output yet. A lone request is always admitted whatever its
     prompt length (the engine bounds that with max_model_len). Once `stop_admitting` is called every new
-    request is refused with UNAVAILABLE.
+    request is refused with UNAVAILABLE. A client request id longer than `max_request_id_length` characters is
+    refused with INVALID_ARGUMENT.
     """
 
     def __init__(self, engine: ServingEngine, engine_config: Any, model_name: str, worker: EngineWorker,
                  metrics: ServerMetrics, *, max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-                 max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS) -> None:
+                 max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
+                 max_request_id_length: int = DEFAULT_MAX_REQUEST_ID_LENGTH) -> None:
         self.engine = engine
         self.engine_config = engine_config
         self.model_name = model_name
@@ -50,6 +54,7 @@ class RequestSession:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
+        self.max_request_id_length = max_request_id_length
         self._active: dict[str, ActiveRequest] = {}
         self._pending_requests = 0
         self._pending_tokens = 0
@@ -79,11 +84,24 @@ class RequestSession:
         assert self._idle is not None, "session not bound to a loop"
         await self._idle.wait()
 
+    def end_all_requests(self) -> int:
+        """The drain grace ran out: every request in flight ends at its next `next_output` (RequestError
+        UNAVAILABLE, with `state.ended_by_shutdown` set), so that each front end closes its stream in-band.
+        Returns how many were ended; each is aborted in the engine when its front end releases it."""
+        for state in self._active.values():
+            state.ended_by_shutdown = True
+            state.queue.put_nowait(None)  # wakes a reader waiting for its next output
+        return len(self._active)
+
     def _request_id(self, request_id: str | None) -> str:
         if request_id is None:
             return uuid.uuid4().hex
         if not request_id:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty when set", "request_id")
+        if len(request_id) > self.max_request_id_length:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id: {len(request_id)} characters, more than the limit of "
+                               f"{self.max_request_id_length} (--max-request-id-length)", "request_id")
         if request_id in self._active:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in flight",
                                "request_id")
@@ -164,8 +182,11 @@ class RequestSession:
             self._idle.set()
 
     async def next_output(self, state: ActiveRequest) -> RequestOutput:
-        """The request's next RequestOutput; raises RequestError for an engine-side error."""
-        item = await state.queue.get()
+        """The request's next RequestOutput; raises RequestError for an engine-side error, or once the server ended
+        the request (`end_all_requests`)."""
+        item = None if state.ended_by_shutdown else await state.queue.get()
+        if state.ended_by_shutdown:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_ABORT_MESSAGE)
         self._unpend(state)
         if isinstance(item, BaseException):
             state.finished = True  # nothing left in the engine to abort

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -25,8 +26,9 @@ from sarathi_jax.sampling_inputs import (
     SamplerVariant,
     make_sampling_arrays,
     sampler_variant,
+    write_sampling_row,
 )
-from sarathi_jax.sampling_params import MAX_LOGPROBS
+from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from tests.sarathi_jax.sampling_oracle import S, V, WIDE_V, random_logits, row, run
 
 
@@ -43,6 +45,14 @@ def test_builder_limits() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- variants
+
+
+def test_a_temperature_beyond_float32_is_clamped_without_warning() -> None:
+    arrays = make_sampling_arrays([], 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's float32 overflow is a RuntimeWarning
+        write_sampling_row(arrays, 0, SamplingParams(temperature=1e300), 0, ())
+    assert arrays.temperature[0] == np.finfo(np.float32).max
 
 
 def test_variants_and_host_choice() -> None:

@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from sarathi_jax.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 
 @pytest.mark.parametrize(
@@ -42,11 +48,20 @@ from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
         (dict(logprobs=-1), "logprobs"),
         (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
         (dict(logprobs=1.5), "logprobs"),
+        (dict(stop=["s"] * (MAX_STOP_STRINGS + 1)), "stop"),
+        (dict(stop=["s" * (MAX_STOP_STRING_CHARS + 1)]), "stop"),
+        (dict(stop_token_ids=[5] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
     ],
 )
 def test_bad_field_is_named(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_stop_lists_at_their_bounds_are_accepted() -> None:
+    params = SamplingParams(stop=["s" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                            stop_token_ids=[5] * MAX_STOP_TOKEN_IDS)
+    assert len(params.stop) == MAX_STOP_STRINGS and len(params.stop_token_ids) == MAX_STOP_TOKEN_IDS
 
 
 def test_replace_revalidates() -> None:

@@ -7,10 +7,13 @@ SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -81,6 +84,57 @@ def test_drain_lets_in_flight_streams_complete(llama_engine):
     finally:
         server.resume_engine()
         server.stop(grace=0, timeout=30)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_after_the_drain_grace_every_request_ends_in_band(llama_engine):
+    """Requests still running when the grace runs out: an HTTP stream ends with an SSE error event then
+    `data: [DONE]` (not a cut connection), a non-streamed HTTP request gets a 503, a gRPC stream ends with a last
+    message carrying FINISH_REASON_ABORT (not UNAVAILABLE), and Complete answers with it; nothing is logged as
+    cancelled."""
+    engine, config = llama_engine
+    server = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0).start_in_thread()
+    body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
+    logged = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio", "grpc", "")]
+    for logger in loggers:  # uvicorn's loggers do not propagate to the root
+        logger.addHandler(logged)
+    try:
+        server.pause_engine()  # nothing finishes: every request is still running when the grace ends
+        with grpc.insecure_channel(server.target) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                httpx2.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json={**body, "stream": True}) as http_stream:
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.Generate(make_request([5, 6, 7], max_tokens=50, ignore_eos=True), timeout=60)
+            complete = stub.Complete.future(make_request([5, 6, 8], max_tokens=50, ignore_eos=True), timeout=60)
+            not_streamed = pool.submit(http.post, "/v1/completions", json=body)
+            wait_until(lambda: server.num_active_requests == 4, what="four requests in flight")
+            server.drain(grace=0.3, timeout=60)
+
+            [last] = list(stream)  # no RpcError: the stream ends with a message
+            assert last.finished and finish_reason_name(last.finish_reason) == "abort" and "drain grace" in last.error
+            assert finish_reason_name(complete.result(timeout=30).finish_reason) == "abort"
+            resp = not_streamed.result(timeout=30)
+            assert resp.status_code == 503 and "drain grace" in resp.json()["error"]["message"]
+            lines = [line for line in http_stream.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            assert "drain grace" in json.loads(lines[-2][6:])["error"]["message"]
+        assert server.num_active_requests == 0 and not server.worker.alive
+    finally:
+        server.resume_engine()
+        server.stop(grace=0, timeout=30)
+        for logger in loggers:
+            logger.removeHandler(logged)
+    errors = [r for r in logged.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 LONG_MAX_TOKENS = 1000
@@ -154,3 +208,37 @@ def test_sigterm_drains_then_exits(hf_checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def _server_cmd(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "server", "--model", "tiny-llama", "--host", "127.0.0.1", "--token-budget", "64",
+            "--max-num-seqs", "16", "--max-model-len", "256", *flags]
+
+
+def test_sigterm_during_start_up_exits_0():
+    proc = subprocess.Popen(_server_cmd("--port", "0", "--log-level", "INFO"), cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the engine is being built: nothing is served yet
+            if "building engine" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("clash", ["--port", "--http-port"])
+def test_a_port_in_use_is_one_clear_error(clash):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        flags = ["--port", port] if clash == "--port" else ["--port", "0", "--http-port", port]
+        result = subprocess.run(_server_cmd(*flags, "--log-level", "WARNING"), cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=300)
+    assert result.returncode == 1
+    assert "could not start" in result.stderr and f"127.0.0.1:{port}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr, result.stderr
