@@ -108,7 +108,7 @@ def part_machine(cfg: ReportConfig, res: Result, **_: Any) -> None:
 
 def part_tune(cfg: ReportConfig, res: Result, out: str, rates: dict | None, **_: Any) -> None:
     from pallas_kernels import tune
-    from pallas_kernels.bench import count_work
+    from pallas_kernels.bench_cases import count_work
 
     rates = get_rates(cfg, rates, res)
     path = os.path.join(out, "tuning_table.json")
@@ -145,9 +145,9 @@ def part_tune(cfg: ReportConfig, res: Result, out: str, rates: dict | None, **_:
 
 
 def attention_cases(indices: tuple[int, ...], scale: int) -> list:
-    """`pallas_kernels.bench.SUITE[i]` for each index, every size divided by `scale` (1: the suite's own cases),
+    """`pallas_kernels.bench_cases.SUITE[i]` for each index, every size divided by `scale` (1: the suite's own cases),
     renamed to match."""
-    from pallas_kernels.bench import SUITE, Case
+    from pallas_kernels.bench_cases import SUITE, Case
 
     if scale == 1:
         return [SUITE[i] for i in indices]

@@ -18,8 +18,7 @@ rate and bytes / bandwidth. Used by `bench.step_cost`, `bench.loop_cost` and `be
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,18 +160,8 @@ def floors(w: Work, rates: Rates) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------------------------- machine rates
-
-
-def _best_time(fn, repeats: int) -> float:
-    """Fastest of `repeats` runs: the machine's rate with the least interference from other processes, so
-    that the floors are lower bounds."""
-    fn()  # compile / warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+# Each rate is the best of `repeats` runs: the one least disturbed by other processes, so that the floors are
+# lower bounds.
 
 
 def measure_matmul_rate(n: int = 2048, dtype: str = "float32", repeats: int = 5) -> float:
@@ -180,11 +169,13 @@ def measure_matmul_rate(n: int = 2048, dtype: str = "float32", repeats: int = 5)
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels.timing import best_seconds_per_call
+
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     a = jax.random.normal(k1, (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(k2, (n, n), jnp.float32).astype(dtype)
     f = jax.jit(lambda x, y: x @ y)
-    t = _best_time(lambda: f(a, b).block_until_ready(), repeats)
+    t = best_seconds_per_call(f, a, b, repeats=repeats)
     return 2.0 * n**3 / t
 
 
@@ -194,12 +185,14 @@ def measure_bandwidth(mbytes: int = 256, repeats: int = 5) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels.timing import best_seconds_per_call
+
     n = mbytes * (1 << 20) // 4
     x = jnp.arange(n, dtype=jnp.float32)
     read = jax.jit(jnp.sum)
     copy = jax.jit(lambda v: v * 1.5)
-    t_read = _best_time(lambda: read(x).block_until_ready(), repeats)
-    t_copy = _best_time(lambda: copy(x).block_until_ready(), repeats)
+    t_read = best_seconds_per_call(read, x, repeats=repeats)
+    t_copy = best_seconds_per_call(copy, x, repeats=repeats)
     nbytes = 4.0 * n
     return {"read_bytes_per_s": nbytes / t_read, "copy_bytes_per_s": 2 * nbytes / t_copy, "array_mbytes": mbytes}
 
@@ -235,3 +228,11 @@ def num_params(params: Any) -> int:
     import jax
 
     return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+
+
+def measure_rates_and_log(log: Callable[[str], None], dtype: str, matmul_n: int, bandwidth_mb: int, repeats: int,
+                          matmul_rate: float | None, bandwidth: float | None) -> Rates:
+    """`measure_rates`, with the one line the step and loop benchmarks print for each measurement."""
+    r = measure_rates(dtype, matmul_n, bandwidth_mb, repeats=repeats, matmul_rate=matmul_rate, bandwidth=bandwidth)
+    log(f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s ({dtype}), bandwidth {r.bandwidth / 1e9:.2f} GB/s")
+    return r

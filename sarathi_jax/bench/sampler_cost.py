@@ -26,7 +26,6 @@ import argparse
 import importlib.util
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.timing import seconds_per_call
 from sarathi_jax.paths import cli_path
 from sarathi_jax.sampling import sample_jit
 from sarathi_jax.sampling_inputs import make_sampling_arrays, sampler_variant
@@ -50,18 +50,12 @@ CASES: dict[str, tuple[dict[str, Any], float]] = {
 }
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
-
-
 def memory_bandwidth(repeats: int, nbytes: int = 256 << 20) -> float:
     """Bytes/s of a large jitted elementwise copy (read + write), best of `repeats`."""
     x = jnp.zeros(nbytes // 4, jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)
     jax.block_until_ready(copy(x))
-    return 2 * nbytes / min(_timed(lambda: copy(x)) for _ in range(repeats))
+    return 2 * nbytes / min(seconds_per_call(copy, x) for _ in range(repeats))
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -124,11 +118,11 @@ def main(argv: list[str] | None = None) -> None:
                         logits, arrays, **kwargs
                     )
         for call in calls.values():  # compile + warm up
-            _timed(call)
+            seconds_per_call(call)
         times: dict[str, list[float]] = {label: [] for label in calls}
         for _ in range(args.repeats):
             for label, call in calls.items():
-                times[label].append(_timed(call))
+                times[label].append(seconds_per_call(call))
         floor = args.rows * v * 4 / bandwidth
         for label, variant in variants.items():
             new, best = statistics.median(times[label]), min(times[label])

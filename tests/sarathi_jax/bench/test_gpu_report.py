@@ -85,7 +85,7 @@ def test_a_traced_section_has_its_floor_the_busy_fraction_and_kernel_shares(tmp_
 
 
 def test_attention_mixes_scale_and_keep_their_kind():
-    from pallas_kernels.bench import SUITE
+    from pallas_kernels.bench_cases import SUITE
 
     assert gpu_report_parts.attention_cases(tuple(range(6)), 1) == list(SUITE)
     names = [c.name for c in gpu_report_parts.attention_cases(tuple(range(6)), 32)]
