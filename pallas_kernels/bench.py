@@ -18,8 +18,8 @@ Per case it prints:
     softmax is not counted) and the minimal bytes that must move (q in, out back, every sequence's K and V
     read once per KV head);
   * the hardware floor: max(FLOPs / measured matmul rate, bytes / measured bandwidth), where the rates are
-    measured once per run on this device (a jnp matmul in the input dtype; a jnp elementwise float32
-    copy, read + write);
+    measured once per run on this device by `pallas_kernels.machine_rates` (a jnp matmul in the input dtype;
+    a jnp elementwise float32 copy, read + write);
   * which kernel config it used (tuning-table entry or rules, see `pallas_kernels/tuning.py`);
   * per implementation: time per call, TFLOP/s, GB/s, time / floor; Pallas / FlashAttention when PyTorch
     with CUDA is importable (it says so when not); the max difference between Pallas and XLA outputs.
@@ -27,9 +27,9 @@ Per case it prints:
 On a CPU (`jax.default_backend() == "cpu"`) the default is the CPU suite instead (`CPU_SUITE`, `--cpu-heads`):
 the C++ kernel (`attention_backend="cpu"`) and the jnp path (`"xla"`) side by side, for head layouts with
 GQA groups 1, 4 and 8 at head_dim 64 and 128, decode batches of 1-128 rows at contexts 64-4096, and
-prefills and chunks; the floors use the matmul rate and the read bandwidth measured by
-`sarathi_jax.bench.roofline` (attention mostly reads). The jnp path is skipped where its K/V exceed
-`--xla-max-mb` (it would take seconds per call); `--cpu-only` skips it everywhere.
+prefills and chunks; the floors use the matmul rate and the read bandwidth (attention mostly reads). The jnp
+path is skipped where its K/V exceed `--xla-max-mb` (it would take seconds per call); `--cpu-only` skips it
+everywhere.
 
     python -m pallas_kernels.bench                            # on a CPU: the CPU suite
     python -m pallas_kernels.bench --cpu-heads 8,8,64 --decodes 32 --decode-ctx 512
@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import machine_rates
 from pallas_kernels.bench_cases import CPU_HEADS, CPU_SUITE, HEADS, SUITE, Case, build_batch, count_work
 from pallas_kernels.bench_cpu import cpu_main
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_kernel_config
@@ -64,16 +65,6 @@ from pallas_kernels.timing import best_seconds_per_call
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()] if text else []
-
-
-def measure_device(dtype, *, matmul_n: int, copy_mib: int, iters: int):
-    a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.float32).astype(dtype)
-    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    flops_per_s = 2 * matmul_n**3 / best_seconds_per_call(mm, a, a, iters=iters)
-    n = copy_mib * 2**20 // 4
-    x = jnp.arange(n, dtype=jnp.float32)
-    bytes_per_s = 2 * n * 4 / best_seconds_per_call(jax.jit(lambda x: x + 1.0), x, iters=iters)
-    return flops_per_s, bytes_per_s
 
 
 def torch_status() -> tuple[object | None, str]:
@@ -305,7 +296,9 @@ def main(argv=None):
     matmul_n = args.matmul_n or (512 if on_cpu else 8192)
     copy_mib = args.copy_mib or (64 if on_cpu else 1024)
     dtype = jnp.dtype(args.dtype)
-    peak_flops, peak_bw = measure_device(dtype, matmul_n=matmul_n, copy_mib=copy_mib, iters=max(args.iters, 3))
+    rate_iters = max(args.iters, 3)
+    peak_flops = machine_rates.matmul_rate(matmul_n, dtype.name, repeats=3, iters=rate_iters)
+    peak_bw = machine_rates.memory_bandwidth(copy_mib, repeats=3, iters=rate_iters).copy_bytes_per_s
     torch, torch_msg = torch_status() if args.torch else (None, "disabled (--no-torch)")
     device = jax.devices()[0].device_kind
     hq, hkv, d = args.heads

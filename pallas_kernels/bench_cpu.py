@@ -1,6 +1,6 @@
 """The CPU suite of `python -m pallas_kernels.bench` (the default on a CPU backend; see bench.py's doc): the C++
 kernel and, within `--xla-max-mb`, the jnp path, per head layout and batch, against the floor of the matmul
-rate and the read bandwidth that `sarathi_jax.bench.roofline` measures (attention mostly reads).
+rate and the read bandwidth that `pallas_kernels.machine_rates` measures (attention mostly reads).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import machine_rates
 from pallas_kernels.bench_cases import Case, build_batch, count_work
 from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -61,15 +62,13 @@ def format_cpu_table(records: list[dict]) -> str:
 
 
 def cpu_main(args, cases) -> None:
-    from sarathi_jax.bench.roofline import measure_bandwidth, measure_matmul_rate
-
     status = cpu_kernel_status()
     if status is not None:
         raise SystemExit(f"the CPU kernel is not available: {status}")
     args.iters = args.iters or 10
     args.repeats = args.repeats or 3
-    peak_flops = measure_matmul_rate(args.matmul_n or 1024, args.dtype)
-    peak_bw = measure_bandwidth(args.copy_mib or 512)["read_bytes_per_s"]
+    peak_flops = machine_rates.matmul_rate(args.matmul_n or 1024, args.dtype)
+    peak_bw = machine_rates.memory_bandwidth(args.copy_mib or 512).read_bytes_per_s
     heads_list = [tuple(h) for h in args.cpu_heads]
     print(f"device: {jax.devices()[0].device_kind} (cpu); dtype {args.dtype}; block_size {args.block_size}")
     print(f"measured: matmul {peak_flops / 1e9:.4g} GFLOP/s ({args.dtype}), read bandwidth {peak_bw / 1e9:.4g} GB/s")

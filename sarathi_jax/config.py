@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sarathi_jax.models.presets import PRESETS
 from sarathi_jax.paths import absolute_path
-from sarathi_jax.scheduler.registry import TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
+from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "cpu")
@@ -120,7 +120,7 @@ class EngineConfig:
     """
 
     model: str = "tiny-llama"
-    dtype: str = "auto"
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})  # metadata: the command line's choices
     token_budget: int | None = None  # resolved in __post_init__: an int afterwards
     max_num_seqs: int | None = None  # resolved in __post_init__: an int afterwards
     block_size: int = 16
@@ -128,8 +128,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
-    scheduler: str = "sarathi"
-    attention_backend: str = "auto"
+    scheduler: str = field(default="sarathi", metadata={"choices": SCHEDULER_POLICIES})
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     tile_size: int | None = None
     max_num_batched_tokens: int | None = None
     watermark: float = 0.01

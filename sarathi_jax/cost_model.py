@@ -5,18 +5,48 @@ to iteration times measured on this machine (`python -m sarathi_jax.bench.step_c
 --cost-model-out PATH`) and pads batches to the engine's token buckets, as the runner does. Load it with
 `BucketCostModel.load(PATH)` and pass it as `SimulatedEngine(cost_model=...)`, or use
 `python -m sarathi_jax.bench --simulate --cost-model PATH`. No JAX.
+
+A batch is priced as a list of `Chunk`s; the bench's roofline (`sarathi_jax.bench.roofline`) counts the FLOPs
+and bytes of the same `Chunk`s, above this module.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from sarathi_jax.bench.roofline import Chunk, attention_pairs
 from sarathi_jax.sizing import bucket_for
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's part of a batch: `num_new_tokens` query tokens after `start` tokens already cached."""
+
+    start: int
+    num_new_tokens: int
+    seq_len: int | None = None  # the sequence's length (prompt); None: the chunk ends it
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def sample(self) -> bool:
+        """The chunk reaches the sequence's end, so the step samples a token for it (decodes, last chunks)."""
+        return self.seq_len is None or self.end >= self.seq_len
+
+    @property
+    def length(self) -> int:
+        return self.end if self.seq_len is None else max(self.seq_len, self.end)
+
+
+def attention_pairs(chunks: Sequence[Chunk]) -> int:
+    """Sum over query rows of the keys each row sees: row j of a chunk sees start + j + 1 positions."""
+    return sum(c.num_new_tokens * c.start + c.num_new_tokens * (c.num_new_tokens + 1) // 2 for c in chunks)
 
 
 def attention_row_group(default: int = 32) -> int:

@@ -30,6 +30,7 @@ from sarathi_jax.config import (
     resolve_dtype,
     resolve_scan_layers,
 )
+from sarathi_jax.engine_api import WallClock
 from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.model_runner import ModelRunner
@@ -39,11 +40,15 @@ from sarathi_jax.outputs import IterationRecord, RequestOutput
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.sequence import Sequence
-from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, platform_buckets, size_engine
+from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, size_engine
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer, load_tokenizer
 
 
 class LLMEngine(CoreFrontEnd):
+    """The engine API (`engine_api.Engine`) over a model: weights, KV cache and compiled steps."""
+
+    clock = WallClock()  # what metrics are stamped with: time.monotonic(), as `ModelRunner.now`
+
     def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
         """Build the engine: load the weights, size the KV cache and the scheduler, compile and warm up.
 
@@ -103,18 +108,8 @@ class LLMEngine(CoreFrontEnd):
                 )
                 self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
                 self.runner = ModelRunner(
-                    mc,
-                    params,
-                    dtype=dtype,
-                    attention_fn=get_attention_fn(attention_backend),
-                    num_blocks=num_blocks,
-                    block_size=config.block_size,
-                    max_num_seqs=config.max_num_seqs,
-                    max_model_len=self.max_model_len,
-                    buckets=platform_buckets(sizing.max_step_tokens, platform),
-                    plan=self.parallel_plan,
-                    scan_layers=scan_layers,
-                    executable_cache=ExecutableCache.in_compilation_cache(cache_dir),
+                    mc, params, config, sizing, attention_fn=get_attention_fn(attention_backend),
+                    plan=self.parallel_plan, executable_cache=ExecutableCache.in_compilation_cache(cache_dir),
                 )
             with timer.phase("warmup"):
                 if warmup:

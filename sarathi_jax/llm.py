@@ -18,32 +18,12 @@ Prompt = str | list[int]
 class LLM:
     """`LLM("tiny-llama")` or `LLM("/path/to/hf_checkpoint", token_budget=256, scheduler="vllm")`.
 
-    Keyword arguments are `EngineConfig` fields, with its defaults (None: derived from the others).
+    Keyword arguments are `EngineConfig`'s fields, with its defaults (None: derived from the others); any other
+    name is a TypeError. `warmup=False` skips compiling ahead (`LLMEngine`).
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        token_budget: int | None = None,
-        max_num_seqs: int | None = None,
-        block_size: int = 16,
-        dtype: str = "auto",
-        scheduler: str = "sarathi",
-        attention_backend: str = "auto",
-        warmup: bool = True,
-        **engine_config: object,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            token_budget=token_budget,
-            max_num_seqs=max_num_seqs,
-            block_size=block_size,
-            dtype=dtype,
-            scheduler=scheduler,
-            attention_backend=attention_backend,
-            **engine_config,  # type: ignore[arg-type]
-        )
+    def __init__(self, model: str, *, warmup: bool = True, **engine_config: Any) -> None:
+        config = EngineConfig(model=model, **engine_config)
         self.engine = LLMEngine(config, warmup=warmup)
         self._next_id = 0
 

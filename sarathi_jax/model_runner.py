@@ -27,6 +27,7 @@ device, and the code below reads as the single-device runner it then is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,20 +37,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sarathi_jax.config import EngineConfig, resolve_dtype, resolve_scan_layers
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.input_batch import InputBatch
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
-from sarathi_jax.parallel.stages import Stage, build_stages, copy_to_every_process, local_copy
-from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, run_builds
+from sarathi_jax.parallel.stages import LMHead, Stage, build_stages, copy_to_every_process, local_copy
+from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, on_stages, run_builds
 from sarathi_jax.precompile import compile_threads as _default_compile_threads
-from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerOutput, SamplerVariant, sample
+from sarathi_jax.sampling import (
+    FULL_VARIANT,
+    SAMPLER_VARIANTS,
+    SamplerOutput,
+    SamplerVariant,
+    captured_logits,
+    sample_packed_jit,
+)
 from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
-from sarathi_jax.sizing import bucket_for
-from sarathi_jax.step_inputs import BatchLayout, PackedStep, sampling_max_num_seqs, unpack_sampling
+from sarathi_jax.sizing import EngineSizing, bucket_for, platform_buckets
+from sarathi_jax.step_inputs import BatchLayout, PackedStep, row_ladder, sample_rows
 
 
 def _to_host(x: Any) -> np.ndarray | None:
@@ -62,40 +71,19 @@ def _to_host(x: Any) -> np.ndarray | None:
         return np.asarray(local_copy(x))
 
 
-def _sample_packed(logits: jax.Array, sampling: jax.Array, *, variant: SamplerVariant) -> SamplerOutput:
-    """Sample the step's logits [R, vocab] (its `BatchLayout.num_rows` rows) with the first R rows of the
-    sampling part (laid out for S = max_num_seqs rows). The token ids come back padded to [S]: the next step
-    reads pending tokens from them whatever its own bucket."""
-    rows, s = logits.shape[0], sampling_max_num_seqs(sampling.shape[0])
-    out = sample(logits, unpack_sampling(sampling, s, rows), variant)
-    return out._replace(token_ids=jnp.pad(out.token_ids, (0, s - rows)))
-
-
-# Module level: engines with the same shapes share the compiled sampler variants.
-_sample_packed_jit = jax.jit(_sample_packed, static_argnames=("variant",))
-
-
-def _on_stages(stages: Sequence[Stage], packed: PackedStep) -> Iterator[tuple[Stage, PackedStep]]:
-    """Each stage with the step's packed inputs for its devices: the first stage's upload (`Stage.upload`:
-    on one device the host arrays themselves, copied by the jitted call; on a mesh one `device_put` of both);
-    later stages get device-to-device copies."""
-    on_device = None
-    for stage in stages:
-        on_device = PackedStep(*(stage.upload(tuple(packed)) if on_device is None else stage.place(tuple(on_device))))
-        yield stage, on_device
-
-
 class PendingStep:
     """A dispatched step; `result()` waits for it and returns the host `SamplerOutput` (cached): token ids,
     and the logprob arrays when the step's sampler variant computed them (else None). The arrays it will
     fetch are already being copied to the host as soon as they are ready. With
     `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits `[R, vocab]` on the host after
-    `result()` (R = min(bucket, max_num_seqs): row i is the batch's i-th sequence)."""
+    `result()` (R the rows the step sampled, `step_inputs.sample_rows`: row i is the batch's i-th sequence)."""
 
     def __init__(self, out: SamplerOutput, want_logprobs: bool, num_padded_tokens: int, logits: Any = None,
-                 record: Any = None, timeline: Any = None) -> None:
+                 record: Any = None, timeline: Any = None, *,
+                 sampler: tuple[SamplerVariant, int] | None = None) -> None:
         self._out: Any = out if want_logprobs else SamplerOutput(out.token_ids, None, None, None)
         self.num_padded_tokens = num_padded_tokens  # the step's bucket
+        self.sampler = sampler  # the (variant, rows R) its LM head and sampler ran
         self._device_logits = logits
         self._record = record
         self._timeline = timeline
@@ -116,31 +104,38 @@ class PendingStep:
         return self._result
 
 
+StepObserver = Callable[[Sequence[ScheduledChunk], PackedStep, SamplerVariant], None]
+
+
 class ModelRunner:
     """Owns the parameters, the paged KV cache and the compiled step function(s) of one model."""
+
+    _step_observer: StepObserver | None = None  # see `observe_steps`
 
     def __init__(
         self,
         model_config: ModelConfig,
         params: dict,
+        config: EngineConfig,
+        sizing: EngineSizing,
         *,
-        dtype: jnp.dtype,
         attention_fn: Callable,
-        num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        buckets: Sequence[int],
         plan: Any = None,
-        scan_layers: bool = True,
         executable_cache: ExecutableCache | None = None,
     ) -> None:
+        """`config` as the engine resolved it, or with "auto" and None left for this platform to decide (dtype,
+        scan_layers); `sizing` (`sizing.size_engine`) gives the KV blocks, max_model_len and the largest step,
+        whose token buckets are this platform's (`sizing.platform_buckets`). `attention_fn`: the kernel that
+        `config.attention_backend` names (`pallas_kernels.get_attention_fn`)."""
+        platform = jax.default_backend()
+        dtype = jnp.dtype(resolve_dtype(config.dtype, platform))
+        scan_layers = resolve_scan_layers(config.scan_layers, platform)
         self.model_config = model_config
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = tuple(buckets)  # ascending; the last holds the largest batch (`sizing.platform_buckets`)
+        self.block_size = block_size = config.block_size
+        self.num_blocks = num_blocks = sizing.num_blocks
+        self.max_num_seqs = max_num_seqs = config.max_num_seqs
+        self.max_blocks_per_seq = -(-sizing.max_model_len // block_size)
+        self.buckets = platform_buckets(sizing.max_step_tokens, platform)  # ascending; the last holds the largest batch
         self.plan = None if plan is None or plan.is_single_device else plan
         self.timeline = None
         if self.plan is None:
@@ -180,8 +175,9 @@ class ModelRunner:
     def _make_stage_step(self, stage: Stage) -> Callable:
         """The jitted model step of one stage: (params, kv_cache, x, batch, prev_tokens) -> (out, kv_cache),
         `batch` the packed batch part. Stage 0 takes x = None and reads token ids from `batch` (pending ones
-        from `prev_tokens` [S]); the last stage returns float32 logits [R, vocab] (R = the bucket's
-        `BatchLayout.num_rows`), the others their activations."""
+        from `prev_tokens` [S]); the last stage returns the final-normed rows that may sample, [S, embed]
+        (zeros past the bucket's `BatchLayout.num_rows`): the LM head runs with the sampler, on only as many
+        rows as the step has sequences. The other stages return their activations."""
         model, index, is_first, is_last = stage.model, stage.index, stage.index == 0, stage.is_last
         s, b, table = self.max_num_seqs, self.max_blocks_per_seq, self._table  # not self: see `warmup`
 
@@ -191,14 +187,9 @@ class ModelRunner:
             token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
             if is_first:  # a pending token is the previous step's sample in row src_rows[t]
                 x = jnp.where(src_rows >= 0, prev_tokens[jnp.clip(src_rows, 0, s - 1)], token_ids)
-            # Logits for the rows that may sample only (`BatchLayout.num_rows`): [R, vocab].
-            out, kv_cache = model.apply(
-                {"params": params}, x, positions, kv_cache, metadata,
-                logits_indices[: layout.num_rows] if is_last else None,
-            )
-            if is_last:
-                out = stage.gather_logits(out).astype(jnp.float32)
-            return out, kv_cache
+            # The last stage stops before the LM head (`sampling.sample_packed` runs it on the rows that sample).
+            return model.apply({"params": params}, x, positions, kv_cache, metadata,
+                               logits_indices if is_last else None, apply_lm_head=False)
 
         # The KV cache is donated: XLA updates it in place instead of copying it every step.
         return jax.jit(step_impl, donate_argnums=(1,), **stage.jit_shardings())
@@ -253,9 +244,11 @@ class ModelRunner:
         compiled on background threads (`self.background`) while the engine serves, each one used from the
         moment it is built. Until then a batch is padded to the smallest built bucket that holds it, and
         sampled by FULL_VARIANT (bitwise the tokens and logprobs of the variant it stands in for; see
-        sarathi_jax/sampling.py). Samplers: every variant for the largest bucket's rows; for smaller row
-        counts (small buckets, where the sampler is cheap) the greedy variant and FULL_VARIANT only. Builds
-        run on `compile_threads` threads (default:
+        sarathi_jax/sampling.py). Samplers (each with the LM head, on R rows of the `row_ladder`): every
+        variant for the largest bucket's rows; for smaller row counts (small buckets, and steps of few
+        sequences in any bucket, where the sampler is cheap) the greedy variant and FULL_VARIANT only. A step
+        runs the smallest R that holds its sequences and has its variant, or else FULL_VARIANT, built
+        (`ExecutableTable.sampler_for`). Builds run on `compile_threads` threads (default:
         `sarathi_jax.precompile.compile_threads`). A multi-process engine builds nothing ahead: every bucket
         and variant compiles on its first run, here."""
         top_rows = self._layout(self.buckets[-1]).num_rows
@@ -264,13 +257,13 @@ class ModelRunner:
         samplers += [(v, rows) for rows in sorted({self._layout(b).num_rows for b in self.buckets} - {top_rows})
                      for v in (SAMPLER_VARIANTS[0], FULL_VARIANT)]
         if jax.process_count() > 1:
-            sampled_rows: set[int] = set()
+            built: set[tuple[SamplerVariant, int]] = set()
             for bucket in self.buckets:  # each bucket's step, and each row count's samplers once
                 rows = self._layout(bucket).num_rows
-                variants = SAMPLER_VARIANTS[:1] if rows in sampled_rows else [v for v, r in samplers if r == rows]
-                sampled_rows.add(rows)
+                variants = [v for v, r in samplers if r == rows and (v, r) not in built] or [FULL_VARIANT]
                 for variant in variants:
-                    self._dispatch(self._layout(bucket).empty(), variant, timed=False)
+                    self._dispatch(self._layout(bucket).empty(), variant, timed=False, rows=rows)
+                    built.add((variant, rows))
             self._table.only(self.buckets, samplers)  # the rest falls back to FULL_VARIANT, compiled above
             jax.block_until_ready(self.kv_caches)
             return
@@ -281,8 +274,8 @@ class ModelRunner:
         # when this runner is collected.
         stages, s, b = self.stages, self.max_num_seqs, self.max_blocks_per_seq
         builder = ExecutableBuilder(
-            stages, lambda bucket: _on_stages(stages, BatchLayout(bucket, s, b).empty()), no_tokens=self._no_tokens,
-            max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, sampler=_sample_packed_jit,
+            stages, lambda bucket: on_stages(stages, BatchLayout(bucket, s, b).empty()), no_tokens=self._no_tokens,
+            max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, sampler=sample_packed_jit,
             cache=self.executable_cache, table=table,
         )
         greedy = SAMPLER_VARIANTS[0]
@@ -316,6 +309,8 @@ class ModelRunner:
         sequence's sampling settings; it is asked only when the sequence enters the batch's rows."""
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
         packed, variant = self.input_batch.prepare(chunks, self.bucket_for(num_tokens), sampling_of)
+        if self._step_observer is not None:
+            self._step_observer(chunks, packed, variant)
         return self._dispatch(packed, variant)
 
     def now(self) -> float:
@@ -325,40 +320,75 @@ class ModelRunner:
         """Make every step also return its logits (`PendingStep.logits`), for tests and debugging."""
         self._capture_logits = enable
 
+    # ------------------------------------------------------------------------------------- measuring hooks
+
+    def observe_steps(self, observer: StepObserver | None) -> None:
+        """Call `observer(chunks, packed, variant)` for each batch `submit` dispatches (step replay); None stops."""
+        self._step_observer = observer
+
+    def padding_step(self, bucket: int) -> PackedStep:
+        """Packed inputs of an all-padding batch of `bucket` tokens: it writes no KV and samples nothing."""
+        return self._layout(bucket).empty()
+
+    @contextlib.contextmanager
+    def dispatch_outside_loop(self) -> Iterator[Callable[..., PendingStep]]:
+        """Yields `dispatch(packed, variant, rows=None)` (`rows` as for `_dispatch`) for steps outside the serving
+        loop (replays, warm-up): off the pipeline timeline, each one's samples feeding the next; on exit the next real step reads the last real
+        step's samples again."""
+        prev_tokens = self._prev_tokens
+        try:
+            yield functools.partial(self._dispatch, timed=False)
+        finally:
+            self._prev_tokens = prev_tokens
+
     # ------------------------------------------------------------------------------------- internals
 
     def _layout(self, bucket: int) -> BatchLayout:
         return BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
 
-    def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True) -> PendingStep:
+    @functools.cached_property
+    def row_ladder(self) -> tuple[int, ...]:
+        """The row counts the LM head and the sampler run at (`step_inputs.row_ladder` of the buckets)."""
+        return row_ladder(self.buckets, self.max_num_seqs)
+
+    @functools.cached_property
+    def _lm_head(self) -> LMHead:
+        return self.stages[-1].lm_head()
+
+    def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True,
+                  rows: int | None = None) -> PendingStep:
+        """Run a step of host `packed` inputs. Its LM head and sampler run on `rows` (a `row_ladder` value;
+        default: the smallest that holds the step's sequences, `step_inputs.sample_rows`)."""
         timeline = self.timeline if timed else None
         layout = BatchLayout.of_packed(packed.batch.size, self.max_num_seqs, self.max_blocks_per_seq)
-        num_tokens, rows = layout.num_tokens, layout.num_rows
+        num_tokens = layout.num_tokens
+        if rows is None:
+            rows = sample_rows(self.row_ladder, layout.num_seqs(packed.batch))
+        run_variant, rows = self._table.sampler_for(variant, rows, self.row_ladder, layout.num_rows)
         record = timeline.begin(num_tokens) if timeline else None
         single = len(self.stages) == 1
-        executables, ready_samplers = self._table.executables, self._table.variants
-        # A variant not built: the general one gives the same tokens (and logprobs, where asked for).
-        run_variant = variant if ready_samplers is None or (variant, rows) in ready_samplers else FULL_VARIANT
+        executables, head = self._table.executables, self._lm_head
         x = None
-        for stage, on_device in _on_stages(self.stages, packed):
+        for stage, on_device in on_stages(self.stages, packed):
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
             step = executables.get((stage.index, packed.batch.shape[0]), stage.step)
             with jax.transfer_guard_host_to_device("allow"):  # the packed host arrays (`Stage.upload`), only
                 x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
             if stage.is_last:
-                logits = x
+                hidden, weight = x, stage.lm_head_weight
                 sampler = executables.get((run_variant, rows))
                 with jax.transfer_guard_host_to_device("allow"):
                     if sampler is not None:
-                        x = sampler(logits, on_device.sampling)
+                        x = sampler(hidden, weight, on_device.sampling)
                     else:
-                        before = _sample_packed_jit._cache_size()
-                        x = _sample_packed_jit(logits, on_device.sampling, variant=run_variant)
-                        self._sampler_traces += _sample_packed_jit._cache_size() - before
+                        before = sample_packed_jit._cache_size()
+                        x = sample_packed_jit(hidden, weight, on_device.sampling, variant=run_variant, rows=rows,
+                                               head=head)
+                        self._sampler_traces += sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)
         if single:
             self._prev_tokens = x.token_ids
         x = copy_to_every_process(self.stages, x)  # multi-process pipelines only
-        return PendingStep(x, variant.logprobs, num_tokens, logits if self._capture_logits else None, record,
-                           timeline)
+        logits = captured_logits(hidden, weight, rows=rows, head=head) if self._capture_logits else None
+        return PendingStep(x, variant.logprobs, num_tokens, logits, record, timeline, sampler=(run_variant, rows))

@@ -1,7 +1,9 @@
 """Building a `ModelRunner`'s executables ahead of time: in the foreground, or on a background thread.
 
 `ExecutableBuilder` builds one executable at a time: a bucket's model step (each pipeline stage's) or a sampler
-variant for a row count (`BatchLayout.num_rows`: a bucket's steps sample min(bucket, max_num_seqs) rows), loaded from the `ExecutableCache` when it holds it, else lowered and compiled with
+variant (the LM head and the sampler) for a row count R of the runner's `row_ladder` (a step samples the
+smallest R that holds its sequences), loaded from the `ExecutableCache` when it holds it, else lowered and
+compiled with
 `jit(...).lower(...).compile()` and saved there. Each one goes into the runner's `ExecutableTable`, which
 dispatch reads (instead of calling the jitted function) and which says what is ready. It lowers from a
 snapshot of the KV cache's shape (the live cache is donated by every step), so it may run while the engine
@@ -30,13 +32,13 @@ from sarathi_jax.compile_cache import compiles_in_this_thread
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.parallel.stages import Stage
 from sarathi_jax.sampling import FULL_VARIANT, SamplerVariant
-from sarathi_jax.step_inputs import PackedStep
+from sarathi_jax.step_inputs import BatchLayout, PackedStep
 
 COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
 _log = logging.getLogger(__name__)
 
-# What an executable is for: (stage index, packed batch length) for a model step, or (sampler variant, logits
-# rows) for a sampler.
+# What an executable is for: (stage index, packed batch length) for a model step, or (sampler variant, rows R)
+# for the LM head and sampler.
 Entry = tuple[int, int] | tuple[SamplerVariant, int]
 
 
@@ -79,11 +81,13 @@ class ExecutableBuilder:
     """Builds the executables of one runner's `stages`.
 
     `on_stages(bucket)` yields each stage with that bucket's all-padding packed inputs on its devices;
-    `no_tokens` is stage 0's previous-tokens argument; `sampler` is the jitted sampler (its `variant`
-    static). Every executable built goes into `table`, and a bucket is marked ready there once all its
-    stages and the general sampler (`FULL_VARIANT`) for its logits rows are built, so that any batch in a
-    ready bucket can be sampled (`bucket` builds the samplers of its rows that it is asked for). Thread-safe: builds may run on several threads at once. Nothing runs and
-    the KV cache is not touched.
+    `no_tokens` is stage 0's previous-tokens argument; `sampler` is the jitted LM head and sampler
+    `(hidden, head_weight, sampling)` (its `variant`, `rows` and `head` static; the head and its weight are
+    the last stage's, `Stage.lm_head`). Every executable built goes into `table`, and a bucket is marked
+    ready there once all its stages and the general sampler (`FULL_VARIANT`) for its `BatchLayout.num_rows`
+    are built, so that any batch in a ready bucket can be sampled (`bucket` builds the samplers of its rows
+    that it is asked for). Thread-safe: builds may run on several threads at once. Nothing runs and the KV
+    cache is not touched.
     """
 
     def __init__(
@@ -106,8 +110,10 @@ class ExecutableBuilder:
         self._cache = cache
         self._table = table
         self._kv_shapes = [shape_of(stage.kv_cache) for stage in self._stages]  # taken now: later donated
-        # logits rows -> (logits, packed sampling): the sampler's arguments, from a bucket with those rows
-        self._sampler_args: dict[int, tuple] = {}
+        self._head = self._stages[-1].lm_head()
+        # (final-normed rows [S, embed], head weight, packed sampling): the sampler's arguments, the same for
+        # every row count and bucket; taken from the first bucket built.
+        self._sampler_args: tuple | None = None
 
     def _build(self, entry: Entry, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict,
                devices: list, load_only: bool) -> Any:
@@ -133,8 +139,8 @@ class ExecutableBuilder:
 
     def bucket(self, bucket: int, variants: Sequence[SamplerVariant] = (FULL_VARIANT,), load_only: bool = False) -> bool:
         """Every stage's model step for `bucket`, the first stage first (each lowers with the previous one's
-        output), then the samplers of `variants` (FULL_VARIANT among them) for its logits rows that are not
-        built yet. With `load_only`, only what the executable cache holds; False when that was not all."""
+        output), then the samplers of `variants` (FULL_VARIANT among them) for its `BatchLayout.num_rows` that
+        are not built yet. With `load_only`, only what the executable cache holds; False when that was not all."""
         assert FULL_VARIANT in variants, "a ready bucket needs the general sampler"
         x = on_device = None
         for stage, on_device in self._on_stages(bucket):
@@ -151,10 +157,11 @@ class ExecutableBuilder:
             nxt = self._stages[stage.index + 1] if not stage.is_last else None
             if nxt is not None:
                 x = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=nxt.replicated)
-            else:  # off a mesh the step's inputs, so its logits, are uncommitted: no sharding to lower with
+            else:  # off a mesh the step's inputs, so its output, are uncommitted: no sharding to lower with
                 x = out if stage.mesh is not None else jax.ShapeDtypeStruct(out.shape, out.dtype)
-        rows = x.shape[0]
-        self._sampler_args.setdefault(rows, (x, on_device.sampling))
+        rows = BatchLayout.of_packed(on_device.batch.shape[0], self._s, self._b).num_rows
+        if self._sampler_args is None:
+            self._sampler_args = (x, self._stages[-1].lm_head_weight, on_device.sampling)
         for variant in variants:
             if (variant, rows) not in self._table.executables and not self.sampler(variant, rows, load_only):
                 return False
@@ -162,11 +169,13 @@ class ExecutableBuilder:
         return True
 
     def sampler(self, variant: SamplerVariant, rows: int, load_only: bool = False) -> bool:
-        """The sampler for `variant` on `rows` logits rows, after a `bucket` with those rows (whose logits it
+        """The LM head and sampler for `variant` on `rows` rows, after a `bucket` (whose last stage's output it
         lowers with). With `load_only`, only if the executable cache holds it; False when it did not."""
-        assert rows in self._sampler_args, f"build a bucket with {rows} logits rows first"
-        return self._build((variant, rows), "sampler", ("sampler", variant), self._sampler, self._sampler_args[rows],
-                           {"variant": variant}, stage_devices(self._stages[-1]), load_only) is not None
+        assert self._sampler_args is not None, "build a bucket first"
+        static = {"variant": variant, "rows": rows, "head": self._head}
+        return self._build((variant, rows), "lm head and sampler", ("sampler", variant, rows, self._head),
+                           self._sampler, self._sampler_args, static, stage_devices(self._stages[-1]),
+                           load_only) is not None
 
 
 def run_builds(builds: Sequence[Callable[[], Any]], threads: int) -> None:
@@ -266,12 +275,22 @@ class BackgroundBuild:
                 thread.join()
 
 
+def on_stages(stages: Sequence[Stage], packed: PackedStep) -> Iterator[tuple[Stage, PackedStep]]:
+    """Each stage with the step's packed inputs for its devices: the first stage's upload (`Stage.upload`:
+    on one device the host arrays themselves, copied by the jitted call; on a mesh one `device_put` of both);
+    later stages get device-to-device copies."""
+    on_device = None
+    for stage in stages:
+        on_device = PackedStep(*(stage.upload(tuple(packed)) if on_device is None else stage.place(tuple(on_device))))
+        yield stage, on_device
+
+
 class ExecutableTable:
     """The executables a runner dispatches and what is ready to run, filled by `ExecutableBuilder` (maybe on
     background threads; the fields dispatch reads are replaced, never mutated, so reading needs no lock).
 
     `buckets`: the ready buckets, ascending (a batch is padded to the smallest that holds it). `variants`:
-    the ready samplers, (variant, logits rows); None means any (the jitted sampler compiles one on first use).
+    the ready samplers, (variant, rows); None means any (the jitted sampler compiles one on first use).
     `stage_traces` and `sampler_builds` count compilations for `ModelRunner.num_compilations`.
     """
 
@@ -302,6 +321,21 @@ class ExecutableTable:
     def bucket_ready(self, bucket: int) -> None:
         with self.lock:
             self.buckets = tuple(sorted({*self.buckets, bucket}))
+
+    def sampler_for(self, variant: SamplerVariant, rows: int, ladder: Sequence[int],
+                    bucket_rows: int) -> tuple[SamplerVariant, int]:
+        """The (variant, rows) a step runs, from `rows` (the `ladder` value that holds its sequences) up to its
+        bucket's `bucket_rows`: the first built with `variant`, else with FULL_VARIANT (the same tokens, and
+        logprobs where asked for), which a ready bucket has for its `bucket_rows`."""
+        ready = self.variants
+        if ready is None:  # not warmed up: the jitted sampler compiles what is asked for
+            return variant, rows
+        for r in ladder[ladder.index(rows):]:
+            if (variant, r) in ready:
+                return variant, r
+            if (FULL_VARIANT, r) in ready or r >= bucket_rows:
+                return FULL_VARIANT, r
+        raise AssertionError(f"{rows} rows are past the row ladder {ladder}")
 
     def only(self, buckets: Sequence[int], variants: Sequence[tuple[SamplerVariant, int]]) -> None:
         """From now on run only these (until more are added)."""

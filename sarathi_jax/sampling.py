@@ -1,7 +1,7 @@
 """Device sampler: one jitted, fixed-shape function from logits to next tokens and logprobs (its host-side
 inputs, `SamplingArrays` and the `SamplerVariant`, are built in sarathi_jax/sampling_inputs.py).
 
-`sample(logits f32[S, V], arrays, variant)` runs after the engine's jitted step; S rows (the step's min(bucket, max_num_seqs)), one
+`sample(logits f32[S, V], arrays, variant)` runs after the engine's jitted step; S rows (the step's `step_inputs.sample_rows`), one
 per scheduled sequence, the rest padding (temperature < 0: their outputs are meaningless and ignored).
 
 Per non-greedy row: logits / temperature, then the top-k, top-p and min-p masks (vLLM's order and semantics:
@@ -53,8 +53,9 @@ S*V random numbers (~110 ms there). Instead
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,10 @@ from sarathi_jax.sampling_inputs import (  # noqa: F401  (the host side, re-expo
     sampler_variant,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS
+from sarathi_jax.step_inputs import sampling_max_num_seqs, unpack_sampling
+
+if TYPE_CHECKING:
+    from sarathi_jax.parallel.stages import LMHead
 
 # Tokens per block of the two-level inverse CDF.
 _CDF_BLOCK = 128
@@ -350,3 +355,24 @@ def sample(logits: jax.Array, arrays: SamplingArrays, variant: SamplerVariant = 
 # The jitted sampler for callers outside a jitted step, module-level so that every engine in the process
 # shares one compilation cache (one compile per shape and variant).
 sample_jit = jax.jit(sample, static_argnames=("variant",))
+
+
+def sample_packed(hidden: jax.Array, head_weight: jax.Array, sampling: jax.Array, *, variant: SamplerVariant,
+                  rows: int, head: LMHead) -> SamplerOutput:
+    """A step's sampler executable: the LM head on the first `rows` (R, `sample_rows`) of the last stage's final-normed rows [S, embed],
+    then the sampler on those logits [R, vocab] with the first R rows of the sampling part (laid out for S =
+    max_num_seqs rows). The token ids come back padded to [S]: the next step reads pending tokens from them
+    whatever its own bucket."""
+    s = sampling_max_num_seqs(sampling.shape[0])
+    out = sample(head.logits(hidden[:rows], head_weight), unpack_sampling(sampling, s, rows), variant)
+    return head.replicate(out._replace(token_ids=jnp.pad(out.token_ids, (0, s - rows))))
+
+
+# Module level: engines with the same shapes share the compiled sampler variants.
+sample_packed_jit = jax.jit(sample_packed, static_argnames=("variant", "rows", "head"))
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "head"))
+def captured_logits(hidden: jax.Array, head_weight: jax.Array, *, rows: int, head: LMHead) -> jax.Array:
+    """The logits the sampler sampled (`ModelRunner.capture_logits`): the same head on the same rows."""
+    return head.logits(hidden[:rows], head_weight)

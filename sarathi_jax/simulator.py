@@ -2,8 +2,8 @@
 
 `SimulatedEngine` has the engine API of docs/design.md on a virtual clock: it is the engine's own core
 (`sarathi_jax.engine_core.EngineCore`: scheduler, block manager, postprocessing, outputs) driving
-`CostModelExecutor`, whose batches advance `clock` by the cost model's time and sample dummy tokens.
-`simulate()` feeds a trace of timed arrivals. Requests go through the engine's own admission
+`CostModelExecutor`, whose batches advance a `VirtualClock` by the cost model's time and sample dummy tokens.
+`simulate()` feeds a trace of timed arrivals through the driver loop the bench uses (`sarathi_jax.arrival_loop`). Requests go through the engine's own admission
 (`sarathi_jax.admission`), so the simulator refuses what `LLMEngine` refuses, with the same error, except text
 prompts (no tokenizer: it takes token ids or a prompt length). Stop conditions: those of the engine; dummy
 tokens never hit an EOS (the simulator has none) or a stop token unless asked, and have no text, so stop
@@ -19,12 +19,13 @@ from typing import Any, Protocol
 
 from collections.abc import Sequence as Sequence_
 
-from sarathi_jax.admission import Admission, KVCapacity
-from sarathi_jax.bench.metrics import percentile  # numpy only
+from sarathi_jax.admission import Admission, AdmittedRequest, KVCapacity, Prompt
+from sarathi_jax.arrival_loop import Arrival, drive
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 from sarathi_jax.outputs import IterationRecord, RequestOutput
+from sarathi_jax.percentiles import percentile
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_jax.sequence import Sequence
@@ -89,6 +90,19 @@ class _SimulatedBatch:
     top_logprobs: None = None
 
 
+class VirtualClock:
+    """Virtual seconds (an `engine_api.Clock`): batches move it forward; waiting jumps it, never back."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._t = start
+
+    def now(self) -> float:
+        return self._t
+
+    def wait_until(self, t: float) -> None:
+        self._t = max(self._t, t)
+
+
 class _SimulatedStep:
     def __init__(self, executor: CostModelExecutor, end: float, token_ids: list[int], num_padded_tokens: int) -> None:
         self._executor, self._end, self._batch = executor, end, _SimulatedBatch(token_ids)
@@ -96,7 +110,7 @@ class _SimulatedStep:
 
     def result(self) -> _SimulatedBatch:
         """The batch has run once the virtual clock reaches its end."""
-        self._executor.clock = max(self._executor.clock, self._end)
+        self._executor.clock.wait_until(self._end)
         return self._batch
 
 
@@ -108,11 +122,11 @@ class CostModelExecutor:
     def __init__(self, cost_model: IterationCost, vocab_size: int = DUMMY_VOCAB) -> None:
         self.cost_model = cost_model
         self.vocab_size = vocab_size
-        self.clock = 0.0
+        self.clock = VirtualClock()
         self._device_free_at = 0.0  # when the batches submitted so far are done
 
     def submit(self, chunks: Sequence_[ScheduledChunk], sampling_of: Any) -> _SimulatedStep:
-        start = max(self.clock, self._device_free_at)
+        start = max(self.clock.now(), self._device_free_at)
         self._device_free_at = end = start + self.cost_model.iteration_time(SchedulerOutput.of(tuple(chunks)))
         tokens = [((c.start_position + c.num_new_tokens) * 7919) % self.vocab_size for c in chunks]
         # BucketCostModel pads like the engine it stands for.
@@ -120,12 +134,13 @@ class CostModelExecutor:
         return _SimulatedStep(self, end, tokens, padded)
 
     def now(self) -> float:
-        return self.clock
+        return self.clock.now()
 
 
 class SimulatedEngine(CoreFrontEnd):
-    """The engine API on a virtual clock: the engine core (scheduler, block manager, postprocessing, outputs)
-    with a cost model for an executor. Times in RequestMetrics and IterationRecord are virtual seconds.
+    """The engine API (`engine_api.Engine`) on a virtual clock: the engine core (scheduler, block manager,
+    postprocessing, outputs) with a cost model for an executor. Times in RequestMetrics and IterationRecord are
+    virtual seconds (`clock`).
     Synchronous by default: a virtual device has no host work to hide. `vocab_size`: the vocabulary that
     admission checks token ids against, and the dummy tokens are drawn from."""
 
@@ -147,6 +162,7 @@ class SimulatedEngine(CoreFrontEnd):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = make_scheduler(scheduler_config, self.block_manager)
         self.max_model_len = scheduler_config.max_model_len
+        self.config = None  # no EngineConfig: `bench.engines.make_simulated_engine` sizes one like it
         self.model_config = None
         self.tokenizer = None
         self.admission = Admission(vocab_size=vocab_size, max_model_len=self.max_model_len,
@@ -155,33 +171,36 @@ class SimulatedEngine(CoreFrontEnd):
         self.core = EngineCore(self.scheduler, self.executor, loop=LoopConfig(async_scheduling=async_scheduling))
 
     @property
-    def clock(self) -> float:
+    def clock(self) -> VirtualClock:
         return self.executor.clock
-
-    @clock.setter
-    def clock(self, t: float) -> None:
-        self.executor.clock = t
 
     @property
     def iteration_log(self) -> list[IterationRecord]:
         return self.core.iteration_log
 
+    def dummy_prompt(self, length: int) -> list[int]:
+        """Made-up token ids for a prompt of `length` tokens (none for a length < 1)."""
+        return [(7 * i + 1) % self.admission.vocab_size for i in range(length)]
+
     def add_request(
         self,
         request_id: str,
-        prompt: list[int] | int,
+        prompt: Prompt | int,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """`prompt` is token ids or just a length (dummy ids are made up; a length < 1 is an empty prompt).
+        """`prompt` is token ids or just a length (`dummy_prompt`; a length < 1 is an empty prompt).
         Raises AdmissionError (a ValueError) naming the bad field, as `LLMEngine.add_request` does."""
         self.check_new_id(request_id)
         if isinstance(prompt, int):
-            prompt = [(7 * i + 1) % self.admission.vocab_size for i in range(prompt)]
-        request = self.admission.admit(prompt, params)
+            prompt = self.dummy_prompt(prompt)
+        self.add_admitted(request_id, self.admission.admit(prompt, params), arrival_time)
+
+    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
+        """Queue a request that `self.admission` admitted, under a new id (as `LLMEngine.add_admitted`)."""
         params = request.params
         seq = Sequence(request_id, list(request.prompt_token_ids), params,
-                       self.clock if arrival_time is None else arrival_time)
+                       self.clock.now() if arrival_time is None else arrival_time)
         # No detokenizer, so no text: stop strings never match (see the module docstring).
         self.core.add(RequestState(seq, seed=0, banned_until_min_tokens=self.admission.banned_until_min_tokens(params),
                                    detokenizer=None, stop_checker=StopStringChecker(())))
@@ -190,7 +209,18 @@ class SimulatedEngine(CoreFrontEnd):
         return self.core.step()
 
     def stats(self) -> dict:
-        return {**self.core.stats(), "clock": self.clock}
+        return {**self.core.stats(), "clock": self.clock.now()}
+
+    def pipeline_stats(self) -> None:
+        """No pipeline: one virtual device."""
+        return None
+
+    def reset_pipeline_stats(self) -> None:
+        """Nothing to reset (no pipeline)."""
+
+    def startup_stats(self) -> None:
+        """No start-up to report: nothing loads or compiles."""
+        return None
 
 
 # ------------------------------------------------------------------------------------------ traces and runs
@@ -242,29 +272,10 @@ def simulate(
     until all finish. Requests arriving during an iteration join when it ends. A request that admission
     refuses (one that could never fit) raises its AdmissionError."""
     engine = SimulatedEngine(scheduler_config, num_blocks, block_size, cost_model)
-    pending = sorted(requests, key=lambda r: r.arrival_time)
-    final: dict[str, RequestOutput] = {}
-    i, steps = 0, 0
-    while i < len(pending) or engine.has_unfinished_requests():
-        while i < len(pending) and pending[i].arrival_time <= engine.clock:
-            r = pending[i]
-            engine.add_request(r.request_id, r.num_prompt_tokens, SamplingParams(max_tokens=r.max_tokens,
-                               ignore_eos=True), r.arrival_time)
-            i += 1
-        if not engine.has_unfinished_requests():
-            engine.clock = pending[i].arrival_time
-            continue
-        ran = len(engine.iteration_log)
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        steps += 1
-        if max_steps is not None and steps > max_steps:
-            raise RuntimeError(f"simulation did not finish in {max_steps} steps")
-        if len(engine.iteration_log) == ran and engine.has_unfinished_requests():
-            if i >= len(pending):  # nothing ran, nothing will arrive: the scheduler is stuck
-                raise RuntimeError(f"scheduler made no progress with nothing left to arrive: {engine.stats()}")
-            engine.clock = max(engine.clock, pending[i].arrival_time)
+    arrivals = [Arrival(r.request_id, r.arrival_time, engine.dummy_prompt(r.num_prompt_tokens),
+                        SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+                for r in sorted(requests, key=lambda r: r.arrival_time)]
+    final = drive(engine, arrivals, raise_refused=True, max_steps=max_steps).finished
     makespan = max((o.metrics.finished_time or 0.0 for o in final.values()), default=0.0)
     return SimulationResult(final, engine.iteration_log, makespan, engine.scheduler.num_preemptions, engine.stats())
 

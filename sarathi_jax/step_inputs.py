@@ -6,10 +6,12 @@ the host fills two numpy buffers (`PackedStep`, kept and updated in place by `sa
 hands them to the jitted calls (`Stage.upload`), and the jitted functions slice them apart with static offsets (floats travel as their
 bit patterns). The batch part's size depends on the bucket; the sampling part's does not.
 
-A bucket of T tokens holds at most min(T, S) sequences (each has at least one token), so a step computes
-logits and samples for its first `BatchLayout.num_rows` = min(T, S) rows only: a small bucket pays for neither
-max_num_seqs rows of the LM head nor the sampler's [S, vocab] work. The sampler slices those rows out of the
-sampling part (`unpack_sampling(part, S, rows)`), so it compiles once per variant and row count.
+A bucket of T tokens holds at most min(T, S) sequences (each has at least one token), so its step final-norms
+its first `BatchLayout.num_rows` = min(T, S) rows only (padded to [S, embed]). The LM head and the sampler then
+run on R rows, R the smallest of the buckets' row counts (`row_ladder`) that holds the step's sequences
+(`sample_rows`): a 512-token prefill of one sequence pays for 4 rows of the LM head, not 128, and a small
+bucket for neither max_num_seqs rows of the LM head nor the sampler's [S, vocab] work. The sampler slices its
+rows out of the sampling part (`unpack_sampling(part, S, rows)`), so it compiles once per variant and R.
 
 Batch part (`BatchLayout`, S(3 + B) + 2 + 4T entries), for a bucket of T tokens, S = max_num_seqs rows,
 B = max_blocks_per_seq. The per-row fields come first, so their offsets do not depend on the bucket:
@@ -29,6 +31,7 @@ Sampling part (`sampling_len(S)` = S(8 + M) entries, M = MAX_BANNED):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,6 +41,7 @@ import numpy as np
 
 from sarathi_jax.models import AttentionMetadata
 from sarathi_jax.sampling_inputs import MAX_BANNED, SamplingArrays, make_sampling_arrays
+from sarathi_jax.sizing import bucket_for
 
 
 # The sampling part's fields, in `SamplingArrays` order: (entries per row, dtype as stored bit for bit).
@@ -82,6 +86,10 @@ class BatchLayout:
     def batch_len(self) -> int:
         t, s, b = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq
         return s * (3 + b) + 2 + 4 * t
+
+    def num_seqs(self, batch: np.ndarray) -> int:
+        """Host side: the sequences of a (host) batch part."""
+        return int(batch[2 * self.max_num_seqs + 1])  # after kv_lens [S] and cu_q_lens [S + 1]
 
     @classmethod
     def of_packed(cls, batch_len: int, max_num_seqs: int, max_blocks_per_seq: int) -> BatchLayout:
@@ -131,6 +139,19 @@ class BatchLayout:
             num_seqs=parts["num_seqs"],
         )
         return parts["token_ids"], parts["src_rows"], parts["positions"], metadata, parts["logits_indices"]
+
+
+def row_ladder(buckets: Sequence[int], max_num_seqs: int) -> tuple[int, ...]:
+    """The row counts the LM head and the sampler run at, ascending: each bucket's `BatchLayout.num_rows`."""
+    return tuple(sorted({min(bucket, max_num_seqs) for bucket in buckets}))
+
+
+def sample_rows(ladder: Sequence[int], num_seqs: int) -> int:
+    """The rows a step of `num_seqs` sequences samples: the smallest of `ladder` that holds them (at most its
+    bucket's `num_rows`, which is on the ladder and holds them)."""
+    rows = bucket_for(ladder, num_seqs)
+    assert rows is not None, (ladder, num_seqs)
+    return rows
 
 
 def pack_sampling(arrays: SamplingArrays) -> np.ndarray:

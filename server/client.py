@@ -11,13 +11,18 @@ tokenizer), then the finish reason, usage and timings to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Mapping, Sequence
 
 import grpc
 
+from sarathi_jax.config_flags import ConfigFlags
+from sarathi_jax.sampling_params import SamplingParams
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+
+SAMPLING_FLAGS = ConfigFlags(SamplingParams)
 
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -48,9 +53,7 @@ def make_request(prompt: str | Sequence[int] | Sequence[Mapping[str, str]], para
         req.token_ids.SetInParent()  # an empty list still selects token_ids (the server refuses it)
     fields: dict[str, object] = {}
     if params is not None:
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-                     "stop_token_ids", "ignore_eos", "logprobs"):
-            fields[name] = getattr(params, name)
+        fields.update((f.name, getattr(params, f.name)) for f in dataclasses.fields(params))
     fields.update(sampling)
     for name, value in fields.items():
         if value is None:
@@ -77,17 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a user message, sent as a conversation rendered with the model's chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message before it")
     p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--min-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--stop-token-ids", default=None, help="comma-separated")
-    p.add_argument("--ignore-eos", action="store_true", default=None)
-    p.add_argument("--logprobs", type=int, default=None)
+    SAMPLING_FLAGS.add_to(p.add_argument_group("sampling", "SamplingParams' fields; a flag left out is not "
+                                                           "sent (the server applies SamplingParams' default)"))
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     args = p.parse_args(argv)
     if sum(x is not None for x in (args.prompt, args.token_ids, args.chat)) != 1:
@@ -102,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
     else:
         prompt = args.prompt
-    req = make_request(
-        prompt, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
-        stop_token_ids=[int(t) for t in args.stop_token_ids.split(",")] if args.stop_token_ids else None,
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    req = make_request(prompt, **SAMPLING_FLAGS.given(args))
     with grpc.insecure_channel(args.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:

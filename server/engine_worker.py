@@ -16,10 +16,10 @@ import threading
 import traceback
 from typing import Any, Callable, Protocol
 
-from sarathi_jax.admission import Admission, AdmittedRequest
+from sarathi_jax.admission import AdmittedRequest
 from sarathi_jax.config import EngineConfig
+from sarathi_jax.engine_api import Engine
 from sarathi_jax.models import ModelConfig
-from sarathi_jax.outputs import IterationRecord, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -28,27 +28,17 @@ log = logging.getLogger(__name__)
 Sink = Callable[[Any], None]
 
 
-class ServingEngine(Protocol):
-    """What the front ends need of an engine (`LLMEngine` is one). Requests are admitted by `admission` in the
-    front end's thread; everything else runs in the engine thread."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    max_model_len: int
-    admission: Admission
-
-    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None: ...
-
-    def abort(self, request_id: str) -> bool: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def stats(self) -> dict: ...
+class ServingEngine(Engine, Protocol):
+    """What the front ends need of an engine (`LLMEngine` is one): the engine API (`sarathi_jax.engine_api.Engine`;
+    requests are admitted by its `admission` in the front end's thread, everything else runs in the engine
+    thread), and the configuration and model they describe."""
 
     @property
-    def iteration_log(self) -> list[IterationRecord]: ...
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
 
 # Keep the engine's iteration_log bounded in a long-running server.
 _MAX_ITERATION_LOG = 100_000
@@ -60,7 +50,7 @@ class EngineError(RuntimeError):
 
 
 class EngineWorker:
-    def __init__(self, engine: ServingEngine, on_stats: Callable[[dict], None] | None = None,
+    def __init__(self, engine: Engine, on_stats: Callable[[dict], None] | None = None,
                  name: str = "sarathi-engine") -> None:
         self.engine = engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -1,14 +1,12 @@
 """The gRPC front end of `GenerationServer`: the `sarathi.v1.Generation` servicer, health checking and
 reflection on one `grpc.aio` server.
 
-The handlers go through the server's `admit`, `next_output` and `release`, as the HTTP front end does. A
-request whose RPC ends early (client cancel, disconnect, deadline) is aborted in the engine from the handler's
-`finally`, which frees its KV blocks before the engine's next iteration.
+The handlers go through the request session's `admit`, `next_output` and `release` (server/session.py), as the
+HTTP front end does. A request whose RPC ends early (client cancel, disconnect, deadline) is aborted in the
+engine from the handler's `finally`, which frees its KV blocks before the engine's next iteration.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,21 +23,18 @@ from server.proto_convert import (
     request_id_of,
     stream_response,
 )
-
-from server.service import RequestError
-
-if TYPE_CHECKING:
-    from server.service import GenerationServer
+from server.request_state import RequestError
+from server.session import RequestSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "sarathi.v1.Generation"
 
 
-async def build_grpc_server(server: GenerationServer, host: str, port: int
+async def build_grpc_server(session: RequestSession, host: str, port: int
                             ) -> tuple[grpc.aio.Server, grpc_health.aio.HealthServicer, int]:
     """The gRPC server (not started) with the generation, health (NOT_SERVING for now) and reflection
     services, bound to `host:port`; returns it, its health servicer and the bound port."""
     grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(server), grpc_server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(session), grpc_server)
     health = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
     await set_health(health, serving=False)
@@ -61,18 +56,18 @@ async def set_health(health: grpc_health.aio.HealthServicer, serving: bool) -> N
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, server: GenerationServer) -> None:
-        self._server = server
+    def __init__(self, session: RequestSession) -> None:
+        self._session = session
 
     async def _admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            return self._server.admit(admission_from_proto(request), request_id_of(request))
+            return self._session.admit(admission_from_proto(request), request_id_of(request))
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
     async def _next(self, state, context: grpc.aio.ServicerContext):
         try:
-            return await self._server.next_output(state)
+            return await self._session.next_output(state)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
@@ -90,7 +85,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if out.finished:
                     return
         finally:
-            self._server.release(state)
+            self._session.release(state)
 
     async def Complete(self, request, context):
         state = await self._admit(request, context)
@@ -106,13 +101,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     fill_finish_fields(resp, out)
                     return resp
         finally:
-            self._server.release(state)
+            self._session.release(state)
 
     async def GetModelInfo(self, request, context):
-        return pb.ModelInfo(**self._server.model_info())
+        return pb.ModelInfo(**self._session.model_info())
 
     async def GetStats(self, request, context):
-        if not self._server.worker.alive:
+        if not self._session.worker.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine stopped")
-        s = await self._server.engine_stats()
+        s = await self._session.engine_stats()
         return pb.Stats(**{name: s.get(name, 0) for name in pb.Stats.DESCRIPTOR.fields_by_name})

@@ -2,7 +2,7 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both streamed with server-sent
 events when `stream` is true, ending `data: [DONE]`), GET /health, GET /metrics (the server's Prometheus
-registry). Requests go through `GenerationServer.admit` / `next_output` / `release`, as gRPC's do: same
+registry). Requests go through `RequestSession.admit` / `next_output` / `release`, as gRPC's do: same
 admission, back-pressure (429, gRPC's RESOURCE_EXHAUSTED), cancellation (a client that disconnects aborts its
 request, which frees its KV blocks at once) and metrics. Errors use OpenAI's JSON shape
 `{"error": {"message", "type", "param", "code"}}`.
@@ -29,7 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.outputs import RequestOutput, TokenLogprob
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
-from server.service import ActiveRequest, GenerationServer, RequestError
+from server.request_state import ActiveRequest, RequestError
+from server.session import RequestSession
 
 # gRPC status (the servers' shared vocabulary) -> HTTP status and OpenAI error type.
 _HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -66,13 +67,13 @@ def _usage(out: RequestOutput) -> dict[str, int]:
 class _Renderer:
     """Turns one request's engine outputs into OpenAI response objects (completion or chat flavour)."""
 
-    def __init__(self, server: GenerationServer, body: CompletionRequest | ChatCompletionRequest) -> None:
+    def __init__(self, session: RequestSession, body: CompletionRequest | ChatCompletionRequest) -> None:
         self.chat = isinstance(body, ChatCompletionRequest)
         self.body = body
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.model = server.model_name
-        self.tokenizer = server.engine.admission.tokenizer
+        self.model = session.model_name
+        self.tokenizer = session.engine.admission.tokenizer
         self.text_offset = 0
 
     def _token(self, token_id: int) -> str:
@@ -131,8 +132,8 @@ def _finish_reason(out: RequestOutput) -> str | None:
 
 
 class _Api:
-    def __init__(self, server: GenerationServer) -> None:
-        self.server = server
+    def __init__(self, session: RequestSession) -> None:
+        self.session = session
 
     def _check_body(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """The protocol's own checks, which admission cannot know: fields this server does not honour, and the
@@ -140,9 +141,9 @@ class _Api:
         field = body.unsupported()
         if field is not None:
             raise AdmissionError(field, "not supported by this server")
-        if body.model and body.model != self.server.model_name:
+        if body.model and body.model != self.session.model_name:
             raise AdmissionError("model", f"the model `{body.model}` does not exist; this server serves "
-                                          f"`{self.server.model_name}`")
+                                          f"`{self.session.model_name}`")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         def build(admission: Admission) -> AdmittedRequest:
@@ -165,15 +166,15 @@ class _Api:
 
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest,
                      build: Callable[[Admission], AdmittedRequest], request: Request) -> Response:
-        state = self.server.admit(build)  # RequestError -> the exception handler
-        renderer = _Renderer(self.server, body)
+        state = self.session.admit(build)  # RequestError -> the exception handler
+        renderer = _Renderer(self.session, body)
         if body.stream:
             return StreamingResponse(self._stream(state, renderer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             result = await _until_disconnect(self._complete(state, renderer), request)
         finally:
-            self.server.release(state)
+            self.session.release(state)
         # None: the client left (nobody reads this answer; 499 is nginx's "client closed request").
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
@@ -181,7 +182,7 @@ class _Api:
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         while True:
-            out = await self.server.next_output(state)
+            out = await self.session.next_output(state)
             token_ids.extend(out.new_token_ids)
             logprobs.extend(out.new_logprobs)
             if out.finished:
@@ -195,7 +196,7 @@ class _Api:
             first = True
             while True:
                 try:
-                    out = await self.server.next_output(state)
+                    out = await self.session.next_output(state)
                     finish = _finish_reason(out)
                 except RequestError as exc:  # the status line is sent: report it in-band, as vLLM does
                     yield _sse(_error_json(exc))
@@ -211,7 +212,7 @@ class _Api:
                     break
             yield "data: [DONE]\n\n"
         finally:
-            self.server.release(state)
+            self.session.release(state)
 
 
 async def _until_disconnect(work: Any, request: Request) -> Any:
@@ -234,8 +235,8 @@ async def _until_disconnect(work: Any, request: Request) -> Any:
     return task.result()
 
 
-def build_app(server: GenerationServer) -> FastAPI:
-    api = _Api(server)
+def build_app(session: RequestSession) -> FastAPI:
+    api = _Api(session)
     app = FastAPI(title="sarathi-jax", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(RequestError)
@@ -250,7 +251,7 @@ def build_app(server: GenerationServer) -> FastAPI:
         else:
             param = ".".join(str(part) for part in err.get("loc", ()) if part != "body") or None
             message = f"{param}: {err.get('msg', 'invalid request')}" if param else err.get("msg", "invalid request")
-        server.metrics.request_rejected("invalid_argument")
+        session.metrics.request_rejected("invalid_argument")
         return JSONResponse(error_body(message, "invalid_request_error", param, err.get("type")), status_code=400)
 
     app.post("/v1/completions")(api.completions)
@@ -258,19 +259,19 @@ def build_app(server: GenerationServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        info = server.model_info()
-        card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "sarathi-jax",
-                "root": str(server.engine_config.model), "max_model_len": info["max_model_len"], "sarathi": info}
+        info = session.model_info()
+        card = {"id": session.model_name, "object": "model", "created": 0, "owned_by": "sarathi-jax",
+                "root": str(session.engine_config.model), "max_model_len": info["max_model_len"], "sarathi": info}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> Response:
-        ok = not server.draining and server.worker.alive
+        ok = not session.draining and session.worker.alive
         return Response(status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(session.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -286,8 +287,8 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class HttpFrontEnd:
     """The app on uvicorn, in the running event loop."""
 
-    def __init__(self, server: GenerationServer) -> None:
-        self.app = build_app(server)
+    def __init__(self, session: RequestSession) -> None:
+        self.app = build_app(session)
         self._uvicorn: _EmbeddedUvicorn | None = None
         self._task: asyncio.Future | None = None
 

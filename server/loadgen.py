@@ -284,3 +284,31 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
     return RunResult(label=target, records=records, iterations=[],
                      num_preemptions=int(after.num_preemptions - before.num_preemptions), wall_time=wall,
                      config=config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m server.loadgen --bench-job JOB --bench-result RESULT`: what `python -m sarathi_jax.bench
+    --endpoint` runs in a child process (`sarathi_jax.bench.endpoint`): replay the job's requests against its
+    endpoint and write the run as JSON; a failure is one line on stderr and exit status 1."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from sarathi_jax.bench.endpoint import job_workload
+
+    parser = argparse.ArgumentParser(prog="python -m server.loadgen", description=main.__doc__.split(":")[0])
+    parser.add_argument("--bench-job", required=True, help="the requests (sarathi_jax.bench.endpoint.bench_job)")
+    parser.add_argument("--bench-result", required=True, help="where to write the run (RunResult.to_json)")
+    args = parser.parse_args(argv)
+    job = json.loads(Path(args.bench_job).read_text())
+    try:
+        run = run_bench_workload(job["endpoint"], job_workload(job), job["prompts"], temperature=job["temperature"])
+    except Exception as e:  # noqa: BLE001 - connection failures etc.: one clear line for the bench
+        print(f"{type(e).__name__}: {e or 'no details'}", file=sys.stderr)
+        return 1
+    Path(args.bench_result).write_text(json.dumps(run.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

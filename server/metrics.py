@@ -84,8 +84,8 @@ class ServerMetrics:
 
     def observe_output(self, state: Any, out: Any) -> None:
         """Record one of a request's outputs: queue time, TTFT, inter-token latencies, token counts and, when it
-        finishes, end-to-end latency and the finish reason. `state` (a `server.service.ActiveRequest`) has the
-        request's `arrival_time` and keeps what is already counted (`tokens_seen`, `queue_time_observed`)."""
+        finishes, end-to-end latency and the finish reason. `state` (a `server.request_state.ActiveRequest`) has
+        the request's `arrival_time` and keeps what is already counted (`tokens_seen`, `queue_time_observed`)."""
         rm = out.metrics
         if not state.queue_time_observed and rm.first_scheduled_time is not None:
             state.queue_time_observed = True

@@ -7,6 +7,7 @@ whole completion accumulated), with its timings, logprobs and finish fields.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,28 +23,19 @@ FINISH_REASONS = {
     "error": pb.FINISH_REASON_ERROR,
 }
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
-_INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
-
-
 def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams from the request's sampling fields; unset fields keep SamplingParams' defaults.
+    """SamplingParams from the request's sampling fields (each SamplingParams field has a request field of the
+    same name); unset fields keep SamplingParams' defaults.
 
     Raises AdmissionError naming the bad field (SamplingParams' own validation).
     """
     kwargs: dict[str, Any] = {}
-    for name in _FLOAT_FIELDS:
-        if request.HasField(name):
-            kwargs[name] = float(getattr(request, name))
-    for name in _INT_FIELDS:
-        if request.HasField(name):
-            kwargs[name] = int(getattr(request, name))
-    if request.HasField("ignore_eos"):
-        kwargs["ignore_eos"] = bool(request.ignore_eos)
-    if request.stop:
-        kwargs["stop"] = tuple(request.stop)
-    if request.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(int(t) for t in request.stop_token_ids)
+    for field in dataclasses.fields(SamplingParams):
+        if request.DESCRIPTOR.fields_by_name[field.name].is_repeated:
+            if values := getattr(request, field.name):  # a repeated field is never unset, only empty
+                kwargs[field.name] = tuple(values)
+        elif request.HasField(field.name):
+            kwargs[field.name] = getattr(request, field.name)
     return SamplingParams(**kwargs)
 
 

@@ -8,5 +8,5 @@
 Cost tools: `python -m sarathi_jax.bench.step_cost` (one iteration's time beside the machine's floors:
 roofline.py, step_timer.py; calibrates sarathi_jax.cost_model.BucketCostModel) and
 `python -m sarathi_jax.bench.loop_cost` (the synchronous vs the overlapped engine loop: loop_timing.py,
-step_replay.py).
+step_replay.py). `python -m sarathi_jax.bench.bubble_demo`: the pipeline bubble fraction per scheduling policy.
 """

@@ -9,7 +9,8 @@ from typing import Any, Callable
 from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY
 from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
-from sarathi_jax.config import ACCELERATOR_PLATFORMS, DTYPES
+from sarathi_jax.config import ACCELERATOR_PLATFORMS, EngineConfig
+from sarathi_jax.config_flags import ConfigFlags, DefaultsHelpFormatter
 from sarathi_jax.paths import cli_path
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
@@ -28,6 +29,15 @@ DEFAULT_MAX_MODEL_LEN = 1024
 # sarathi removes, against the prefill-first baseline, within the default max_model_len.
 DEFAULT_PROMPT_LEN = "uniform:256:960"
 DEFAULT_OUTPUT_LEN = "uniform:16:64"
+
+# EngineConfig fields whose bench flag is written below by hand, with the bench's own meaning: the swept ones
+# (comma-separated lists; --prefix-caching off,on), and those with a bench default. Every other field's flag
+# is generated (`ENGINE_FLAGS`); EngineConfig.seed is --engine-seed, as --seed seeds the workload.
+HAND_WRITTEN_ENGINE_FLAGS = {
+    "model": "--model", "scheduler": "--scheduler", "token_budget": "--token-budget",
+    "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "enable_prefix_caching": "--prefix-caching",
+}
+ENGINE_FLAGS = ConfigFlags(EngineConfig, skip=frozenset(HAND_WRITTEN_ENGINE_FLAGS), renamed={"seed": "--engine-seed"})
 
 
 class BenchError(Exception):
@@ -49,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sarathi_jax.bench",
         description="Benchmark sarathi-jax schedulers on the same requests: latency (TTFT, TBT), throughput, "
                     "stalls, and optionally capacity under SLOs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     g = p.add_argument_group("engine configurations (every scheduler x token budget is one run)")
     g.add_argument("--model", default=None,
@@ -65,30 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
                    help="EngineConfig.max_model_len (0: the engine's default, the model's limit); "
                         "longer requests are scaled down to fit")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-bytes", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--tile-size", type=int, default=None)
-    g.add_argument("--dtype", default=None, choices=DTYPES, help="EngineConfig.dtype (default auto: bfloat16 "
-                   "on GPU and TPU, float32 on CPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="EngineConfig.gpu_memory_utilization: fraction of the device's memory the engine may use "
-                        "(default 0.9, at most JAX's XLA_CLIENT_MEM_FRACTION); the KV cache gets the rest")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas", "cpu"),
-                   help="auto: pallas on GPU, cpu (the C++ kernel) on a CPU where it is built, xla elsewhere")
-    g.add_argument("--compilation-cache-dir", default=None, metavar="PATH",
-                   help="EngineConfig.compilation_cache_dir: JAX's persistent compilation cache, or 'off' "
-                        "(default: $SARATHI_JAX_COMPILATION_CACHE, else ~/.cache/sarathi-jax/jax)")
-    g.add_argument("--engine-seed", type=int, default=None, help="EngineConfig.seed (preset weights)")
-    g.add_argument("--tensor-parallel-size", type=int, default=None, help="EngineConfig.tensor_parallel_size")
-    g.add_argument("--pipeline-parallel-size", type=int, default=None,
-                   help="EngineConfig.pipeline_parallel_size; the bubble fraction of each run is printed")
-    g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
-                   help="EngineConfig.async_scheduling: overlap host work with the device (default on)")
     g.add_argument("--prefix-caching", default="off",
                    help="EngineConfig.enable_prefix_caching: off, on, or off,on to compare both on the same "
                         "requests (off by default here, as in the paper's systems; the engine's default is on)")
+    ENGINE_FLAGS.add_to(g)
     g.add_argument("--simulate", action="store_true",
                    help="use SimulatedEngine (real schedulers, cost model, virtual clock) instead of LLMEngine")
     g.add_argument("--cost-model", type=cli_path, default=None, metavar="PATH",
@@ -201,14 +191,12 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
 
 
 def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
+    """EngineConfig keywords for one run: its scheduler, token budget and prefix caching (`run_configs`), and
+    the engine flags given (a 0 for --max-num-seqs or --max-model-len: the engine's default)."""
     kw = {"model": args.model, "scheduler": cfg["scheduler"], "token_budget": cfg["token_budget"],
           "enable_prefix_caching": cfg.get("prefix_caching", False)}
-    for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
-                 "max_num_batched_tokens", "tile_size", "dtype", "attention_backend",
-                 "tensor_parallel_size", "pipeline_parallel_size", "async_scheduling", "compilation_cache_dir"):
-        v = getattr(args, name)
-        if v is not None and not (name in ("max_num_seqs", "max_model_len") and v == 0):
-            kw[name] = v
-    if args.engine_seed is not None:
-        kw["seed"] = args.engine_seed
+    for name in ("max_num_seqs", "max_model_len"):
+        if getattr(args, name):
+            kw[name] = getattr(args, name)
+    kw.update(ENGINE_FLAGS.given(args))
     return kw

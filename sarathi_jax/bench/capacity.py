@@ -14,9 +14,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sarathi_jax.bench.driver import RunResult, RunState, run_workload
+from sarathi_jax.arrival_loop import RunState
+from sarathi_jax.bench.driver import RunResult, run_workload
 from sarathi_jax.bench.metrics import summarize
 from sarathi_jax.bench.workload import Workload
+from sarathi_jax.engine_api import Engine
 
 DEFAULT_MAX_SCHED_DELAY = 2.0
 BEYOND_THROUGHPUT_FACTOR = 1.25  # see CapacityResult.beyond_throughput
@@ -178,7 +180,7 @@ def _early_stop(workload: Workload, slo_tbt: float, max_sched_delay: float) -> C
 
 
 def find_capacity(
-    engine: Any,
+    engine: Engine,
     base: Workload,
     prompts: list[list[int]],
     *,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sarathi_jax.config import EngineConfig
+    from sarathi_jax.engine import LLMEngine
+    from sarathi_jax.simulator import IterationCost, SimulatedEngine
 
 
-def make_llm_engine(config: Any) -> Any:
+def make_llm_engine(config: EngineConfig) -> LLMEngine:
     from sarathi_jax.engine import LLMEngine
 
     engine = LLMEngine(config)
@@ -13,14 +18,15 @@ def make_llm_engine(config: Any) -> Any:
     return engine
 
 
-def make_simulated_engine(config: Any, cost_model: Any = None) -> Any:
+def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None = None) -> SimulatedEngine:
     """A SimulatedEngine sized like the LLMEngine that `config` would build: same scheduler settings, same
     number of KV blocks (from the model's shape and kv_cache_bytes unless num_blocks is given), same
     max_model_len rule. `cost_model`: None for the simulator's default (it does not model this CPU), or a
-    calibrated one such as `sarathi_jax.cost_model.BucketCostModel`; one with `with_buckets` is given the token buckets
-    the real engine would pad this configuration's batches to."""
+    calibrated one; a `sarathi_jax.cost_model.BucketCostModel` is given the token buckets the real engine would
+    pad this configuration's batches to."""
     import os
 
+    from sarathi_jax.cost_model import BucketCostModel
     from sarathi_jax.simulator import SimulatedEngine
     from sarathi_jax.sizing import size_engine
 
@@ -33,7 +39,7 @@ def make_simulated_engine(config: Any, cost_model: Any = None) -> Any:
 
         mc = get_preset(config.model)
     sizing = size_engine(config, mc)
-    if cost_model is not None and callable(getattr(cost_model, "with_buckets", None)):
+    if isinstance(cost_model, BucketCostModel):
         from sarathi_jax.sizing import token_buckets
 
         cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))

@@ -20,10 +20,10 @@ that completed on the device while the other engine ran, and retiring it would c
 flatter the first step of the block. Reported: mean and p50 over the R x K steps, and the median over
 rounds of the per-round ratio overlapped / synchronous (paired, so less noisy than the ratio of the means).
 
-Device time: the runner's `submit` and `_dispatch` are wrapped (on the instance) to keep the packed int32
-inputs, the sampler variant and the chunk layout of the last K dispatched steps. Right after the timed blocks
-of a round, each engine replays its block's K steps with the runner's own `_dispatch(packed, variant,
-timed=False)`: `--replays` M dispatches back to back (cycling over the K steps), one wait at the end; device
+Device time: the runner's steps are observed (`ModelRunner.observe_steps`) to keep the packed int32 inputs,
+the sampler variant and the chunk layout of the last K dispatched steps. Right after the timed blocks of a
+round, each engine replays its block's K steps (`ModelRunner.dispatch_outside_loop`, off the pipeline
+timeline): `--replays` M dispatches back to back (cycling over the K steps), one wait at the end; device
 ms per step = time / M, median over the rounds. Measured in the same round as the wall times it is compared
 with, so that drifting background load hits both. A plain replay would write stale K/V into live sequences'
 slots and feed its own samples to the next real step's pending tokens, so the replays are shadowed

@@ -11,11 +11,16 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sarathi_jax.bench.step_replay import CapturedStep, ShadowReplayer, StepRecorder
+
+if TYPE_CHECKING:
+    from sarathi_jax.engine import LLMEngine
+    from sarathi_jax.model_runner import ModelRunner
+    from sarathi_jax.sampling_params import SamplingParams
 
 LOOPS: dict[str, bool] = {"sync": False, "async": True}  # loop name -> EngineConfig.async_scheduling
 WORKLOADS = ("decode", "mixed")
@@ -104,14 +109,14 @@ class Driven:
     """One engine under test, its step recorder and replayer, and the requests it holds."""
 
     loop: str
-    engine: Any
+    engine: LLMEngine
     recorder: StepRecorder
     replayer: ShadowReplayer
     request_ids: list[str] = field(default_factory=list)
     decode_ids: list[str] = field(default_factory=list)
     next_id: int = 0
 
-    def add(self, prompt: list[int], params: Any, *, decode: bool = False) -> None:
+    def add(self, prompt: list[int], params: SamplingParams, *, decode: bool = False) -> None:
         rid = f"{self.loop}-{self.next_id}"
         self.next_id += 1
         self.engine.add_request(rid, prompt, params)
@@ -153,22 +158,24 @@ def build_engines(cfg: LoopBenchConfig, size: EngineSize, log: Callable[[str], N
         log(f"built the {loop} engine (async_scheduling={async_scheduling}) with warm-up in "
             f"{time.perf_counter() - t0:.1f} s")
         recorder = StepRecorder(engine.runner, keep=cfg.steps)
-        out[loop] = Driven(loop, engine, recorder, ShadowReplayer(engine, recorder, cfg.token_budget))
+        out[loop] = Driven(loop, engine, recorder, ShadowReplayer(engine, cfg.token_budget))
     return out
 
 
-def warm_up_greedy(runner: Any) -> None:
+def warm_up_greedy(runner: ModelRunner) -> None:
     """Compile every bucket with the one sampler variant this benchmark uses (greedy), not all of them like
     `ModelRunner.warmup`; `compilations_during_timing` in the JSON checks that nothing else was needed."""
     from sarathi_jax.sampling_inputs import sampler_variant
     from sarathi_jax.sampling_params import SamplingParams
 
     variant = sampler_variant([(SamplingParams(temperature=0.0), 0, 0, ())])
-    for bucket in runner.buckets:
-        runner._dispatch(runner._layout(bucket).empty(), variant, timed=False).result()
+    with runner.dispatch_outside_loop() as dispatch:
+        for bucket in runner.buckets:  # each bucket's step, and the greedy sampler at each bucket's rows
+            packed = runner.padding_step(bucket)
+            dispatch(packed, variant, rows=min(bucket, runner.max_num_seqs)).result()
 
 
-def all_decoding(engine: Any, batch: int) -> bool:
+def all_decoding(engine: LLMEngine, batch: int) -> bool:
     running = engine.scheduler.running
     return (engine.scheduler.num_waiting == 0 and len(running) == batch
             and all(s.num_generated_tokens >= 1 for s in running))

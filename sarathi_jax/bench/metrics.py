@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from sarathi_jax.outputs import RequestLatencies
+from sarathi_jax.percentiles import percentiles
 
 COMPLETED_REASONS = ("stop", "length")
 DEFAULT_STALL_FACTOR = 5.0
@@ -79,24 +80,6 @@ class RequestRecord(RequestLatencies):
             normalized_latency=self.normalized_latency,
         )
         return d
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile of `values` (numpy's default: linear interpolation between closest ranks); nan when
-    there are none."""
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
-
-
-def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict:
-    """{"p50": .., "p90": .., "p99": .., "max": .., "mean": .., "count": n}; None for each statistic when empty."""
-    v = np.asarray([x for x in values if x is not None], dtype=np.float64)
-    out: dict = {}
-    for q in qs:
-        out[f"p{q:g}"] = percentile(v, q) if v.size else None
-    out["max"] = float(v.max()) if v.size else None
-    out["mean"] = float(v.mean()) if v.size else None
-    out["count"] = int(v.size)
-    return out
 
 
 def completed(records: Iterable[RequestRecord]) -> list[RequestRecord]:

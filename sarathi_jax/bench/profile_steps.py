@@ -24,7 +24,7 @@ def steady_decode(engine, batch: int, context: int, max_tokens: int, seed: int =
     from sarathi_jax import SamplingParams
 
     rng = np.random.default_rng(seed)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.admission.vocab_size
     for i in range(batch):
         prompt = rng.integers(3, vocab, context).tolist()
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

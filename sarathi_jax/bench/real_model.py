@@ -59,7 +59,8 @@ def read_questions(path: str | None) -> list[str]:
 
 def engine_floor_s(engine, rates) -> float:
     """Sum over the engine's iterations of max(matmul FLOPs / rate, weight bytes / bandwidth)."""
-    from sarathi_jax.bench.roofline import Chunk, ModelShape, floors, work
+    from sarathi_jax.bench.roofline import ModelShape, floors, work
+    from sarathi_jax.cost_model import Chunk
 
     shape = ModelShape.from_model_config(engine.model_config, str(engine.config.dtype))
     total = 0.0

@@ -1,7 +1,7 @@
 """The work of one model-runner iteration and this machine's floors for it: FLOPs, minimal bytes, rates.
 
-A batch is a list of `Chunk`s (each sequence's new tokens after its cached ones); `work(shape, chunks)`
-counts, for a model of `ModelShape`:
+A batch is a list of `Chunk`s (`sarathi_jax.cost_model.Chunk`: each sequence's new tokens after its cached
+ones); `work(shape, chunks)` counts, for a model of `ModelShape`:
 
 * FLOPs = 2 x (per-layer matmul parameters) x tokens + 2 x (LM head parameters) x sampled rows
           + attention (4 x layers x query heads x head_dim x visible (query, key) pairs).
@@ -10,41 +10,22 @@ counts, for a model of `ModelShape`:
 * minimal bytes = every weight read once + the embedding rows gathered + the KV cache read (the context
   before this step's tokens) + the new tokens' K/V written.
 
-Machine rates (`measure_rates`): a large jitted matmul in the model's dtype (FLOP/s) and a large array
-reduction and copy (bytes/s, the faster of the two), each the best of `repeats` runs (on a shared machine the
-best run is the least disturbed one, so the floors stay lower bounds). `floors(work, rates)`: FLOPs / matmul
+Machine rates (`measure_rates`, with the probes of `pallas_kernels.machine_rates`): a large jitted matmul in
+the model's dtype (FLOP/s) and a large array reduction and copy (bytes/s, the faster of the two), each the best
+of `repeats` runs (on a shared machine the best run is the least disturbed one, so the floors stay lower
+bounds). `floors(work, rates)`: FLOPs / matmul
 rate and bytes / bandwidth. Used by `bench.step_cost`, `bench.loop_cost` and `bench.real_model`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sarathi_jax.cost_model import Chunk, attention_pairs
 from sarathi_jax.sizing import DTYPE_BYTES
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One sequence's part of a batch: `num_new_tokens` query tokens after `start` tokens already cached."""
-
-    start: int
-    num_new_tokens: int
-    seq_len: int | None = None  # the sequence's length (prompt); None: the chunk ends it
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def sample(self) -> bool:
-        """The chunk reaches the sequence's end, so the step samples a token for it (decodes, last chunks)."""
-        return self.seq_len is None or self.end >= self.seq_len
-
-    @property
-    def length(self) -> int:
-        return self.end if self.seq_len is None else max(self.seq_len, self.end)
 
 
 def decode_chunks(batch_size: int, context: int) -> list[Chunk]:
@@ -123,11 +104,6 @@ class Work:
         return dict(self.__dict__)
 
 
-def attention_pairs(chunks: Sequence[Chunk]) -> int:
-    """Sum over query rows of the keys each row sees: row j of a chunk sees start + j + 1 positions."""
-    return sum(c.num_new_tokens * c.start + c.num_new_tokens * (c.num_new_tokens + 1) // 2 for c in chunks)
-
-
 def work(shape: ModelShape, chunks: Sequence[Chunk]) -> Work:
     """FLOPs and minimal bytes of one iteration over `chunks` (see the module docstring)."""
     tokens = sum(c.num_new_tokens for c in chunks)
@@ -160,57 +136,24 @@ def floors(w: Work, rates: Rates) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------------------------- machine rates
-# Each rate is the best of `repeats` runs: the one least disturbed by other processes, so that the floors are
-# lower bounds.
-
-
-def measure_matmul_rate(n: int = 2048, dtype: str = "float32", repeats: int = 5) -> float:
-    """FLOP/s of a jitted n x n x n matmul in `dtype` (best of `repeats`)."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.timing import best_seconds_per_call
-
-    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    a = jax.random.normal(k1, (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(k2, (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda x, y: x @ y)
-    t = best_seconds_per_call(f, a, b, repeats=repeats)
-    return 2.0 * n**3 / t
-
-
-def measure_bandwidth(mbytes: int = 256, repeats: int = 5) -> dict:
-    """Bytes/s of a jitted float32 reduction (reads the array) and of a scaled copy (reads and writes it),
-    best of `repeats` each."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.timing import best_seconds_per_call
-
-    n = mbytes * (1 << 20) // 4
-    x = jnp.arange(n, dtype=jnp.float32)
-    read = jax.jit(jnp.sum)
-    copy = jax.jit(lambda v: v * 1.5)
-    t_read = best_seconds_per_call(read, x, repeats=repeats)
-    t_copy = best_seconds_per_call(copy, x, repeats=repeats)
-    nbytes = 4.0 * n
-    return {"read_bytes_per_s": nbytes / t_read, "copy_bytes_per_s": 2 * nbytes / t_copy, "array_mbytes": mbytes}
 
 
 def measure_rates(dtype: str, matmul_n: int = 2048, bandwidth_mb: int = 256, repeats: int = 5,
                   matmul_rate: float | None = None, bandwidth: float | None = None) -> Rates:
+    from pallas_kernels import machine_rates  # JAX loads only when something is measured
+
     details: dict = {}
     if matmul_rate is None:
-        matmul_rate = measure_matmul_rate(matmul_n, dtype, repeats)
+        matmul_rate = machine_rates.matmul_rate(matmul_n, dtype, repeats)
         details["matmul"] = {"n": matmul_n, "dtype": dtype, "flops_per_s": matmul_rate}
         if dtype != "bfloat16":
-            details["matmul_bf16_flops_per_s"] = measure_matmul_rate(matmul_n, "bfloat16", repeats)
+            details["matmul_bf16_flops_per_s"] = machine_rates.matmul_rate(matmul_n, "bfloat16", repeats)
     else:
         details["matmul"] = {"given": True, "flops_per_s": matmul_rate}
     if bandwidth is None:
-        bw = measure_bandwidth(bandwidth_mb, repeats)
-        bandwidth = max(bw["read_bytes_per_s"], bw["copy_bytes_per_s"])
-        details["bandwidth"] = bw
+        bw = machine_rates.memory_bandwidth(bandwidth_mb, repeats)
+        bandwidth = bw.best
+        details["bandwidth"] = dataclasses.asdict(bw)
     else:
         details["bandwidth"] = {"given": True, "bytes_per_s": bandwidth}
     return Rates(float(matmul_rate), float(bandwidth), details)
@@ -223,16 +166,17 @@ def best_rates(a: Rates, b: Rates) -> Rates:
                   "rule": "best of repeats, before and after the timed rounds"})
 
 
-def num_params(params: Any) -> int:
-    """Elements in a parameter tree (every leaf's size)."""
-    import jax
-
-    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
-
-
 def measure_rates_and_log(log: Callable[[str], None], dtype: str, matmul_n: int, bandwidth_mb: int, repeats: int,
                           matmul_rate: float | None, bandwidth: float | None) -> Rates:
     """`measure_rates`, with the one line the step and loop benchmarks print for each measurement."""
     r = measure_rates(dtype, matmul_n, bandwidth_mb, repeats=repeats, matmul_rate=matmul_rate, bandwidth=bandwidth)
     log(f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s ({dtype}), bandwidth {r.bandwidth / 1e9:.2f} GB/s")
     return r
+
+
+def num_params(params: Any) -> int:
+    """Elements in a parameter tree (every leaf's size)."""
+    import jax
+
+    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -20,15 +20,17 @@ from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchErro
                                    run_configs)
 from sarathi_jax.bench.capacity import CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
+from sarathi_jax.bench.endpoint import EndpointError, run_endpoint
 from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import fmt_seconds, summarize
 from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_workload, trace_workload,
                                         with_shared_prefix)
 from sarathi_jax.config import EngineConfig
+from sarathi_jax.engine_api import Engine
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 
 
-def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -> Callable[[dict], Any]:
+def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -> Callable[[dict], Engine]:
     cost_model = None
     if cost_model_path:
         from sarathi_jax.cost_model import BucketCostModel
@@ -38,7 +40,7 @@ def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
             raise BenchError(f"--cost-model {cost_model_path}: {type(e).__name__}: {e}") from None
 
-    def make(kwargs: dict) -> Any:
+    def make(kwargs: dict) -> Engine:
         config = EngineConfig(**kwargs)
         return make_simulated_engine(config, cost_model=cost_model) if simulate else make_llm_engine(config)
 
@@ -85,52 +87,21 @@ def _scale(wl: Workload, args: argparse.Namespace) -> Workload:
     return with_shared_prefix(as_conversations(wl, args.multi_turn), args.shared_prefix_len)
 
 
-def engine_description(engine: Any, kwargs: dict, simulate: bool) -> dict:
+def engine_description(engine: Engine, kwargs: dict, simulate: bool) -> dict:
     d = dict(kwargs)
     d["engine"] = type(engine).__name__
     d["simulate"] = simulate
-    d["max_model_len"] = getattr(engine, "max_model_len", None)
-    cfg = getattr(engine, "config", None)
-    if dataclasses.is_dataclass(cfg):
-        d["engine_config"] = dataclasses.asdict(cfg)
-    if callable(getattr(engine, "startup_stats", None)):
-        d["startup"] = engine.startup_stats()
-    try:
-        st = engine.stats()
-        d["num_total_blocks"] = st.get("num_total_blocks")
-    except Exception:  # noqa: BLE001
-        pass
+    d["max_model_len"] = engine.max_model_len
+    if engine.config is not None:
+        d["engine_config"] = dataclasses.asdict(engine.config)
+    startup = engine.startup_stats()
+    if startup is not None:
+        d["startup"] = startup
+    d["num_total_blocks"] = engine.stats()["num_total_blocks"]
     return d
 
 
-def run_endpoint(args: argparse.Namespace, workload: Workload, prompts: list[list[int]], progress: bool) -> RunResult:
-    """LOADGEN HOOK (--endpoint): drive a running server through the server's load driver, `server/loadgen.py`.
-
-    Contract: `server.loadgen.run_bench_workload(endpoint, workload, prompts, *, temperature, progress)` sends
-    request i at `workload.arrivals[i]` with `prompts[i]`, max_tokens = `workload.output_lens[i]`, ignore_eos,
-    and returns a `RunResult` whose RequestRecords hold times relative to the run start (no iteration records:
-    a client cannot see the server's iterations). Imported lazily: the bench works without the server package.
-    """
-    import importlib
-
-    try:
-        loadgen = importlib.import_module("server.loadgen")
-    except ImportError as e:
-        raise BenchError(
-            f"--endpoint needs the load driver server/loadgen.py, which is not importable ({e}); "
-            "install the server extras or drop --endpoint to run an in-process engine"
-        )
-    runner = getattr(loadgen, "run_bench_workload", None)
-    if runner is None:
-        raise BenchError("--endpoint: server/loadgen.py has no run_bench_workload(); the bench hook is not wired")
-    try:
-        return runner(args.endpoint, workload, prompts, temperature=args.temperature, progress=progress)
-    except Exception as e:  # noqa: BLE001 - connection failures etc.: one clear line
-        raise BenchError(f"--endpoint {args.endpoint}: {type(e).__name__}: {e or 'no details'} "
-                         "(is the server running there?)") from e
-
-
-def text_prompts(engine: Any, workload: Workload, path: str, max_model_len: int | None
+def text_prompts(engine: Engine, workload: Workload, path: str, max_model_len: int | None
                  ) -> tuple[Workload, list[list[int]]]:
     """`workload` with its prompts replaced by the lines of `path` (cycled), through the engine's own
     admission: chat-rendered as a user turn when the model has a chat template, else tokenised as is. Output
@@ -141,7 +112,8 @@ def text_prompts(engine: Any, workload: Workload, path: str, max_model_len: int 
         raise BenchError(f"--prompts-file {path}: no non-empty lines")
     admission = engine.admission
     if admission.tokenizer is None:
-        raise BenchError(f"--prompts-file needs a model folder with a tokenizer; {engine.config.model!r} has none")
+        model = repr(engine.config.model) if engine.config is not None else "the simulated engine"
+        raise BenchError(f"--prompts-file needs a model folder with a tokenizer; {model} has none")
     if admission.chat_template is not None:
         ids = [admission.chat_prompt_ids([{"role": "user", "content": line}]) for line in lines]
     else:
@@ -154,11 +126,12 @@ def text_prompts(engine: Any, workload: Workload, path: str, max_model_len: int 
     return dataclasses.replace(workload, prompt_lens=lens, output_lens=outputs, notes=[note], segments=None), prompts
 
 
-def _ready_line(engine: Any, seconds: float) -> str:
-    if callable(getattr(engine, "startup_stats", None)):  # LLMEngine: the start-up in parts
+def _ready_line(engine: Engine, seconds: float) -> str:
+    startup = engine.startup_stats()
+    if startup is not None:  # LLMEngine: the start-up in parts
         from sarathi_jax.engine import format_startup
 
-        return format_startup(engine.startup_stats())
+        return format_startup(startup)
     return f"engine ready in {seconds:.1f} s"
 
 
@@ -179,7 +152,7 @@ class BenchRuns:
     decode_time: float | None = None  # decode-only iteration time (--slo-tbt-multiple)
 
 
-def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | None = None) -> BenchRuns:
+def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] | None = None) -> BenchRuns:
     """Every configuration's run (or capacity search) on the same requests; `args` as checked by `check_args`."""
     progress = not args.quiet and sys.stderr.isatty()
     quiet = args.quiet
@@ -208,7 +181,10 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | No
         _log(quiet, f"workload: {workload.describe()}")
         for note in workload.notes:
             _log(quiet, f"  note: {note}")
-        run = run_endpoint(args, workload, prompts, progress)
+        try:
+            run = run_endpoint(args.endpoint, workload, prompts, args.temperature)
+        except EndpointError as e:
+            raise BenchError(f"--endpoint {args.endpoint}: {e} (is the server running there?)") from None
         run.summary = summarize(run.records, run.iterations, slo_ttft=args.slo_ttft, slo_tbt=slo_tbt,
                                 stall_factor=args.stall_factor, num_preemptions=run.num_preemptions)
         runs.append(run)
@@ -221,7 +197,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Any] | No
         t0 = time.monotonic()
         engine = factory(kwargs)
         _log(quiet, f"[{cfg['label']}] {_ready_line(engine, time.monotonic() - t0)}")
-        max_len = int(getattr(engine, "max_model_len", 0) or 0) or None
+        max_len = engine.max_model_len or None
         if fitted is None or (max_len is not None and fitted_len is not None and max_len < fitted_len):
             if fitted is not None:
                 _log(quiet, f"warning: [{cfg['label']}] has max_model_len={max_len} < {fitted_len}; "

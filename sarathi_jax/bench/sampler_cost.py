@@ -2,7 +2,8 @@
 
 Times `sample_jit(logits f32[S, V], arrays, variant=sampler_variant(rows))` on synthetic batches (every row
 alike), for each vocabulary size, beside a floor: the bytes of the logits read once over this machine's
-memory bandwidth (a large jitted elementwise copy, read + write bytes, best of `--repeats`). Cases:
+memory bandwidth (a large jitted elementwise copy, read + write bytes, best of `--repeats`: the probe of
+`pallas_kernels.machine_rates`). Cases:
 
   greedy             temperature 0                               -> (greedy)
   sampled            temperature 1                               -> (sampled+none)
@@ -34,11 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.machine_rates import memory_bandwidth
 from pallas_kernels.timing import seconds_per_call
 from sarathi_jax.paths import cli_path
 from sarathi_jax.sampling import sample_jit
 from sarathi_jax.sampling_inputs import make_sampling_arrays, sampler_variant
 from sarathi_jax.sampling_params import SamplingParams
+
+COPY_MBYTES = 256  # the bandwidth probe's array: far larger than any cache
 
 # name -> (sampling params of every row, logits scale)
 CASES: dict[str, tuple[dict[str, Any], float]] = {
@@ -48,14 +52,6 @@ CASES: dict[str, tuple[dict[str, Any], float]] = {
     "top-p 0.9 flat": (dict(temperature=1.0, top_p=0.9), 0.1),
     "top-k 50 peaked": (dict(temperature=1.0, top_k=50, top_p=0.9), 3.0),
 }
-
-
-def memory_bandwidth(repeats: int, nbytes: int = 256 << 20) -> float:
-    """Bytes/s of a large jitted elementwise copy (read + write), best of `repeats`."""
-    x = jnp.zeros(nbytes // 4, jnp.float32)
-    copy = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(copy(x))
-    return 2 * nbytes / min(seconds_per_call(copy, x) for _ in range(repeats))
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -91,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     if baseline_module is not None:
         static = ("variant",) if baseline_variant is not None else ()
         baseline = jax.jit(baseline_module.sample, static_argnames=static)
-    bandwidth = memory_bandwidth(args.repeats)
+    bandwidth = memory_bandwidth(COPY_MBYTES, args.repeats).copy_bytes_per_s
     print(f"device: {jax.devices()[0].device_kind}, memory bandwidth (jitted copy, best): {bandwidth / 1e9:.1f} GB/s")
     rng = np.random.default_rng(0)
     table = []

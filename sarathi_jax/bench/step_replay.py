@@ -1,12 +1,11 @@
 """Capturing the steps an engine dispatches and replaying them on the live engine, for their device time.
 
-`StepRecorder` wraps the runner's `submit` and `_dispatch` (on the instance) to keep the packed int32 inputs,
-the sampler variant and the chunk layout of the last K dispatched steps. `ShadowReplayer.replay` then runs M
-of them back to back with the runner's own `_dispatch(packed, variant, timed=False)`, one wait at the end. A
-plain replay would write stale K/V into live sequences' slots and feed its own samples to the next real
-step's pending tokens, so the replays are shadowed: the copies' K/V writes go to scratch blocks reserved from
-the engine's block manager (the attention still reads the real block tables, so the work is the same) and the
-runner's previous sampled tokens are restored afterwards. Used by `python -m sarathi_jax.bench.loop_cost`.
+`StepRecorder` observes the runner's steps (`ModelRunner.observe_steps`) to keep the packed int32 inputs, the
+sampler variant and the chunk layout of the last K dispatched steps. `ShadowReplayer.replay` then runs M of
+them back to back through `ModelRunner.dispatch_outside_loop`, one wait at the end. A plain replay would write
+stale K/V into live sequences' slots, so the replays are shadowed: the copies' K/V writes go to scratch blocks
+reserved from the engine's block manager (the attention still reads the real block tables, so the work is the
+same); the runner keeps the next real step's pending tokens reading the last real step's samples. Used by `python -m sarathi_jax.bench.loop_cost`.
 """
 
 from __future__ import annotations
@@ -15,19 +14,26 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sarathi_jax.bench.roofline import Chunk
+
+if TYPE_CHECKING:
+    from sarathi_jax.engine import LLMEngine
+    from sarathi_jax.model_runner import ModelRunner
+    from sarathi_jax.sampling import SamplerVariant
+    from sarathi_jax.scheduler import ScheduledChunk
+    from sarathi_jax.step_inputs import PackedStep
 
 
 @dataclass(frozen=True)
 class CapturedStep:
     """One dispatched step, enough to replay it (`packed`, `variant`) and to count its work (`chunks`)."""
 
-    packed: Any  # step_inputs.PackedStep (host arrays)
-    variant: Any  # sampling.SamplerVariant
+    packed: PackedStep  # host arrays
+    variant: SamplerVariant
     chunks: tuple[Chunk, ...]
 
     @property
@@ -44,28 +50,17 @@ class CapturedStep:
 
 
 class StepRecorder:
-    """Wraps `runner.submit` and `runner._dispatch` on the instance and keeps the last `keep` steps."""
+    """Keeps the last `keep` steps the runner dispatches (`ModelRunner.observe_steps`)."""
 
-    def __init__(self, runner: Any, keep: int) -> None:
+    def __init__(self, runner: ModelRunner, keep: int) -> None:
         self.runner = runner
         self.steps: deque[CapturedStep] = deque(maxlen=keep)
-        self.dispatch = runner._dispatch  # the runner's own, unwrapped
-        self._submit = runner.submit
-        self._last: tuple[np.ndarray, Any] | None = None
-        runner._dispatch = self._wrapped_dispatch
-        runner.submit = self._wrapped_submit
+        runner.observe_steps(self._record)
 
-    def _wrapped_dispatch(self, packed: Any, variant: Any, *, timed: bool = True) -> Any:
-        self._last = (packed, variant)
-        return self.dispatch(packed, variant, timed=timed)
-
-    def _wrapped_submit(self, chunks: Sequence[Any], rows: Sequence[tuple]) -> Any:
-        pending = self._submit(chunks, rows)
-        assert self._last is not None
+    def _record(self, chunks: Sequence[ScheduledChunk], packed: PackedStep, variant: SamplerVariant) -> None:
         layout = tuple(Chunk(c.start_position, c.num_new_tokens, None if c.needs_sample else c.seq.num_tokens)
                        for c in chunks)
-        self.steps.append(CapturedStep(self._last[0], self._last[1], layout))
-        return pending
+        self.steps.append(CapturedStep(packed, variant, layout))
 
     def snapshot(self) -> list[CapturedStep]:
         return list(self.steps)
@@ -77,12 +72,11 @@ class ShadowReplayer:
     block tables, are unchanged), and the runner's previous sampled tokens, which a pending input token
     reads, are restored afterwards. So the work per step is the captured step's, and the engine can go on."""
 
-    def __init__(self, engine: Any, recorder: StepRecorder, num_tokens: int) -> None:
+    def __init__(self, engine: LLMEngine, num_tokens: int) -> None:
         from sarathi_jax.sampling_params import SamplingParams
         from sarathi_jax.sequence import Sequence as Seq
 
         self.runner = engine.runner
-        self.dispatch = recorder.dispatch
         bm = engine.block_manager
         self._scratch = Seq("loop-cost-scratch", [0] * num_tokens, SamplingParams(max_tokens=1), 0.0)
         if not bm.can_allocate(bm.blocks_needed(self._scratch, num_tokens), use_watermark=False):
@@ -91,7 +85,7 @@ class ShadowReplayer:
         bs = bm.block_size
         self.slots = np.asarray([b * bs + j for b in self._scratch.block_table for j in range(bs)], np.int32)
 
-    def shadow(self, packed: Any) -> Any:
+    def shadow(self, packed: PackedStep) -> PackedStep:
         """A copy of `packed` (a `PackedStep`) whose real tokens write their K/V to distinct scratch slots."""
         from sarathi_jax.step_inputs import BatchLayout
 
@@ -109,16 +103,15 @@ class ShadowReplayer:
         import jax
 
         shadows = [(self.shadow(s.packed), s.variant) for s in steps]
-        prev_tokens = self.runner._prev_tokens
         jax.block_until_ready(self.runner.kv_caches)
-        start = time.perf_counter()
-        pending = None
-        for i in range(count):
-            packed, variant = shadows[i % len(shadows)]
-            pending = self.dispatch(packed, variant, timed=False)
-        assert pending is not None
-        pending.result()
-        jax.block_until_ready(self.runner.kv_caches)
-        elapsed = time.perf_counter() - start
-        self.runner._prev_tokens = prev_tokens
+        with self.runner.dispatch_outside_loop() as dispatch:
+            start = time.perf_counter()
+            pending = None
+            for i in range(count):
+                packed, variant = shadows[i % len(shadows)]
+                pending = dispatch(packed, variant)
+            assert pending is not None
+            pending.result()
+            jax.block_until_ready(self.runner.kv_caches)
+            elapsed = time.perf_counter() - start
         return elapsed

@@ -189,7 +189,9 @@ class PagedDecoderLM(nn.Module):
 
     `__call__(token_ids [T], positions [T], kv_cache, metadata, logits_indices [S]) -> (logits [S, vocab],
     kv_cache)`: token embedding, the layers over the stacked paged KV cache, then the final norm and LM head
-    on the `logits_indices` rows only.
+    on the `logits_indices` rows only. With `apply_lm_head=False` it stops before the LM head and returns the
+    final-normed rows `[S, embed]` (zeros past min(S, T)): the runner runs the head with the sampler, on only
+    as many rows as the step has sequences (`lm_head_logits` on `lm_head_weight(params)`).
 
     `dtype` is both the parameter and the activation dtype; norms, RoPE, attention softmax and the logits
     are computed in float32 whatever it is, and float32 matmuls run at full precision (`matmul_precision`).
@@ -224,6 +226,7 @@ class PagedDecoderLM(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         logits_indices: jax.Array,
+        apply_lm_head: bool = True,
     ) -> tuple[jax.Array, KVCache]:
         c: ModelConfig = self.config
         start, end = self.layer_range or (0, c.num_hidden_layers)
@@ -271,17 +274,27 @@ class PagedDecoderLM(nn.Module):
         # pay for max_num_seqs rows of the LM head (on a CPU, 64 rows of a 32k vocabulary cost ~20 ms).
         num_rows = min(logits_indices.shape[0], x.shape[0])
         h = self.final_norm()(x[logits_indices[:num_rows]])  # [min(S, T), embed]
-        precision = matmul_precision(self.dtype)
         if c.tie_word_embeddings:
-            logits = jnp.einsum("se,ve->sv", h, embedding, precision=precision, preferred_element_type=jnp.float32)
+            weight = embedding
         else:
-            lm_head = self.param(
-                "lm_head", weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), self.dtype
-            )
-            logits = jnp.einsum("se,ev->sv", h, lm_head, precision=precision, preferred_element_type=jnp.float32)
-        # Padding rows' logits are zeros (their samples are never read).
-        logits = jnp.pad(logits.astype(jnp.float32), ((0, logits_indices.shape[0] - num_rows), (0, 0)))
-        return logits, kv_cache  # [S, vocab]
+            weight = self.param("lm_head", weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), self.dtype)
+        out = lm_head_logits(h, weight, c.tie_word_embeddings, self.dtype) if apply_lm_head else h
+        # Padding rows are zeros (their samples are never read).
+        return jnp.pad(out, ((0, logits_indices.shape[0] - num_rows), (0, 0))), kv_cache  # [S, vocab or embed]
+
+    def lm_head_weight(self, params: Any) -> jax.Array:
+        """The LM head's weight in `params`: the embedding `[vocab, embed]` when tied, else `lm_head`
+        `[embed, vocab]` (what `lm_head_logits` takes)."""
+        return params[self.embedding_name if self.config.tie_word_embeddings else "lm_head"]
+
+
+def lm_head_logits(h: jax.Array, weight: jax.Array, tied: bool, dtype: Any) -> jax.Array:
+    """float32 logits `[R, vocab]` of final-normed rows `h [R, embed]`: the LM head of `PagedDecoderLM`, also
+    run outside the model step (the runner's sampler, `sarathi_jax.parallel.stages.LMHead`). `weight` is
+    `PagedDecoderLM.lm_head_weight`; `dtype` the model's (its matmul precision)."""
+    spec = "se,ve->sv" if tied else "se,ev->sv"
+    logits = jnp.einsum(spec, h, weight, precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32)
 
 
 def stack_layer_params(params: Any, num_layers: int, first_layer: int = 0) -> Any:

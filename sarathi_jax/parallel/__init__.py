@@ -4,7 +4,7 @@ stages (`stages.py`), stage timing.
     plan = make_plan(model_config, tensor_parallel_size=2, pipeline_parallel_size=2)   # ValueError if impossible
     shardings = plan.param_shardings(for_loading=True)        # NamedSharding per checkpoint parameter leaf
     config, params = load_model(name, dtype, seed=seed, shardings=shardings, kv_replication=plan.kv_replication)
-    runner = ModelRunner(model_config, params, ..., plan=plan)
+    runner = ModelRunner(model_config, params, engine_config, sizing, attention_fn=attention_fn, plan=plan)
 
 See docs/parallelism.md.
 """

@@ -5,7 +5,8 @@ A `Stage` is a contiguous layer range of the model with its parameters, its page
 step, on a sub-mesh of `tp` devices (`mesh`), or on the default device (`mesh` None: the single-device
 runner is one such stage). `build_stages` cuts a `ParallelPlan`'s model into its stages, with parameters and
 KV cache sharded Megatron style and attention run per shard under `shard_map`. The stage's methods place
-inputs on its devices, gather its logits (tensor parallelism) and give its jit the output shardings, so the
+inputs on its devices, describe the LM head the sampler runs after the last stage (`LMHead`: logits computed
+vocab-sharded, then gathered, under tensor parallelism) and give its jit the output shardings, so the
 runner's step reads the same with or without a mesh.
 
 Multi-process pipelines (see docs/parallelism.md): every process runs the engine loop and needs the sampled
@@ -20,11 +21,39 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sarathi_jax.models import get_model
+from sarathi_jax.models.layers import lm_head_logits
 from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
 from sarathi_jax.parallel.sharding import init_stage_kv_cache, place_params, shard_attention
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The model's LM head (`lm_head_logits`) as the sampler runs it, after the last stage's step, on as many
+    rows as the step has sequences. With tensor parallelism the logits are computed vocab-sharded (else XLA
+    may all-gather the LM head), then gathered once, so the sampler works on replicated logits and returns
+    replicated tokens. Hashable: a static argument of the jitted sampler."""
+
+    tied: bool  # the weight is the embedding [vocab, embed], else lm_head [embed, vocab]
+    dtype: Any  # the model's (its matmul precision)
+    vocab_sharding: NamedSharding | None = None  # TP with a vocab-parallel head: logits sharded on vocab
+    replicated: NamedSharding | None = None  # TP: what the logits and the sampler's outputs are gathered to
+
+    def logits(self, h: jax.Array, weight: jax.Array) -> jax.Array:
+        """float32 logits [R, vocab] (replicated) of final-normed rows h [R, embed]."""
+        logits = lm_head_logits(h, weight, self.tied, self.dtype)
+        if self.vocab_sharding is not None:
+            logits = jax.lax.with_sharding_constraint(logits, self.vocab_sharding)
+        return self.replicate(logits)
+
+    def replicate(self, tree: Any) -> Any:
+        """Inside the jitted sampler: `tree`'s arrays replicated over the stage's devices (TP)."""
+        if self.replicated is None:
+            return tree
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.replicated), tree)
 
 
 @dataclass
@@ -65,14 +94,17 @@ class Stage:
             return x
         return jax.device_put(x, self.replicated)
 
-    def gather_logits(self, logits: jax.Array) -> jax.Array:
-        """Inside the step: with tensor parallelism, the logits computed vocab-sharded (else XLA may
-        all-gather the LM head), then one all-gather of [R, vocab] for an unsharded sampler."""
-        if self.mesh is None or self.tensor_parallel_size == 1:
-            return logits
-        if self.shard_vocab:
-            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS)))
-        return jax.lax.with_sharding_constraint(logits, self.replicated)
+    def lm_head(self) -> LMHead:
+        """The LM head as the sampler runs it on this (last) stage's devices."""
+        tp = self.mesh is not None and self.tensor_parallel_size > 1
+        vocab = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS)) if tp and self.shard_vocab else None
+        return LMHead(self.model.config.tie_word_embeddings, jnp.dtype(self.model.dtype), vocab,
+                      self.replicated if tp else None)
+
+    @property
+    def lm_head_weight(self) -> jax.Array:
+        """This (last) stage's LM head weight (the embedding's copy when tied), as `LMHead.logits` takes it."""
+        return self.model.lm_head_weight(self.params)
 
     def jit_shardings(self) -> dict[str, Any]:
         """`jax.jit` keyword arguments for the step (params, kv_cache, ...) -> (out, kv_cache): on a mesh the

@@ -31,12 +31,38 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
-from sarathi_jax.scheduler.config import SchedulerConfig
 from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
 from sarathi_jax.sequence import Sequence, SequenceStatus
+
+
+@runtime_checkable
+class SchedulerSettings(Protocol):
+    """What a scheduler reads from its settings. `SchedulerConfig` (scheduler/config.py) is the one
+    implementation; it sits above the policies, since it validates itself against their registry."""
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def token_budget(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tile_size(self) -> int | None: ...
+
+    @property
+    def watermark(self) -> float: ...
+
+    @property
+    def batch_token_limit(self) -> int: ...
 
 
 class Batch:
@@ -86,7 +112,7 @@ class Scheduler:
     # of its cached prefix).
     chunks_prompts: ClassVar[bool] = True
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerSettings, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         # The config's watermark is a fraction; the block manager counts blocks. Keep the larger one.

@@ -1,12 +1,15 @@
-"""Scheduler settings: one frozen dataclass, validated on construction."""
+"""Scheduler settings: one frozen dataclass, validated on construction against the policies' registry.
+
+It sits above the registry and the scheduler classes, which read it through the `SchedulerSettings` protocol
+(scheduler/base.py) and import nothing from here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sarathi_jax.scheduler.base import Scheduler
+from sarathi_jax.scheduler.base import Scheduler
+from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, SCHEDULERS
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,6 @@ class SchedulerConfig:
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
-        from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES  # imported here: see scheduler_class
-
         if self.policy not in SCHEDULER_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
         for name in ("token_budget", "max_num_seqs", "max_model_len"):
@@ -64,10 +65,7 @@ class SchedulerConfig:
 
     @property
     def scheduler_class(self) -> type[Scheduler]:
-        """The policy's class. Looked up when called: the registry imports the scheduler classes, which import
-        this module."""
-        from sarathi_jax.scheduler.registry import SCHEDULERS
-
+        """The policy's class."""
         return SCHEDULERS[self.policy]
 
     @property

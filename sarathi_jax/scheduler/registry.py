@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.scheduler.base import Scheduler
+from sarathi_jax.scheduler.base import Scheduler, SchedulerSettings
 from sarathi_jax.scheduler.chunked_prefills_only import ChunkedPrefillsOnlyScheduler
-from sarathi_jax.scheduler.config import SchedulerConfig
 from sarathi_jax.scheduler.faster_transformer import FasterTransformerScheduler
 from sarathi_jax.scheduler.hybrid_batching_only import HybridBatchingOnlyScheduler
 from sarathi_jax.scheduler.orca import OrcaScheduler
@@ -36,7 +35,7 @@ WHOLE_PROMPT_POLICIES: tuple[str, ...] = tuple(n for n, c in SCHEDULERS.items() 
 CHUNKING_POLICIES: tuple[str, ...] = tuple(n for n, c in SCHEDULERS.items() if c.chunks_prompts)
 
 
-def make_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
+def make_scheduler(config: SchedulerSettings, block_manager: BlockManager) -> Scheduler:
     cls = SCHEDULERS.get(config.policy)
     if cls is None:
         raise ValueError(f"unknown scheduler policy {config.policy!r}; choose one of {SCHEDULER_POLICIES}")

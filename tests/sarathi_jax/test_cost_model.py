@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from sarathi_jax.bench.roofline import Chunk, decode_chunks
+from sarathi_jax.bench.roofline import decode_chunks
 from sarathi_jax.bench.step_timer import calibration_compositions
-from sarathi_jax.cost_model import BucketCostModel
+from sarathi_jax.cost_model import BucketCostModel, Chunk
 
 
 def test_cost_model_fit_recovers_coefficients():

@@ -98,10 +98,15 @@ def test_no_compilation_after_warmup(llama_dir, prompts):
     compiled = engine.runner.num_compilations
     runner = engine.runner
     assert runner.num_step_compilations == len(runner.buckets)
-    # Samplers per logits rows (min(bucket, max_num_seqs)): every variant for the largest bucket's 8 rows,
-    # the greedy and general ones for the 4 rows of a CPU's 4-token bucket (other variants fall back to FULL).
+    # The LM head and sampler per row count R of the row ladder (the buckets' min(bucket, max_num_seqs)): every
+    # variant for the largest bucket's 8 rows, the greedy and general ones for the 4 rows of a CPU's 4-token
+    # bucket, which any step of up to 4 sequences samples (other variants fall back to FULL). Nothing else: one
+    # model step per bucket.
+    assert runner.row_ladder == ((4, 8) if runner.buckets[0] < 8 else (8,))
     small = {(v, 4) for v in (SAMPLER_VARIANTS[0], SAMPLER_VARIANTS[-1])} if runner.buckets[0] < 8 else set()
     assert runner._table.variants == {(v, 8) for v in SAMPLER_VARIANTS} | small
+    assert set(runner._table.executables) == runner._table.variants | {
+        (0, runner._layout(bucket).batch_len) for bucket in runner.buckets}
     run_staggered(engine, prompts[:6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     run_staggered(engine, prompts[:2], SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=4, ignore_eos=True))
     assert engine.runner.num_compilations == compiled

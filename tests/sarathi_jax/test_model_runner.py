@@ -122,22 +122,81 @@ def test_no_step_copies_the_kv_cache(backend):
 
 
 def test_a_small_bucket_samples_its_rows_as_the_full_sampler_does():
-    # A bucket of T < S tokens samples min(T, S) rows: the same tokens and logprobs as those rows of an
-    # S-row sampler (every row is sampled on its own), with the token ids padded to S for the next step.
-    from sarathi_jax.model_runner import _sample_packed_jit
+    # The LM head and sampler on R < S rows: the same tokens and logprobs as those rows of an S-row run (every
+    # row is sampled on its own), with the token ids padded to S for the next step.
+    from sarathi_jax.sampling import sample_packed_jit
+    from sarathi_jax.parallel.stages import LMHead
     from sarathi_jax.sampling import FULL_VARIANT
 
-    s, vocab = 8, 300
+    s, embed, vocab = 8, 16, 300
     rng = np.random.default_rng(4)
-    logits = jax.numpy.asarray(rng.normal(size=(s, vocab)).astype(np.float32))
+    hidden = jax.numpy.asarray(rng.normal(size=(s, embed)).astype(np.float32))
+    weight = jax.numpy.asarray(rng.normal(size=(vocab, embed)).astype(np.float32))  # tied: [vocab, embed]
+    head = LMHead(tied=True, dtype=np.dtype(np.float32))
     rows = [(SamplingParams(temperature=0.0, logprobs=2), 0, 0, ()),
             (SamplingParams(temperature=0.8, top_p=0.9, seed=3), 3, 5, ()),
             (SamplingParams(temperature=1.1, top_k=7, min_p=0.01, seed=11), 11, 2, (4, 9))]
     part = pack_sampling(make_sampling_arrays(rows, s))
-    full = jax.device_get(_sample_packed_jit(logits, part, variant=FULL_VARIANT))
+    full = jax.device_get(sample_packed_jit(hidden, weight, part, variant=FULL_VARIANT, rows=s, head=head))
+    np.testing.assert_allclose(np.asarray(head.logits(hidden, weight)), np.asarray(hidden) @ np.asarray(weight).T,
+                               rtol=1e-5, atol=1e-5)
     for r in (3, 4):
-        got = jax.device_get(_sample_packed_jit(logits[:r], part, variant=FULL_VARIANT))
+        got = jax.device_get(sample_packed_jit(hidden, weight, part, variant=FULL_VARIANT, rows=r, head=head))
         assert got.token_ids.shape == (s,) and (got.token_ids[r:] == 0).all()
         np.testing.assert_array_equal(got.token_ids[:3], full.token_ids[:3])
         for name in ("logprobs", "top_token_ids", "top_logprobs"):
             np.testing.assert_array_equal(getattr(got, name)[:3], getattr(full, name)[:3], err_msg=name)
+
+
+@pytest.mark.parametrize("num_tokens", [(40,), (20, 15, 10)])
+def test_few_sequences_in_a_large_bucket_sample_the_smallest_row_count_that_holds_them(num_tokens):
+    """A 64-token step holds up to 16 sequences, but one of 1 or 3 runs the LM head and the sampler on the
+    smallest row count of the buckets' (the row ladder) that holds them: 4 rows. Its tokens and logprobs are
+    those of the path before the ladder: the LM head inside the step on the bucket's 16 rows, then the sampler
+    on those 16 rows. Nothing compiles: the warm-up built that sampler."""
+    from sarathi_jax.models import init_kv_cache
+    from sarathi_jax.sampling import sample
+    from sarathi_jax.step_inputs import sample_rows, unpack_sampling
+
+    s = 16
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", token_budget=64, max_num_seqs=s,
+                                    block_size=BLOCK, num_blocks=32, max_model_len=64, compilation_cache_dir=None,
+                                    background_compile=False))
+    runner = engine.runner
+    assert runner.row_ladder == tuple(sorted({min(b, s) for b in runner.buckets}))
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.1, top_k=7, seed=11, logprobs=1)]
+    seqs = [_seq(f"s{i}", n, [2 * i, 2 * i + 1]) for i, n in enumerate(num_tokens)]
+    by_seq = {seq.seq_id: (p, 5, ()) for seq, p in zip(seqs, params)}
+    chunks = [ScheduledChunk(seq, n, 0) for seq, n in zip(seqs, num_tokens)]
+    bucket = runner.bucket_for(sum(num_tokens))
+    packed, variant = runner.input_batch.prepare(chunks, bucket, lambda seq: by_seq[seq.seq_id])
+    layout = runner._layout(bucket)
+    rows = sample_rows(runner.row_ladder, len(chunks))
+    assert bucket == 64 and layout.num_rows == s and (rows < s if jax.default_backend() == "cpu" else rows == s)
+
+    # Before the row ladder: logits for the bucket's rows inside the step, sampled on all of them.
+    model, stage_params = runner.stages[0].model, runner.stages[0].params
+    kv_cache = init_kv_cache(runner.model_config, runner.num_blocks, BLOCK, jax.numpy.float32)
+
+    @jax.jit
+    def before(batch, sampling):
+        token_ids, _, positions, metadata, logits_indices = layout.unpack_batch(batch)
+        logits, _ = model.apply({"params": stage_params}, token_ids, positions, kv_cache, metadata,
+                                logits_indices[: layout.num_rows])
+        return logits, sample(logits, unpack_sampling(sampling, s, layout.num_rows), variant)
+
+    with jax.transfer_guard_host_to_device("allow"):
+        want_logits, want = jax.device_get(before(packed.batch, packed.sampling))
+    compiled = runner.num_compilations
+    runner.capture_logits(True)
+    step = runner._dispatch(packed, variant)
+    got = step.result()
+    assert runner.num_compilations == compiled
+    assert step.sampler[1] == rows and step.sampler in runner._table.variants
+    assert step.logits.shape == (rows, runner.model_config.vocab_size)
+    n = len(chunks)
+    np.testing.assert_allclose(step.logits[:n], want_logits[:n], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(got.token_ids[:n], want.token_ids[:n])
+    for name in ("logprobs", "top_token_ids", "top_logprobs"):
+        np.testing.assert_allclose(getattr(got, name)[:n], getattr(want, name)[:n], rtol=0, atol=1e-5, err_msg=name)

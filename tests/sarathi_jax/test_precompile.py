@@ -115,6 +115,21 @@ def test_executable_table_tracks_what_is_ready():
     table.add((1, 40), step, loaded=True)  # a model step loaded from the executable cache counts as compiled
     table.add((0, 40), step, loaded=False)  # a compiled one was counted when it was traced
     table.traced(0)
-    table.add((greedy, 4), sampler, loaded=False)  # a sampler: (variant, logits rows)
+    table.add((greedy, 4), sampler, loaded=False)  # a sampler: (variant, rows R)
     assert table.variants == {(FULL_VARIANT, 8), (greedy, 4)} and table.executables[(greedy, 4)] is sampler
     assert table.stage_traces == [1, 1] and table.sampler_builds == 1
+
+
+def test_a_step_samples_the_fewest_rows_built_that_hold_its_sequences():
+    # Row ladder (4, 8, 16); a 64-token bucket samples up to 16 rows. The step's variant on the fewest rows
+    # that hold its sequences, else the general one there, else more rows, up to its bucket's.
+    table, greedy, ladder = ExecutableTable((64,), num_stages=1), SAMPLER_VARIANTS[0], (4, 8, 16)
+    assert table.sampler_for(greedy, 4, ladder, 16) == (greedy, 4)  # not warmed up: whatever is asked for
+    table.only([64], [(FULL_VARIANT, 16), (greedy, 16)])
+    assert table.sampler_for(greedy, 4, ladder, 16) == (greedy, 16)
+    table.add((FULL_VARIANT, 8), object(), loaded=False)
+    assert table.sampler_for(greedy, 4, ladder, 16) == (FULL_VARIANT, 8)
+    table.add((greedy, 4), object(), loaded=False)
+    assert table.sampler_for(greedy, 4, ladder, 16) == (greedy, 4)
+    assert table.sampler_for(SAMPLER_VARIANTS[1], 4, ladder, 16) == (FULL_VARIANT, 8)
+    assert table.sampler_for(SAMPLER_VARIANTS[1], 16, ladder, 16) == (FULL_VARIANT, 16)

@@ -65,7 +65,7 @@ def stub(server):
 def engine_resumed(server):
     """Tests that pause the engine of their module's `server` get it resumed (and the back-pressure limits
     restored) whatever happens."""
-    limits = (server.max_waiting_requests, server.max_waiting_prompt_tokens)
+    limits = (server.session.max_waiting_requests, server.session.max_waiting_prompt_tokens)
     yield server
     server.resume_engine()
-    server.max_waiting_requests, server.max_waiting_prompt_tokens = limits
+    server.session.max_waiting_requests, server.session.max_waiting_prompt_tokens = limits

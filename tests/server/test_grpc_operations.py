@@ -127,7 +127,7 @@ def _overload_round(server, prompts, max_tokens):
 
 def test_overload_resource_exhausted_and_accepted_requests_complete(server, stub, engine_resumed):
     server.pause_engine()
-    server.max_waiting_requests, server.max_waiting_prompt_tokens = 4, None
+    server.session.max_waiting_requests, server.session.max_waiting_prompt_tokens = 4, None
     results, pending = _overload_round(server, [[30 + i, 31, 32] for i in range(10)], max_tokens=6)
     ok = [r for r in results if isinstance(r, pb.GenerateResponse)]
     refused = [r for r in results if not isinstance(r, pb.GenerateResponse)]
@@ -140,7 +140,7 @@ def test_overload_resource_exhausted_and_accepted_requests_complete(server, stub
 
     # Bound on waiting prompt tokens: 20-token prompts, 50 tokens allowed -> 2 admitted.
     server.pause_engine()
-    server.max_waiting_requests, server.max_waiting_prompt_tokens = None, 50
+    server.session.max_waiting_requests, server.session.max_waiting_prompt_tokens = None, 50
     results, pending = _overload_round(server, [[40 + i] * 20 for i in range(6)], max_tokens=5)
     ok = [r for r in results if isinstance(r, pb.GenerateResponse)]
     refused = [r for r in results if not isinstance(r, pb.GenerateResponse)]

@@ -211,7 +211,7 @@ def test_unknown_fields_are_ignored(server, http):
 
 def test_overload_is_429(server, http, engine_resumed):
     server.pause_engine()
-    server.max_waiting_requests = 1
+    server.session.max_waiting_requests = 1
     body = {"prompt": [7, 8, 9], "max_tokens": 4, "ignore_eos": True, "stream": True, "return_token_ids": True}
     with http.stream("POST", "/v1/completions", json=body) as first:  # admitted: waits for its first token
         assert first.status_code == 200

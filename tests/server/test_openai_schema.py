@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from sarathi_jax.admission import AdmissionError
 from server.http_api import error_body, error_response
 from server.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
-from server.service import RequestError
+from server.request_state import RequestError
 
 
 def test_completion_body_maps_to_sampling_params_and_keeps_defaults() -> None:

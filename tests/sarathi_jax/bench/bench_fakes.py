@@ -44,5 +44,5 @@ def sim_engine(*, base: float = 0.01, per_seq: float = 0.0001, per_prefill_token
     config = SchedulerConfig(policy="sarathi", token_budget=max(TOKEN_BUDGET, max_num_seqs), max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, watermark=0.0)
     engine = SimulatedEngine(config, NUM_BLOCKS, BLOCK_SIZE, LoadCostModel(base, per_seq, per_prefill_token))
-    engine.clock = CLOCK_START
+    engine.clock.wait_until(CLOCK_START)
     return engine

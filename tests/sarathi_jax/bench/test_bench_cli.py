@@ -108,38 +108,25 @@ def test_bad_trace_file_message(tmp_path, capsys):
     assert "row 2, column 'num_decode_tokens': expected a number, got 'x'" in capsys.readouterr().err
 
 
-def test_endpoint_hook(tmp_path, capsys, monkeypatch):
-    import sys
-    import types
+def test_endpoint_runs_the_load_driver_in_a_child_process(tmp_path, capsys, monkeypatch):
+    """--endpoint replays the workload through the load driver's command line in a child process
+    (`fake_load_driver`: server.loadgen's, on the simulator instead of a server) and reads the run back."""
+    from sarathi_jax.bench import endpoint
 
-    from sarathi_jax.bench.driver import run_workload
-
-    calls = []
-
-    def run_bench_workload(target, workload, prompts, *, temperature, progress):
-        calls.append((target, len(workload), temperature))
-        result = run_workload(sim_engine(), workload, prompts, label=target)
-        result.iterations = []  # a client sees no iterations
-        return result
-
-    fake = types.ModuleType("server.loadgen")
-    fake.run_bench_workload = run_bench_workload
-    monkeypatch.setitem(sys.modules, "server.loadgen", fake)
+    monkeypatch.setattr(endpoint, "LOAD_DRIVER", "fake_load_driver")
     rc = main(["--endpoint", "h:1", "--num-requests", "5", "--prompt-len", "8", "--output-len", "3",
                "--out", str(tmp_path), "--quiet"])
-    assert rc == 0 and calls == [("h:1", 5, 0.0)]
+    assert rc == 0
     assert "5/5" in capsys.readouterr().out
     assert {"h_1.json", "summary.csv", "tbt_cdf.png"} <= set(os.listdir(tmp_path))
+    records = json.loads((tmp_path / "h_1.json").read_text())["requests"]
+    assert [r["num_output_tokens"] for r in records] == [3] * 5 and all(r["error"] is None for r in records)
 
-    def broken(*a, **k):
-        raise ConnectionError("refused")
-
-    fake.run_bench_workload = broken
+    assert main(["--endpoint", "refused:1", "--num-requests", "2", "--quiet"]) == 2
+    assert "--endpoint refused:1: ConnectionError: refused" in capsys.readouterr().err
+    monkeypatch.setattr(endpoint, "LOAD_DRIVER", "no_such_load_driver")
     assert main(["--endpoint", "h:1", "--num-requests", "2", "--quiet"]) == 2
-    assert "--endpoint h:1: ConnectionError: refused" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "server.loadgen", None)  # import fails
-    assert main(["--endpoint", "h:1", "--num-requests", "2", "--quiet"]) == 2
-    assert "server/loadgen.py" in capsys.readouterr().err
+    assert "No module named no_such_load_driver" in capsys.readouterr().err
 
 
 def test_simulate_comparison(tmp_path, capsys):

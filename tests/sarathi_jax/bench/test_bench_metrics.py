@@ -11,7 +11,6 @@ from sarathi_jax.bench.metrics import (
     decode_only_iteration_time,
     goodput,
     iteration_stats,
-    percentiles,
     summarize,
     throughput,
 )
@@ -37,16 +36,6 @@ def test_per_request():
     assert D.normalized_latency is None
     d = B.to_dict()
     assert d["ttft"] == pytest.approx(0.3) and d["token_times"] == [0.8, 1.0, 2.0]
-
-
-def test_percentiles_linear():
-    p = percentiles([0.1, 0.1, 0.1, 0.2, 1.0])
-    # sorted ranks 0..4; p90 at rank 3.6 = .2 + .6 * .8; p99 at rank 3.96 = .2 + .96 * .8
-    assert p["p50"] == pytest.approx(0.1)
-    assert p["p90"] == pytest.approx(0.68)
-    assert p["p99"] == pytest.approx(0.968)
-    assert p["max"] == 1.0 and p["count"] == 5 and p["mean"] == pytest.approx(0.3)
-    assert percentiles([])["p50"] is None and percentiles([None, 2.0])["p50"] == 2.0
 
 
 def test_stalls():

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sarathi_jax.bench import gpu_report, gpu_report_md, gpu_report_parts, gpu_report_profile, gpu_report_result
-from sarathi_jax.bench.roofline import Chunk, ModelShape, Rates, work
+from sarathi_jax.bench.roofline import ModelShape, Rates, work
+from sarathi_jax.cost_model import Chunk
 
 def check_figures(figures: list[dict]) -> None:
     for f in figures:

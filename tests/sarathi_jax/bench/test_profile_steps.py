@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import glob
 import os
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -16,39 +15,41 @@ import pytest
 import sarathi_jax
 import sarathi_jax.engine
 from sarathi_jax.bench import profile_steps
+from sarathi_jax.scheduler import SchedulerConfig
+from sarathi_jax.simulator import SimulatedEngine
 
 
-class FakeEngine:
-    """Admits at most 2 waiting requests per step and prefills `chunk` prompt tokens per running sequence."""
+class FakeEngine(SimulatedEngine):
+    """The simulator (the real engine core, scheduler and block manager) built from the EngineConfig it is given,
+    with a vocabulary of 100; each step also runs a small jitted computation, so that the trace has device
+    work. It records, before each step, whether every request was already running with its prompt prefilled."""
 
     instances: list["FakeEngine"] = []
 
     def __init__(self, config) -> None:
+        super().__init__(SchedulerConfig(policy=config.scheduler, token_budget=config.token_budget,
+                                         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len),
+                         num_blocks=256, block_size=16, vocab_size=100)
         self.config = config
-        self.model_config = SimpleNamespace(vocab_size=100)
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.added: list[tuple[str, list[int], object]] = []
-        self.steps = 0
-        self.steps_with_unprefilled = 0
+        self.steady_before_step: list[bool] = []
         self._work = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
         FakeEngine.instances.append(self)
 
     def startup_stats(self) -> dict:
         return {"fake": True}
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params=None, arrival_time=None) -> None:
         self.added.append((request_id, prompt, params))
-        self.scheduler.waiting.append(SimpleNamespace(prompt_token_ids=prompt, num_computed_tokens=0))
+        super().add_request(request_id, prompt, params, arrival_time)
 
-    def step(self) -> None:
-        self.steps += 1
-        for seq in self.scheduler.running:
-            seq.num_computed_tokens = min(len(seq.prompt_token_ids), seq.num_computed_tokens + 8)
-        for _ in range(min(2, len(self.scheduler.waiting))):
-            self.scheduler.running.append(self.scheduler.waiting.pop(0))
-        if any(s.num_computed_tokens < len(s.prompt_token_ids) for s in self.scheduler.running):
-            self.steps_with_unprefilled += 1
+    def step(self):
+        running = self.scheduler.running
+        self.steady_before_step.append(len(running) == len(self.added) and not self.scheduler.waiting and all(
+            s.num_computed_tokens >= len(s.prompt_token_ids) for s in running))
+        outputs = super().step()
         jax.block_until_ready(self._work(jnp.ones((16, 16))))
+        return outputs
 
 
 @pytest.fixture
@@ -71,11 +72,9 @@ def test_profiles_steady_decode_and_summarises_the_trace(fake_engine, tmp_path, 
     assert all(len(p) == 20 and all(3 <= t < 100 for t in p) for _, p, _ in engine.added)
     params = engine.added[0][2]
     assert params.temperature == 0.0 and params.ignore_eos and params.max_tokens == 3 * 3 + 16
-    # Every request admitted and prefilled before the traced steps: admitted 2, 2, 1 over steps 1-3 and 8 prompt
-    # tokens per step, so the last one is prefilled by step 6 (steps 1-5 left some prompt unprefilled), then 3
-    # settling steps and 3 traced ones.
-    assert engine.steps_with_unprefilled == 5
-    assert engine.steps == 6 + 3 + 3
+    # Every request admitted and prefilled before the settling and traced steps: 100 prompt tokens under a budget
+    # of 64 take two steps, after which every step starts in steady decode (3 settling steps, 3 traced ones).
+    assert engine.steady_before_step == [False, False] + [True] * (3 + 3)
     assert not engine.scheduler.waiting and len(engine.scheduler.running) == 5
     text = capsys.readouterr().out
     traces = sorted(glob.glob(os.path.join(out, "**", "*perfetto_trace.json.gz"), recursive=True))

@@ -1,10 +1,11 @@
-"""`bench.roofline`: FLOP and byte counts by hand on tiny-llama, floors from given rates."""
+"""`bench.roofline`: FLOP and byte counts by hand on tiny-llama, floors from given rates, rates from the probes."""
 
 from __future__ import annotations
 
 import pytest
 
-from sarathi_jax.bench.roofline import Chunk, ModelShape, Rates, decode_chunks, floors, work
+from sarathi_jax.bench.roofline import ModelShape, Rates, decode_chunks, floors, measure_rates, work
+from sarathi_jax.cost_model import Chunk
 from sarathi_jax.models.presets import get_preset
 
 
@@ -48,3 +49,20 @@ def test_floors_from_given_rates():
     compute, memory = floors(w, Rates(matmul_flops=2e9, bandwidth=5e8))
     assert compute == pytest.approx(w.flops / 2e9)
     assert memory == pytest.approx(w.bytes / 5e8)
+
+
+def test_measure_rates_takes_the_machine_probes_and_records_them(monkeypatch):
+    from pallas_kernels import machine_rates
+
+    monkeypatch.setattr(machine_rates, "matmul_rate",
+                        lambda n, dtype, repeats: {"float32": 2e9, "bfloat16": 5e9}[dtype] * n / 64)
+    monkeypatch.setattr(machine_rates, "memory_bandwidth",
+                        lambda mbytes, repeats: machine_rates.Bandwidth(3e9, 4e9, mbytes))
+    r = measure_rates("float32", matmul_n=64, bandwidth_mb=8, repeats=2)
+    assert (r.matmul_flops, r.bandwidth) == (2e9, 4e9)  # the better of read and copy
+    assert r.details["matmul"] == {"n": 64, "dtype": "float32", "flops_per_s": 2e9}
+    assert r.details["matmul_bf16_flops_per_s"] == 5e9
+    # The keys the GPU report reads (`gpu_report_parts`).
+    assert r.details["bandwidth"] == {"read_bytes_per_s": 3e9, "copy_bytes_per_s": 4e9, "array_mbytes": 8}
+    given = measure_rates("bfloat16", matmul_rate=1e12, bandwidth=2e11)
+    assert (given.matmul_flops, given.bandwidth) == (1e12, 2e11) and "matmul_bf16_flops_per_s" not in given.details

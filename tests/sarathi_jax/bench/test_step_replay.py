@@ -19,7 +19,7 @@ def test_shadow_replay_leaves_the_engine_intact():
     engine = LLMEngine(EngineConfig(model="tiny-llama", token_budget=16, max_num_seqs=4, num_blocks=64,
                                     max_model_len=128, async_scheduling=True), warmup=False)
     recorder = StepRecorder(engine.runner, keep=3)
-    replayer = ShadowReplayer(engine, recorder, num_tokens=16)
+    replayer = ShadowReplayer(engine, num_tokens=16)
     rng = np.random.default_rng(0)
     for i in range(2):
         engine.add_request(f"r{i}", rng.integers(3, 1000, size=12).tolist(),

@@ -10,6 +10,7 @@ from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SCHEDULERS, SchedulerConfig, make_scheduler
+from sarathi_jax.scheduler.base import SchedulerSettings
 from sarathi_jax.sequence import Sequence, SequenceStatus
 from scheduler_harness import complete
 
@@ -40,6 +41,18 @@ def test_policy_flags_agree_with_admission():
         assert cls.chunks_prompts == (cls.admission == "chunk"), name
         assert cls.uses_token_budget or not cls.chunks_prompts, name
         assert SchedulerConfig(policy=name).scheduler_class is cls
+
+
+def test_the_config_is_what_a_scheduler_reads():
+    """The schedulers read their settings through the `SchedulerSettings` protocol (they sit below the config,
+    which validates itself against their registry): every property it names is the config's."""
+    cfg = SchedulerConfig(policy="orca", max_model_len=100)
+    assert isinstance(cfg, SchedulerSettings)
+    names = [n for n, v in vars(SchedulerSettings).items() if isinstance(v, property)]
+    assert sorted(names) == sorted(["policy", "token_budget", "max_num_seqs", "max_model_len", "tile_size",
+                                    "watermark", "batch_token_limit"])
+    sched = make_scheduler(cfg, BlockManager(64))
+    assert sched.config is cfg and sched.config.batch_token_limit == 512
 
 
 def test_unknown_policy_lists_choices():

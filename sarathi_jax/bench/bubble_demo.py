@@ -1,6 +1,6 @@
 """Pipeline bubble fraction per scheduling policy, on a short synthetic workload.
 
-    python -m sarathi_jax.parallel.bubble_demo --pp 2 --policies sarathi vllm
+    python -m sarathi_jax.bench.bubble_demo --pp 2 --policies sarathi vllm
 
 Builds one warmed-up engine per policy with `pipeline_parallel_size=pp` (and `tensor_parallel_size=tp`),
 replays the same requests (seeded lengths, Poisson arrivals on the wall clock, or all at once with

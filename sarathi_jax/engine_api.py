@@ -1,0 +1,96 @@
+"""The engine API that drivers program against: `Engine`, the typing.Protocol that `LLMEngine` and
+`SimulatedEngine` both meet (the bench, the driver loop and the servers' engine thread use nothing else), and
+the `Clock` an engine stamps its times with: wall time (`WallClock`) for `LLMEngine`, virtual seconds for
+`SimulatedEngine`. See docs/design.md, "Engine API". No JAX.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
+    from sarathi_jax.config import EngineConfig
+    from sarathi_jax.outputs import IterationRecord, RequestOutput
+    from sarathi_jax.sampling_params import SamplingParams
+
+
+class Clock(Protocol):
+    """The time an engine stamps its metrics and iteration records with."""
+
+    def now(self) -> float:
+        """Seconds: time.monotonic() for a real engine, virtual seconds for the simulator."""
+        ...
+
+    def wait_until(self, t: float) -> None:
+        """Let time reach `t` while the engine is idle: a wall clock sleeps, a virtual one jumps forward."""
+        ...
+
+
+class WallClock:
+    """time.monotonic(), sleeping to wait (`LLMEngine`'s clock)."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wait_until(self, t: float) -> None:
+        delay = t - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class Engine(Protocol):
+    """What a driver needs of an engine: requests in, one iteration per `step()`, outputs and records out.
+    One thread drives it (the engine is not thread-safe); admission (`admission.admit`) may run in any."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def admission(self) -> Admission:
+        """The engine's request rules (vocab_size, max_model_len, tokenizer)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def config(self) -> EngineConfig | None:
+        """The configuration the engine was built from (None: a simulator sized by hand)."""
+        ...
+
+    @property
+    def iteration_log(self) -> list[IterationRecord]: ...
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Admit and queue a request: AdmissionError (a ValueError naming the field) when it is refused."""
+        ...
+
+    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
+        """Queue a request `admission` admitted, under a new id (nothing is re-checked)."""
+        ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> dict:
+        """num_running, num_waiting, num_free_blocks, num_total_blocks, kv_cache_usage, num_preemptions,
+        prefix_cache_queries, prefix_cache_hits (see docs/design.md)."""
+        ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def pipeline_stats(self) -> dict | None:
+        """Pipeline accounting since the last `reset_pipeline_stats` (None: the engine has no pipeline)."""
+        ...
+
+    def reset_pipeline_stats(self) -> None: ...
+
+    def startup_stats(self) -> dict | None:
+        """How start-up went (None: nothing to report, as for the simulator)."""
+        ...
