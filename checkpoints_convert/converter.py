@@ -2,8 +2,8 @@
 
 `orbax_writer.write_checkpoint` is the one writer: `convert` feeds it a `SafetensorsCheckpoint`,
 `gguf_source.convert_gguf` a `GGUFCheckpoint` (same `info` / `read_rows` interface, tensors under HF names), and
-`param_reader.read_param` reads each parameter out of either. This module holds the input and output checks and
-the safetensors entry point.
+`param_reader.read_param` reads each parameter out of either. This module holds the input and output checks, the
+frame both entry points run in (`run_conversion`) and the safetensors entry point.
 
 Output folder layout (what `sarathi_jax.models.load_model` recognizes):
 
@@ -34,7 +34,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from checkpoints_convert.orbax_writer import (  # noqa: F401  (COPIED_FILES, ConversionResult re-exported)
     COPIED_FILES,
@@ -87,10 +91,39 @@ def prepare_out(hf_dir: Path | None, out_dir: Path, force: bool) -> None:
         raise ConversionError(f"output folder {str(out_dir)!r} is not empty; pass --force to replace it")
 
 
-def convert(
-    hf_dir: str | os.PathLike[str],
+class ConvertOptions(TypedDict, total=False):
+    """What every entry point (`convert`, `gguf_source.convert_gguf`) takes beside its input, the output folder
+    and the dtype; defaults in `run_conversion`."""
+
+    force: bool  # replace an output folder that is not empty
+    log: Log  # progress lines
+    chunk_bytes: int  # the largest read of one tensor's rows
+    min_batch_bytes: int  # parameters handed to Orbax per partial save, at the least
+    compress: bool  # zstd-compress the stored arrays
+
+
+@dataclass(frozen=True)
+class OpenedSource:
+    """An input checked and opened: its model config, the dtype to write, its tensors, the folder holding its
+    side files (config.json, tokenizer files, ...) and how the summary names it."""
+
+    config: ModelConfig
+    dtype: str
+    checkpoint: TensorSource
+    side_dir: Path
+    description: str
+
+
+# (absolute input path, absolute output folder, dtype asked for or None, force, log) -> the opened input; a
+# context manager so that an input may keep temporary side files until the checkpoint is written.
+OpenSource = Callable[[Path, Path, "str | None", bool, Log], AbstractContextManager[OpenedSource]]
+
+
+def run_conversion(
+    source: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
-    dtype: str | None = None,
+    dtype: str | None,
+    open_source: OpenSource,
     *,
     force: bool = False,
     log: Log = print,
@@ -98,10 +131,26 @@ def convert(
     min_batch_bytes: int = MIN_BATCH_BYTES,
     compress: bool = False,
 ) -> ConversionResult:
-    """Convert the HF checkpoint folder `hf_dir` into an Orbax checkpoint folder `out_dir` (see module doc)."""
+    """The entry points' common frame: time the whole run, make both paths absolute (Orbax's atomic save
+    refuses relative destinations), let `open_source` check and open the input, then write the checkpoint."""
     start_time = time.monotonic()
-    # Absolute from here on: Orbax's atomic save refuses relative destinations.
-    hf_dir, out_dir = Path(absolute_path(hf_dir)), Path(absolute_path(out_dir))
+    source, out_dir = Path(absolute_path(source)), Path(absolute_path(out_dir))
+    with open_source(source, out_dir, dtype, force, log) as opened:
+        return write_checkpoint(
+            opened.config, opened.checkpoint, out_dir, opened.dtype, side_dir=opened.side_dir,
+            source_path=str(source.resolve()), source_desc=opened.description, log=log, chunk_bytes=chunk_bytes,
+            min_batch_bytes=min_batch_bytes, compress=compress, start_time=start_time,
+        )
+
+
+def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str | None = None,
+            **options: Unpack[ConvertOptions]) -> ConversionResult:
+    """Convert the HF checkpoint folder `hf_dir` into an Orbax checkpoint folder `out_dir` (see module doc)."""
+    return run_conversion(hf_dir, out_dir, dtype, _open_hf_folder, **options)
+
+
+@contextmanager
+def _open_hf_folder(hf_dir: Path, out_dir: Path, dtype: str | None, force: bool, log: Log) -> Iterator[OpenedSource]:
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{str(hf_dir)!r} is not an HF checkpoint folder (no config.json)")
     try:
@@ -111,12 +160,9 @@ def convert(
     dtype = resolve_dtype(config, dtype)
     prepare_out(hf_dir, out_dir, force)
     checkpoint = SafetensorsCheckpoint(hf_dir)
-    return write_checkpoint(
-        config, checkpoint, out_dir, dtype, side_dir=hf_dir, source_path=str(hf_dir.resolve()),
-        source_desc=f"{str(hf_dir)!r}, {len(checkpoint.files)} safetensors file(s)", log=log,
-        chunk_bytes=chunk_bytes, min_batch_bytes=min_batch_bytes, compress=compress, start_time=start_time,
-    )
+    description = f"{str(hf_dir)!r}, {len(checkpoint.files)} safetensors file(s)"
+    yield OpenedSource(config, dtype, checkpoint, hf_dir, description)
 
 
-__all__ = ["ConversionError", "ConversionResult", "SUPPORTED_ARCHITECTURES", "TensorSource", "convert", "read_param",
-           "write_checkpoint"]
+__all__ = ["ConversionError", "ConversionResult", "ConvertOptions", "OpenedSource", "SUPPORTED_ARCHITECTURES",
+           "TensorSource", "convert", "read_param", "run_conversion", "write_checkpoint"]

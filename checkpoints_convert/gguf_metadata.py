@@ -8,14 +8,41 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
 from checkpoints_convert.converter import ConversionError
 
-if TYPE_CHECKING:
-    from checkpoints_convert.gguf_source import GGUFCheckpoint
+
+class TensorShape(Protocol):
+    shape: tuple[int, ...]  # HF shape
+
+
+class GGUFFile(Protocol):
+    """What this module reads of an opened GGUF file (`gguf_source.GGUFCheckpoint`)."""
+
+    path: Path
+    metadata: dict[str, Any]  # decoded metadata fields, by GGUF key
+    raw_tensors: Mapping[str, Any]  # gguf.ReaderTensor by GGUF name
+    infos: Mapping[str, TensorShape]  # by HF name
+
+    @property
+    def tokens(self) -> list[str]: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    def meta(self, key: str, default: Any = None) -> Any: ...
+
+    def chat_template(self) -> str | None: ...
+
+    def token(self, key: str) -> str | None: ...
+
 
 # GGUF tensor names (per layer after "blk.N.") -> HF names (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -87,7 +114,7 @@ def llama3_rope_parameters(factors: np.ndarray, rope_theta: float, head_dim: int
     return params
 
 
-def hf_config(checkpoint: GGUFCheckpoint) -> dict[str, Any]:
+def hf_config(checkpoint: GGUFFile) -> dict[str, Any]:
     """An HF `config.json` (LlamaForCausalLM, transformers 5 layout) from the `llama.*` metadata."""
     hidden = int(checkpoint.meta("embedding_length"))
     head_dim = int(checkpoint.meta("attention.key_length", hidden // checkpoint.num_heads))
@@ -140,7 +167,7 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict[str, Any]:
     return config
 
 
-def stop_token_ids(checkpoint: GGUFCheckpoint) -> list[int]:
+def stop_token_ids(checkpoint: GGUFFile) -> list[int]:
     """EOS, then the end-of-turn ids: `eot_token_id` / `eom_token_id`, and known end-of-turn tokens that
     the chat template writes."""
     ids: list[int] = []
@@ -157,7 +184,7 @@ def stop_token_ids(checkpoint: GGUFCheckpoint) -> list[int]:
     return ids
 
 
-def write_tokenizer_files(checkpoint: GGUFCheckpoint, out: Path) -> None:
+def write_tokenizer_files(checkpoint: GGUFFile, out: Path) -> None:
     """`tokenizer.json` (through transformers' GGUF tokenizer converter) and `tokenizer_config.json`."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer

@@ -32,26 +32,27 @@ import json
 import math
 import os
 import tempfile
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
-from checkpoints_convert.converter import DTYPES, ConversionError, prepare_out, resolve_dtype
-from checkpoints_convert.gguf_metadata import (  # noqa: F401  (_LAYER_NAMES, llama3_rope_parameters re-exported)
-    _LAYER_NAMES,
-    gguf_to_hf_name,
-    llama3_rope_parameters,
-    stop_token_ids,
-    write_tokenizer_files,
+from checkpoints_convert.converter import (
+    DTYPES,
+    ConversionError,
+    ConvertOptions,
+    OpenedSource,
+    prepare_out,
+    resolve_dtype,
+    run_conversion,
 )
+from checkpoints_convert.gguf_metadata import gguf_to_hf_name, stop_token_ids, write_tokenizer_files
 from checkpoints_convert.gguf_metadata import hf_config as gguf_hf_config
-from checkpoints_convert.orbax_writer import MIN_BATCH_BYTES, ConversionResult, Log, release_free_memory, write_checkpoint
-from checkpoints_convert.param_reader import CHUNK_BYTES
+from checkpoints_convert.orbax_writer import ConversionResult, Log, release_free_memory
 from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.models.loader import CheckpointError
-from sarathi_jax.paths import absolute_path
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # The vocabulary's large array fields: not decoded up front, dropped once the tokenizer is built.
@@ -205,21 +206,14 @@ class GGUFCheckpoint:
         return np.asarray(rows, dtype=np.float32).reshape(stop - start, *info.shape[1:])
 
 
-def convert_gguf(
-    gguf_file: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    dtype: str | None = None,
-    *,
-    force: bool = False,
-    log: Log = print,
-    chunk_bytes: int = CHUNK_BYTES,
-    min_batch_bytes: int = MIN_BATCH_BYTES,
-    compress: bool = False,
-) -> ConversionResult:
+def convert_gguf(gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str | None = None,
+                 **options: Unpack[ConvertOptions]) -> ConversionResult:
     """Convert a GGUF file into an Orbax checkpoint folder `out_dir` (see module doc)."""
-    start_time = time.monotonic()
-    # Absolute from here on: Orbax's atomic save refuses relative destinations.
-    gguf_file, out_dir = Path(absolute_path(gguf_file)), Path(absolute_path(out_dir))
+    return run_conversion(gguf_file, out_dir, dtype, _open_gguf_file, **options)
+
+
+@contextmanager
+def _open_gguf_file(gguf_file: Path, out_dir: Path, dtype: str | None, force: bool, log: Log) -> Iterator[OpenedSource]:
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if out_dir.resolve() in gguf_file.resolve().parents:  # --force would replace (delete) the input file
@@ -246,11 +240,7 @@ def convert_gguf(
         gc.collect()
         release_free_memory()
         types = sorted({info.quant_type for info in checkpoint.infos.values()})
-        return write_checkpoint(
-            config, checkpoint, out_dir, dtype, side_dir=side_dir, source_path=str(gguf_file.resolve()),
-            source_desc=f"GGUF {str(gguf_file)!r} ({', '.join(types)})", log=log, chunk_bytes=chunk_bytes,
-            min_batch_bytes=min_batch_bytes, compress=compress, start_time=start_time,
-        )
+        yield OpenedSource(config, dtype, checkpoint, side_dir, f"GGUF {str(gguf_file)!r} ({', '.join(types)})")
 
 
 __all__ = ["GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "convert_gguf", "gguf_to_hf_name"]

@@ -39,6 +39,9 @@ synchronised once at the end, and the best of `--repeats` such runs divided by `
 dispatch overlaps device work, as in a serving loop). FlashAttention is timed the same way with
 torch.cuda.synchronize(). On CPU the kernel runs with interpret=True: that checks correctness, but its times
 say nothing about the kernel; the script says so.
+
+The cases and batches are in `bench_cases.py`, the CPU suite in `bench_cpu.py`, the timing in `timing.py`;
+this module holds the GPU suite (`run_case`, FlashAttention beside it) and the command line.
 """
 
 from __future__ import annotations
@@ -53,114 +56,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import machine_rates
+from pallas_kernels.bench_cases import CPU_HEADS, CPU_SUITE, HEADS, SUITE, Case, build_batch, count_work
+from pallas_kernels.bench_cpu import cpu_main
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_kernel_config
-from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
-
-HEADS = {  # name: (num_q_heads, num_kv_heads, head_dim)
-    "mistral7b": (32, 8, 128),
-    "llama1b": (32, 8, 64),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """A batch: `decodes` decode rows at `decode_ctx` tokens of context, plus prefill chunks of
-    `chunks[i]` tokens after `chunk_ctx[i]` tokens of context."""
-
-    name: str
-    decodes: int = 0
-    decode_ctx: int = 0
-    chunks: tuple[int, ...] = ()
-    chunk_ctx: tuple[int, ...] = ()
-
-    def seqs(self) -> list[tuple[int, int]]:
-        """(q_len, kv_len) per sequence."""
-        return [(1, self.decode_ctx + 1)] * self.decodes + [(c, c + x) for c, x in zip(self.chunks, self.chunk_ctx)]
-
-
-SUITE = (
-    Case("64 decodes x ctx 1024", decodes=64, decode_ctx=1024),
-    Case("256 decodes x ctx 2048", decodes=256, decode_ctx=2048),
-    Case("8 decodes x ctx 16384", decodes=8, decode_ctx=16384),
-    Case("32 decodes ctx 1024 + 512 chunk at ctx 1536", decodes=32, decode_ctx=1024, chunks=(512,), chunk_ctx=(1536,)),
-    Case("prefill 2048 tokens", chunks=(2048,), chunk_ctx=(0,)),
-    Case("512-token chunk at ctx 1536", chunks=(512,), chunk_ctx=(1536,)),
-)
-
-
-# The CPU suite: head layouts (q heads, KV heads, head_dim) with GQA groups 1, 4 and 8, and batches.
-CPU_HEADS = ((8, 8, 64), (32, 8, 64), (8, 1, 64), (32, 8, 128), (16, 2, 128))
-CPU_SUITE = tuple(
-    Case(f"{b} decode{'s' if b > 1 else ''} x ctx {ctx}", decodes=b, decode_ctx=ctx)
-    for b in (1, 32, 128) for ctx in (64, 512, 4096)
-) + (
-    Case("32 decodes ctx 1024 + 512 chunk at ctx 1536", decodes=32, decode_ctx=1024, chunks=(512,), chunk_ctx=(1536,)),
-    Case("16-token chunk at ctx 512 (short prefill)", chunks=(16,), chunk_ctx=(512,)),
-    Case("prefill 512 tokens", chunks=(512,), chunk_ctx=(0,)),
-    Case("512-token chunk at ctx 1536", chunks=(512,), chunk_ctx=(1536,)),
-    Case("prefill 2048 tokens", chunks=(2048,), chunk_ctx=(0,)),
-)
+from pallas_kernels.timing import best_seconds_per_call
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()] if text else []
-
-
-def build_batch(seqs, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, rng: np.random.Generator,
-                pad_seqs: int = 2, pad_rows: int = 0, seed: int = 0):
-    """The 7 attention arguments for `seqs` ((q_len, kv_len) per sequence, in order); shuffled pages."""
-    bs = block_size
-    n = len(seqs)
-    max_num_seqs = n + pad_seqs
-    num_rows = sum(q for q, _ in seqs)
-    num_tokens = -(-num_rows // 16) * 16 + pad_rows
-    max_blocks = -(-max(kv for _, kv in seqs) // bs)
-    num_blocks = sum(-(-kv // bs) for _, kv in seqs) + 1
-    kv_lens = np.zeros(max_num_seqs, np.int32)
-    cu = np.zeros(max_num_seqs + 1, np.int32)
-    block_tables = np.zeros((max_num_seqs, max_blocks), np.int32)
-    free = list(rng.permutation(num_blocks))
-    for i, (ql, kv) in enumerate(seqs):
-        kv_lens[i] = kv
-        cu[i + 1] = cu[i] + ql
-        for b in range(-(-kv // bs)):
-            block_tables[i, b] = free.pop()
-    cu[n + 1 :] = cu[n]
-    kq, kk, kv_ = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
-    cache_shape = (num_blocks, bs, num_kv_heads, head_dim)
-    k_pages = jax.random.normal(kk, cache_shape, jnp.float32).astype(dtype)
-    v_pages = jax.random.normal(kv_, cache_shape, jnp.float32).astype(dtype)
-    return (q, k_pages, v_pages, jnp.asarray(kv_lens), jnp.asarray(block_tables), jnp.asarray(cu),
-            jnp.asarray([n], jnp.int32))
-
-
-def count_work(seqs, *, num_q_heads, num_kv_heads, head_dim, itemsize):
-    flops = 0
-    kv_bytes = 0
-    for ql, kv in seqs:
-        visible = ql * (kv - ql) + ql * (ql + 1) // 2  # keys seen by the query rows, causal
-        flops += 4 * head_dim * visible * num_q_heads
-        kv_bytes += 2 * kv * num_kv_heads * head_dim * itemsize
-    rows = sum(ql for ql, _ in seqs)
-    q_out_bytes = 2 * rows * num_q_heads * head_dim * itemsize
-    return flops, kv_bytes + q_out_bytes
-
-
-def time_fn(fn, *args, iters: int, repeats: int = 3, warmup: int = 1) -> float:
-    """Seconds per call: best over `repeats` of `iters` back-to-back calls, synchronised once."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
 
 
 def torch_status() -> tuple[object | None, str]:
@@ -267,7 +171,7 @@ def run_case(case: Case, args, *, peak_flops, peak_bw, interpret: bool, torch, r
         t0 = time.perf_counter()
         outs[name] = jax.block_until_ready(fn(*arrays))
         compile_s = time.perf_counter() - t0
-        t = time_fn(fn, *arrays, iters=args.iters, repeats=args.repeats, warmup=0)
+        t = best_seconds_per_call(fn, *arrays, iters=args.iters, repeats=args.repeats, warmup=0)
         key = name.split()[0]
         rec[f"{key}_us"] = t * 1e6
         rec[f"{key}_first_call_s"] = compile_s
@@ -294,81 +198,6 @@ def run_case(case: Case, args, *, peak_flops, peak_bw, interpret: bool, torch, r
         print(f"   pallas vs xla: max rel diff {rel:.3g} ({'OK' if rel <= tol else 'MISMATCH'}, tol {tol:g}); "
               f"padding rows zero and no NaN: {pad_ok}")
     return rec
-
-
-def run_cpu_case(case: Case, heads, args, *, peak_flops, peak_bw, rng) -> dict:
-    """One batch on a CPU: the C++ kernel and (within --xla-max-mb) the jnp path, against the floor."""
-    dtype = jnp.dtype(args.dtype)
-    hq, hkv, d = heads
-    seqs = case.seqs()
-    arrays = build_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=args.block_size,
-                         dtype=dtype, rng=rng, pad_seqs=args.pad_seqs, pad_rows=args.pad_rows, seed=args.seed)
-    flops, min_bytes = count_work(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, itemsize=dtype.itemsize)
-    t_compute, t_memory = flops / peak_flops, min_bytes / peak_bw
-    floor = max(t_compute, t_memory)
-    rec = dict(case=case.name, heads=list(heads), group=hq // hkv, rows=int(sum(ql for ql, _ in seqs)),
-               gflop=flops / 1e9, min_mb=min_bytes / 1e6, floor_us=floor * 1e6, memory_floor_us=t_memory * 1e6,
-               floor_kind="memory" if t_memory >= t_compute else "compute")
-    fns = [("cpu", jax.jit(ragged_paged_attention_cpu))]
-    if args.xla and not args.cpu_only and min_bytes / 1e6 <= args.xla_max_mb:
-        fns.append(("xla", jax.jit(ragged_paged_attention_xla)))
-    outs = {}
-    for name, fn in fns:
-        outs[name] = jax.block_until_ready(fn(*arrays))
-        t = time_fn(fn, *arrays, iters=args.iters, repeats=args.repeats, warmup=0)
-        rec[f"{name}_us"] = t * 1e6
-        rec[f"{name}_over_floor"] = t / floor
-        rec[f"{name}_over_memory_floor"] = t / t_memory
-    if "xla" in outs:
-        rows = int(arrays[5][len(seqs)])
-        a, b = (np.asarray(outs[n], np.float32)[:rows] for n in ("cpu", "xla"))
-        rec["max_rel_diff_vs_xla"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-        rec["ok"] = rec["max_rel_diff_vs_xla"] <= (1e-5 if dtype == jnp.float32 else 2e-2)
-    return rec
-
-
-def format_cpu_table(records: list[dict]) -> str:
-    lines = ["| heads q/kv/d (G) | batch | cpu us | x floor | x bytes floor | xla us | x floor | cpu speed-up | "
-             "floor us (kind) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in records:
-        hq, hkv, d = r["heads"]
-        xla = (f"{r['xla_us']:.0f} | {r['xla_over_floor']:.3g} | {r['xla_us'] / r['cpu_us']:.3g}x"
-               if "xla_us" in r else "- | - | -")
-        lines.append(f"| {hq}/{hkv}/{d} ({r['group']}) | {r['case']} | {r['cpu_us']:.1f} | {r['cpu_over_floor']:.3g} | "
-                     f"{r['cpu_over_memory_floor']:.3g} | {xla} | {r['floor_us']:.1f} ({r['floor_kind']}) |")
-    return "\n".join(lines)
-
-
-def cpu_main(args, cases) -> None:
-    status = cpu_kernel_status()
-    if status is not None:
-        raise SystemExit(f"the CPU kernel is not available: {status}")
-    args.iters = args.iters or 10
-    args.repeats = args.repeats or 3
-    peak_flops = machine_rates.matmul_rate(args.matmul_n or 1024, args.dtype)
-    peak_bw = machine_rates.memory_bandwidth(args.copy_mib or 512).read_bytes_per_s
-    heads_list = [tuple(h) for h in args.cpu_heads]
-    print(f"device: {jax.devices()[0].device_kind} (cpu); dtype {args.dtype}; block_size {args.block_size}")
-    print(f"measured: matmul {peak_flops / 1e9:.4g} GFLOP/s ({args.dtype}), read bandwidth {peak_bw / 1e9:.4g} GB/s")
-    rng = np.random.default_rng(args.seed)
-    records = []
-    for heads in heads_list:
-        for case in cases:
-            r = run_cpu_case(case, heads, args, peak_flops=peak_flops, peak_bw=peak_bw, rng=rng)
-            records.append(r)
-            xla = f", xla {r['xla_us']:.0f} us" if "xla_us" in r else ""
-            print(f"  {heads} {case.name}: cpu {r['cpu_us']:.1f} us ({r['cpu_over_floor']:.3g}x floor){xla}",
-                  flush=True)
-    print()
-    print(format_cpu_table(records))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, backend="cpu", dtype=args.dtype,
-                           block_size=args.block_size, matmul_gflops=peak_flops / 1e9, read_gbps=peak_bw / 1e9,
-                           cases=records), f, indent=1)
-        print(f"wrote {args.out}")
-    if not all(r.get("ok", True) for r in records):
-        raise SystemExit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:

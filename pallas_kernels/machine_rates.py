@@ -6,33 +6,17 @@ the lowest package, because `sarathi_jax` imports `pallas_kernels` and never the
 
 Each rate is the best of `repeats` timed runs (on a shared machine the best run is the least disturbed one, so
 a floor stays a lower bound). A run is `iters` calls back to back, synchronised once at the end, so that host
-dispatch overlaps device work (`iters=1` times one synchronised call).
+dispatch overlaps device work (`iters=1` times one synchronised call): `timing.best_seconds_per_call`.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-
-def best_seconds_per_call(fn: Callable[[], Any], repeats: int, iters: int = 1) -> float:
-    """Seconds per call of `fn()`: one call to compile and warm up, then the fastest of `repeats` runs of
-    `iters` back-to-back calls, each run synchronised once on its last output."""
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn()
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
+from pallas_kernels.timing import best_seconds_per_call
 
 
 def matmul_rate(n: int = 2048, dtype: str = "float32", repeats: int = 5, iters: int = 1) -> float:
@@ -41,7 +25,7 @@ def matmul_rate(n: int = 2048, dtype: str = "float32", repeats: int = 5, iters: 
     a = jax.random.normal(k1, (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(k2, (n, n), jnp.float32).astype(dtype)
     matmul = jax.jit(lambda x, y: x @ y)
-    return 2.0 * n**3 / best_seconds_per_call(lambda: matmul(a, b), repeats, iters)
+    return 2.0 * n**3 / best_seconds_per_call(matmul, a, b, iters=iters, repeats=repeats)
 
 
 @dataclass(frozen=True)
@@ -64,6 +48,6 @@ def memory_bandwidth(mbytes: float = 256, repeats: int = 5, iters: int = 1) -> B
     read = jax.jit(jnp.sum)
     copy = jax.jit(lambda v: v * 1.5)
     nbytes = 4.0 * n
-    return Bandwidth(read_bytes_per_s=nbytes / best_seconds_per_call(lambda: read(x), repeats, iters),
-                     copy_bytes_per_s=2 * nbytes / best_seconds_per_call(lambda: copy(x), repeats, iters),
+    return Bandwidth(read_bytes_per_s=nbytes / best_seconds_per_call(read, x, iters=iters, repeats=repeats),
+                     copy_bytes_per_s=2 * nbytes / best_seconds_per_call(copy, x, iters=iters, repeats=repeats),
                      array_mbytes=mbytes)

@@ -121,12 +121,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import ragged_paged_attention_tiles as tiles
-from pallas_kernels.ragged_paged_attention_tiles import cdiv as _cdiv
+from pallas_kernels.attention_common import MASK_VALUE as DEFAULT_MASK_VALUE, cdiv as _cdiv
 from pallas_kernels.tuning import KernelConfig, TileConfig, next_pow2 as _next_pow2, resolve_config
 
 __all__ = ["ragged_paged_attention", "resolve_kernel_config", "KernelConfig", "TileConfig", "DEFAULT_MASK_VALUE"]
-
-DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.attention_common import cdiv
+
 # Rows of the int32 tile-metadata arrays passed to the kernels.
 KIND, SEQ, ROW0, ROW_END, POS0, KV_END, NUM_SPLITS, SPLIT_STEPS = range(8)
 NUM_META = 8
 KIND_EMPTY, KIND_COMPUTE, KIND_ZERO = 0, 1, 2
-
-
-def cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def max_tiles(*, num_tokens: int, max_num_seqs: int, decode_block_q: int, prefill_block_q: int) -> tuple[int, int]:

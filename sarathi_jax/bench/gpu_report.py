@@ -10,7 +10,7 @@ and a part's timeout is cut to the time left, so that the whole run ends within 
 2. `tune`: `python -m pallas_kernels.tune` with a time budget, writing `DIR/tuning_table.json` (measured,
    `"tuned": true` on a GPU; copy it over `pallas_kernels/tuning_table.json` to commit it). The later parts
    run with it (`SARATHI_PALLAS_TUNING_TABLE`) when it was written;
-3. `attention`: the Pallas kernel on the six mixes of `pallas_kernels.bench.SUITE` (Mistral-7B heads, bf16),
+3. `attention`: the Pallas kernel on the six mixes of `pallas_kernels.bench_cases.SUITE` (Mistral-7B heads, bf16),
    with the jnp path and torch SDPA (FlashAttention) on the same work when torch with CUDA imports (when not,
    the report says why), against the floors: bytes for the decode mixes, FLOPs for the prefills;
 4. `profile_large`, `profile_small`: a JAX profiler trace of steady decode through `engine.step()` (and, for the
@@ -74,7 +74,7 @@ class ReportConfig:
     # kernel tuning (pallas_kernels.tune)
     tune_budget_s: float = 60.0
     tune_interpret: bool = False  # tune's --interpret-smoke (a CPU)
-    # attention mixes (pallas_kernels.bench.SUITE)
+    # attention mixes (pallas_kernels.bench_cases.SUITE)
     attention_heads: tuple[int, int, int] = (32, 8, 128)  # Mistral-7B's query heads, KV heads, head_dim
     attention_cases: tuple[int, ...] = (0, 1, 2, 3, 4, 5)  # indices into SUITE
     attention_scale: int = 1  # every size of the mixes divided by this

@@ -55,6 +55,7 @@ The engines, workloads and timed rounds are in `bench.loop_timing`, the step cap
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -73,7 +74,7 @@ from sarathi_jax.bench.loop_timing import (
     engine_size,
     run_batch,
 )
-from sarathi_jax.bench.roofline import ModelShape, Rates, best_rates, floors, measure_rates, num_params, work
+from sarathi_jax.bench.roofline import ModelShape, Rates, best_rates, floors, measure_rates_and_log, num_params, work
 from sarathi_jax.bench.step_cost import fmt_ms, positive_ints
 from sarathi_jax.paths import cli_path
 
@@ -158,11 +159,8 @@ def measure(cfg: LoopBenchConfig, log: Callable[[str], None] = print) -> dict:
         f"{info['cpu_count']} CPUs")
     size = engine_size(cfg)
 
-    def rates_now() -> Rates:
-        r = measure_rates(cfg.dtype, cfg.matmul_n, cfg.bandwidth_mb, repeats=cfg.rate_repeats,
-                          matmul_rate=cfg.matmul_rate, bandwidth=cfg.bandwidth)
-        log(f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s ({cfg.dtype}), bandwidth {r.bandwidth / 1e9:.2f} GB/s")
-        return r
+    rates_now = functools.partial(measure_rates_and_log, log, cfg.dtype, cfg.matmul_n, cfg.bandwidth_mb,
+                                  cfg.rate_repeats, cfg.matmul_rate, cfg.bandwidth)
 
     before = rates_now()
     engines = build_engines(cfg, size, log)

@@ -20,7 +20,7 @@ rate and bytes / bandwidth. Used by `bench.step_cost`, `bench.loop_cost` and `be
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,8 +166,17 @@ def best_rates(a: Rates, b: Rates) -> Rates:
                   "rule": "best of repeats, before and after the timed rounds"})
 
 
+def measure_rates_and_log(log: Callable[[str], None], dtype: str, matmul_n: int, bandwidth_mb: int, repeats: int,
+                          matmul_rate: float | None, bandwidth: float | None) -> Rates:
+    """`measure_rates`, with the one line the step and loop benchmarks print for each measurement."""
+    r = measure_rates(dtype, matmul_n, bandwidth_mb, repeats=repeats, matmul_rate=matmul_rate, bandwidth=bandwidth)
+    log(f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s ({dtype}), bandwidth {r.bandwidth / 1e9:.2f} GB/s")
+    return r
+
+
 def num_params(params: Any) -> int:
     """Elements in a parameter tree (every leaf's size)."""
     import jax
 
     return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+

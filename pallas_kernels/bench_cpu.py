@@ -1,0 +1,93 @@
+"""The CPU suite of `python -m pallas_kernels.bench` (the default on a CPU backend; see bench.py's doc): the C++
+kernel and, within `--xla-max-mb`, the jnp path, per head layout and batch, against the floor of the matmul
+rate and the read bandwidth that `pallas_kernels.machine_rates` measures (attention mostly reads).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import machine_rates
+from pallas_kernels.bench_cases import Case, build_batch, count_work
+from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
+from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+from pallas_kernels.timing import best_seconds_per_call
+
+
+def run_cpu_case(case: Case, heads, args, *, peak_flops, peak_bw, rng) -> dict:
+    """One batch on a CPU: the C++ kernel and (within --xla-max-mb) the jnp path, against the floor."""
+    dtype = jnp.dtype(args.dtype)
+    hq, hkv, d = heads
+    seqs = case.seqs()
+    arrays = build_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=args.block_size,
+                         dtype=dtype, rng=rng, pad_seqs=args.pad_seqs, pad_rows=args.pad_rows, seed=args.seed)
+    flops, min_bytes = count_work(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, itemsize=dtype.itemsize)
+    t_compute, t_memory = flops / peak_flops, min_bytes / peak_bw
+    floor = max(t_compute, t_memory)
+    rec = dict(case=case.name, heads=list(heads), group=hq // hkv, rows=int(sum(ql for ql, _ in seqs)),
+               gflop=flops / 1e9, min_mb=min_bytes / 1e6, floor_us=floor * 1e6, memory_floor_us=t_memory * 1e6,
+               floor_kind="memory" if t_memory >= t_compute else "compute")
+    fns = [("cpu", jax.jit(ragged_paged_attention_cpu))]
+    if args.xla and not args.cpu_only and min_bytes / 1e6 <= args.xla_max_mb:
+        fns.append(("xla", jax.jit(ragged_paged_attention_xla)))
+    outs = {}
+    for name, fn in fns:
+        outs[name] = jax.block_until_ready(fn(*arrays))
+        t = best_seconds_per_call(fn, *arrays, iters=args.iters, repeats=args.repeats, warmup=0)
+        rec[f"{name}_us"] = t * 1e6
+        rec[f"{name}_over_floor"] = t / floor
+        rec[f"{name}_over_memory_floor"] = t / t_memory
+    if "xla" in outs:
+        rows = int(arrays[5][len(seqs)])
+        a, b = (np.asarray(outs[n], np.float32)[:rows] for n in ("cpu", "xla"))
+        rec["max_rel_diff_vs_xla"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        rec["ok"] = rec["max_rel_diff_vs_xla"] <= (1e-5 if dtype == jnp.float32 else 2e-2)
+    return rec
+
+
+def format_cpu_table(records: list[dict]) -> str:
+    lines = ["| heads q/kv/d (G) | batch | cpu us | x floor | x bytes floor | xla us | x floor | cpu speed-up | "
+             "floor us (kind) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        hq, hkv, d = r["heads"]
+        xla = (f"{r['xla_us']:.0f} | {r['xla_over_floor']:.3g} | {r['xla_us'] / r['cpu_us']:.3g}x"
+               if "xla_us" in r else "- | - | -")
+        lines.append(f"| {hq}/{hkv}/{d} ({r['group']}) | {r['case']} | {r['cpu_us']:.1f} | {r['cpu_over_floor']:.3g} | "
+                     f"{r['cpu_over_memory_floor']:.3g} | {xla} | {r['floor_us']:.1f} ({r['floor_kind']}) |")
+    return "\n".join(lines)
+
+
+def cpu_main(args, cases) -> None:
+    status = cpu_kernel_status()
+    if status is not None:
+        raise SystemExit(f"the CPU kernel is not available: {status}")
+    args.iters = args.iters or 10
+    args.repeats = args.repeats or 3
+    peak_flops = machine_rates.matmul_rate(args.matmul_n or 1024, args.dtype)
+    peak_bw = machine_rates.memory_bandwidth(args.copy_mib or 512).read_bytes_per_s
+    heads_list = [tuple(h) for h in args.cpu_heads]
+    print(f"device: {jax.devices()[0].device_kind} (cpu); dtype {args.dtype}; block_size {args.block_size}")
+    print(f"measured: matmul {peak_flops / 1e9:.4g} GFLOP/s ({args.dtype}), read bandwidth {peak_bw / 1e9:.4g} GB/s")
+    rng = np.random.default_rng(args.seed)
+    records = []
+    for heads in heads_list:
+        for case in cases:
+            r = run_cpu_case(case, heads, args, peak_flops=peak_flops, peak_bw=peak_bw, rng=rng)
+            records.append(r)
+            xla = f", xla {r['xla_us']:.0f} us" if "xla_us" in r else ""
+            print(f"  {heads} {case.name}: cpu {r['cpu_us']:.1f} us ({r['cpu_over_floor']:.3g}x floor){xla}",
+                  flush=True)
+    print()
+    print(format_cpu_table(records))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, backend="cpu", dtype=args.dtype,
+                           block_size=args.block_size, matmul_gflops=peak_flops / 1e9, read_gbps=peak_bw / 1e9,
+                           cases=records), f, indent=1)
+        print(f"wrote {args.out}")
+    if not all(r.get("ok", True) for r in records):
+        raise SystemExit(1)
