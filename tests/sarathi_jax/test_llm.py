@@ -52,6 +52,19 @@ def test_logprobs_match_hf_log_softmax(llm, hf_model):
         ids.append(entry.token_id)
 
 
+def test_logprobs_zero_alone_gives_each_tokens_logprob(llm, hf_model):
+    # logprobs=0 (the sampled token's logprob, no top-N) alone in its steps: it once ran the variant without
+    # logprobs, whose steps bring none to the host, and the engine step failed (found by tests/server/test_fuzz.py).
+    prompt = [1, 17, 42, 99, 7, 3]
+    [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0))
+    assert len(out.new_logprobs) == 3
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0, -1].double()
+    first = out.new_logprobs[0]
+    assert first.logprob == pytest.approx(torch.log_softmax(logits, dim=-1)[first.token_id].item(), abs=1e-4)
+    assert all(e.top_token_ids == () and e.top_logprobs == () for e in out.new_logprobs)
+
+
 def test_stop_string_cuts_text_and_stop_token_stops(llm, llama_dir):
     tokenizer = load_tokenizer(llama_dir)
     prompt = "Hello world! How are you"

@@ -41,7 +41,7 @@ def test_builder_limits() -> None:
     assert arrays.temperature.tolist() == [0.5, -1.0, -1.0, -1.0]  # padding rows are marked < 0
     assert arrays.top_k[0] == 0  # -1 normalised to "off"
     assert arrays.banned_token_ids[0].tolist() == [3, 4] + [-1] * (MAX_BANNED - 2)
-    assert arrays.num_logprobs.tolist() == [2, 0, 0, 0]
+    assert arrays.num_logprobs.tolist() == [2, -1, -1, -1]  # -1: no logprobs
 
 
 # ----------------------------------------------------------------------------------------------- variants
@@ -69,7 +69,7 @@ def test_variants_and_host_choice() -> None:
     )
     assert sampler_variant([]) == greedy
     assert sampler_variant([row(temperature=0.0, top_k=5, top_p=0.5)]) == greedy
-    assert sampler_variant([row(temperature=0.0, logprobs=0)]) == greedy
+    assert sampler_variant([row(temperature=0.0, logprobs=0)]) == SamplerVariant(False, "none", True)  # N = 0 too
     assert sampler_variant([row(temperature=0.0, logprobs=2)]) == SamplerVariant(False, "none", True)
     assert sampler_variant([row(temperature=1e-6)]) == greedy
     assert sampler_variant([row(min_p=0.5)]) == none
