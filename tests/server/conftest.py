@@ -43,13 +43,10 @@ def server(llama_engine, engine_before_server):
     Module scope, not session: the other server modules (test_grpc_drain.py, test_http_server.py, whose own
     `server` overrides this one) take the same engine over once it has stopped, and two servers must never
     drive it at once."""
-    from server.service import GenerationServer
+    from grpc_test_utils import serving
 
-    engine, config = llama_engine
-    srv = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, metrics_port=0)
-    srv.start_in_thread()
-    yield srv
-    srv.stop(grace=0, timeout=60)
+    with serving(llama_engine, metrics_port=0) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import grpc
@@ -21,6 +23,31 @@ def make_engine(model: Any, **overrides: Any):
 
     config = EngineConfig(model=str(model), **{**ENGINE_KW, **overrides})
     return LLMEngine(config), config
+
+
+# A chat template for engines whose test checkpoint has none: one "role: content" line per message.
+PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+
+
+@contextlib.contextmanager
+def serving(llama_engine: tuple[Any, Any], chat_template: str | None = None, **server_kwargs: Any) -> Iterator[Any]:
+    """A GenerationServer on 127.0.0.1 over the shared `(engine, config)`, started in a thread and stopped
+    (grace 0) on exit; `chat_template`, when given, is the engine's for that long. `server_kwargs` go to
+    GenerationServer (ports default to free ones: port=0, no HTTP)."""
+    from sarathi_jax.chat_template import ChatTemplate
+    from server.service import GenerationServer
+
+    engine, config = llama_engine
+    saved = engine.admission.chat_template
+    if chat_template is not None:
+        engine.admission.chat_template = ChatTemplate(chat_template)
+    srv = GenerationServer(engine, engine_config=config, **{"host": "127.0.0.1", "port": 0, **server_kwargs})
+    srv.start_in_thread()
+    try:
+        yield srv
+    finally:
+        srv.stop(grace=0, timeout=60)
+        engine.admission.chat_template = saved
 
 
 def greedy(**kw: Any) -> dict[str, Any]:

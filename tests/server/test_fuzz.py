@@ -18,8 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from grpc_test_utils import all_blocks_free, wait_until
-from sarathi_jax.chat_template import ChatTemplate
+from grpc_test_utils import PLAIN_CHAT_TEMPLATE, all_blocks_free, serving, wait_until
 from server.http_guards import HttpLimits
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
@@ -35,18 +34,10 @@ OK_GRPC_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
 
 @pytest.fixture(scope="module")
 def server(llama_engine):
-    from server.service import GenerationServer
-
-    engine, config = llama_engine
-    saved, engine.admission.chat_template = engine.admission.chat_template, ChatTemplate(
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    srv = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0,
-                           max_request_id_length=MAX_REQUEST_ID_LENGTH,
-                           http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES, header_timeout_s=5.0))
-    srv.start_in_thread()
-    yield srv
-    srv.stop(grace=0, timeout=60)
-    engine.admission.chat_template = saved
+    with serving(llama_engine, PLAIN_CHAT_TEMPLATE, http_port=0,
+                 max_request_id_length=MAX_REQUEST_ID_LENGTH,
+                 http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES, header_timeout_s=5.0)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import grpc
 import httpx2
 import pytest
 
-from grpc_test_utils import all_blocks_free, greedy
-from sarathi_jax.chat_template import ChatTemplate
+from grpc_test_utils import PLAIN_CHAT_TEMPLATE, all_blocks_free, greedy, serving
 from sarathi_jax.sampling_params import MAX_STOP_STRINGS
 from server.client import make_request
 from server.http_guards import HttpLimits
@@ -28,18 +27,10 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(llama_engine):
-    from server.service import GenerationServer
-
-    engine, config = llama_engine
-    saved, engine.admission.chat_template = engine.admission.chat_template, ChatTemplate(
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    srv = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0,
-                           max_request_id_length=MAX_REQUEST_ID_LENGTH,
-                           http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES, header_timeout_s=HEADER_TIMEOUT_S))
-    srv.start_in_thread()
-    yield srv
-    srv.stop(grace=0, timeout=60)
-    engine.admission.chat_template = saved
+    with serving(llama_engine, PLAIN_CHAT_TEMPLATE, http_port=0,
+                 max_request_id_length=MAX_REQUEST_ID_LENGTH,
+                 http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES, header_timeout_s=HEADER_TIMEOUT_S)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import grpc
 import httpx2
 import pytest
 
-from grpc_test_utils import all_blocks_free, greedy, stub_for
+from grpc_test_utils import all_blocks_free, greedy, serving
 from sarathi_jax.admission import AdmissionError
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.simulator import SimulatedEngine
@@ -63,20 +63,8 @@ def engine_before_server(llama_engine):
 @pytest.fixture(scope="module")
 def server(llama_engine, engine_before_server):
     """Both front ends on one server over the shared engine."""
-    from server.service import GenerationServer
-
-    engine, config = llama_engine
-    srv = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0)
-    srv.start_in_thread()
-    yield srv
-    srv.stop(grace=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    channel, stub = stub_for(server.target)
-    yield stub
-    channel.close()
+    with serving(llama_engine, http_port=0) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +81,11 @@ def test_every_edge_refuses_alike(engine_before_server, stub, http, case):
     error_class, param, message = engine
     assert error_class is AdmissionError and param == field and message.startswith(f"{field}: ")
 
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Complete(make_request(prompt, **fields), timeout=30)
-    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    for call in (lambda: stub.Complete(make_request(prompt, **fields), timeout=30),
+                 lambda: list(stub.Generate(make_request(prompt, **fields), timeout=30))):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
 
     resp = http.post("/v1/completions", json={"prompt": prompt, **fields})
     assert resp.status_code == 400, resp.text
