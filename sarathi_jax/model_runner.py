@@ -251,11 +251,10 @@ class ModelRunner:
         (`ExecutableTable.sampler_for`). Builds run on `compile_threads` threads (default:
         `sarathi_jax.precompile.compile_threads`). A multi-process engine builds nothing ahead: every bucket
         and variant compiles on its first run, here."""
-        top_rows = self._layout(self.buckets[-1]).num_rows
+        top_rows = self.row_ladder[-1]  # the largest bucket's rows
         # Every sampler variant for the largest bucket's rows; the greedy and the general one for the others.
         samplers = [(v, top_rows) for v in SAMPLER_VARIANTS]
-        samplers += [(v, rows) for rows in sorted({self._layout(b).num_rows for b in self.buckets} - {top_rows})
-                     for v in (SAMPLER_VARIANTS[0], FULL_VARIANT)]
+        samplers += [(v, rows) for rows in self.row_ladder[:-1] for v in (SAMPLER_VARIANTS[0], FULL_VARIANT)]
         if jax.process_count() > 1:
             built: set[tuple[SamplerVariant, int]] = set()
             for bucket in self.buckets:  # each bucket's step, and each row count's samplers once

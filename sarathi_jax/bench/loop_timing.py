@@ -167,12 +167,14 @@ def warm_up_greedy(runner: ModelRunner) -> None:
     `ModelRunner.warmup`; `compilations_during_timing` in the JSON checks that nothing else was needed."""
     from sarathi_jax.sampling_inputs import sampler_variant
     from sarathi_jax.sampling_params import SamplingParams
+    from sarathi_jax.step_inputs import BatchLayout
 
     variant = sampler_variant([(SamplingParams(temperature=0.0), 0, 0, ())])
     with runner.dispatch_outside_loop() as dispatch:
         for bucket in runner.buckets:  # each bucket's step, and the greedy sampler at each bucket's rows
             packed = runner.padding_step(bucket)
-            dispatch(packed, variant, rows=min(bucket, runner.max_num_seqs)).result()
+            rows = BatchLayout.of_packed(packed.batch.size, runner.max_num_seqs, runner.max_blocks_per_seq).num_rows
+            dispatch(packed, variant, rows=rows).result()
 
 
 def all_decoding(engine: LLMEngine, batch: int) -> bool:
