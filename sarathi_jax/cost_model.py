@@ -6,7 +6,7 @@ to iteration times measured on this machine (`python -m sarathi_jax.bench.step_c
 `BucketCostModel.load(PATH)` and pass it as `SimulatedEngine(cost_model=...)`, or use
 `python -m sarathi_jax.bench --simulate --cost-model PATH`. No JAX.
 
-A batch is priced as a list of `Chunk`s; the bench's roofline (`sarathi_jax.bench.roofline`) counts the FLOPs
+A batch is priced as a list of `Chunk`s; the bench's roofline (`sarathi_jax.bench.probes.roofline`) counts the FLOPs
 and bytes of the same `Chunk`s, above this module.
 """
 

@@ -48,7 +48,7 @@ S*V random numbers (~110 ms there). Instead
     max): same first-index-on-ties result as np.argmax, several times faster on XLA:CPU than a variadic
     argmax or a one-level `min(where(x == max, iota, V))`;
   * the top-MAX_LOGPROBS `lax.top_k` only runs in variants with `logprobs`.
-`python -m sarathi_jax.bench.sampler_cost` times every variant.
+`python -m sarathi_jax.bench.probes.sampler_cost` times every variant.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ LAYERS: Layers = (
     ("benchmarks", ("sarathi_jax.bench.*",)),
     ("servers and their clients", ("server.*",)),
     ("server comparisons (drive this server and vLLM's with server.loadgen)", (
-        "sarathi_jax.bench.peer", "sarathi_jax.bench.peer_*",
+        "sarathi_jax.bench.peer.*",
     )),
 )
 
@@ -270,8 +270,9 @@ def test_the_checks_find_an_upward_import_and_a_cycle(tmp_path):
 
 
 def test_the_most_specific_pattern_places_a_module():
-    assert LAYERS[layer_of("sarathi_jax.bench.peer_servers", LAYERS)][0].startswith("server comparisons")
+    assert LAYERS[layer_of("sarathi_jax.bench.peer.servers", LAYERS)][0].startswith("server comparisons")
     assert LAYERS[layer_of("sarathi_jax.bench.runs", LAYERS)][0] == "benchmarks"
+    assert LAYERS[layer_of("sarathi_jax.bench.probes.roofline", LAYERS)][0] == "benchmarks"
     assert LAYERS[layer_of("sarathi_jax.models.presets", LAYERS)][0].startswith("plain data")
     assert LAYERS[layer_of("sarathi_jax.models.llama", LAYERS)][0] == "models"
     assert LAYERS[layer_of("pallas_kernels.bench", LAYERS)][0] == "kernel benchmark and tuner"

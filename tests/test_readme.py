@@ -44,22 +44,25 @@ EXCLUDED: tuple[tuple[str, str], ...] = (
     (r'^pip install -q -e "\.\[test\]" torch==2\.13\.0 && python -m pytest -q$',
      "the test suite itself, which runs this test (.ci/run runs this line)"),
     (r'^pip install -e "\.\[cuda\]"', "GPU: JAX's CUDA wheels need an NVIDIA GPU and its driver"),
-    (r"^python -m sarathi_jax\.bench\.profile_steps ", "GPU: profiles llama-1b's steady decode"),
-    (r"^python -m sarathi_jax\.bench\.trace_summary ", "reads the trace that profile_steps (a GPU command) leaves"),
+    (r"^python -m sarathi_jax\.bench\.probes\.profile_steps ", "GPU: profiles llama-1b's steady decode"),
+    (r"^python -m sarathi_jax\.bench\.probes\.trace_summary ",
+     "reads the trace that profile_steps (a GPU command) leaves"),
     (r"^python -m sarathi_jax\.bench\.gpu_capacity ", "GPU: hours of Mistral-7B-shaped capacity searches"),
     (r"^python -m sarathi_jax\.bench\.gpu_report ", "GPU: a 9-minute report of a lent GPU; its --smoke run is "
-                                                     "tests/sarathi_jax/bench/test_gpu_report_smoke.py"),
+                                                     "tests/sarathi_jax/bench/gpu_report/test_gpu_report_smoke.py"),
     (r"^python -m sarathi_jax\.bench\.peer ", "needs vLLM's CPU build in a venv of its own (docs/results-cpu.md "
-                                              "§10); tests/sarathi_jax/bench/test_peer.py runs this engine's side"),
-    (r"^python -m sarathi_jax\.bench\.loop_cost ", "a machine probe: minutes of compiling and timing on a 2-core "
-                                                   "CPU; tests/sarathi_jax/bench/test_loop_cost.py runs it small"),
-    (r"^python -m sarathi_jax\.bench\.sampler_cost", "a machine probe: every sampler variant, a minute of "
-                                                     "compiling; tests/sarathi_jax/bench/test_sampler_cost.py runs "
-                                                     "it small"),
-    (r"^python -m sarathi_jax\.bench\.startup ", "a machine probe: fresh processes, cold then warm; "
-                                                 "tests/sarathi_jax/bench/test_startup.py runs it small"),
-    (r"^python -m sarathi_jax\.bench\.host_cost ", "a machine probe: minutes of host-time profiling of three "
-                                                   "workloads on a 2-core CPU"),
+                                              "§10); tests/sarathi_jax/bench/peer/test_peer.py runs this engine's "
+                                              "side"),
+    (r"^python -m sarathi_jax\.bench\.probes\.loop_cost ",
+     "a machine probe: minutes of compiling and timing on a 2-core CPU; "
+     "tests/sarathi_jax/bench/probes/test_loop_cost.py runs it small"),
+    (r"^python -m sarathi_jax\.bench\.probes\.sampler_cost",
+     "a machine probe: every sampler variant, a minute of compiling; "
+     "tests/sarathi_jax/bench/probes/test_sampler_cost.py runs it small"),
+    (r"^python -m sarathi_jax\.bench\.probes\.startup ",
+     "a machine probe: fresh processes, cold then warm; tests/sarathi_jax/bench/probes/test_startup.py runs it small"),
+    (r"^python -m sarathi_jax\.bench\.probes\.host_cost ",
+     "a machine probe: minutes of host-time profiling of three workloads on a 2-core CPU"),
     (r"^grpcurl ", "grpcurl is a Go program, not installed with the project"),
 )
 

@@ -11,7 +11,7 @@ sequences are token-identical (HF's padded batch may flip near-ties, so this is 
 tests compare unpadded sequences).
 
 Next to this engine's time is a physical floor: per engine iteration, the larger of its matmul FLOPs over the
-measured matmul rate and its weight bytes over the measured bandwidth (`bench.roofline`'s model and
+measured matmul rate and its weight bytes over the measured bandwidth (`bench.probes.roofline`'s model and
 measurements), summed over the iterations; attention and KV-cache traffic are left out, so it is a lower bound.
 `--reference` is an HF folder or a GGUF file (loaded by transformers' own GGUF support); without it only this
 engine runs.
@@ -59,7 +59,7 @@ def read_questions(path: str | None) -> list[str]:
 
 def engine_floor_s(engine, rates) -> float:
     """Sum over the engine's iterations of max(matmul FLOPs / rate, weight bytes / bandwidth)."""
-    from sarathi_jax.bench.roofline import ModelShape, floors, work
+    from sarathi_jax.bench.probes.roofline import ModelShape, floors, work
     from sarathi_jax.cost_model import Chunk
 
     shape = ModelShape.from_model_config(engine.model_config, str(engine.config.dtype))
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from sarathi_jax import LLM
-    from sarathi_jax.bench.roofline import measure_rates
+    from sarathi_jax.bench.probes.roofline import measure_rates
     from sarathi_jax.engine import format_startup
 
     conversations = [[{"role": "user", "content": q}] for q in read_questions(args.prompts_file)]

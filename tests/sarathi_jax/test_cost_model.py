@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sarathi_jax.bench.roofline import decode_chunks
-from sarathi_jax.bench.step_timer import calibration_compositions
+from sarathi_jax.bench.probes.roofline import decode_chunks
+from sarathi_jax.bench.probes.step_timer import calibration_compositions
 from sarathi_jax.cost_model import BucketCostModel, Chunk
 
 
