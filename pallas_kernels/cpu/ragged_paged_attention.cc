@@ -13,17 +13,19 @@
 //
 // How the work is split. A *unit* is a block of consecutive query rows of one sequence (unit_rows / G of
 // them), all KV heads: per KV head, its rows times the G query heads sharing that head form the rows of one
-// matrix, so every K/V token it reads serves all of them. A unit walks the sequence's pages in chunks of 16
-// tokens, up to the position its last row may see, with an online softmax (running max, running sum and
-// accumulator, float32), reading each token row of the cache (every head) in address order and prefetching
-// the next chunk's pages (a block table defeats hardware prefetchers). Two ways through a chunk:
+// matrix, so every K/V token it reads serves all of them. Softmax is online (running max, running sum and
+// accumulator, float32). Two ways through a unit's KV range:
 //   * direct (fewer than kCopyRows matrix rows per head, head_dim a multiple of 16: decodes and short
-//     chunks): K and V are read straight from the cache, a 16-wide partial dot product per token and row,
-//     reduced across lanes once per chunk (reduce16);
-//   * copying (more rows, or another head_dim): the chunk is copied once per head into float32 buffers, K
-//     transposed ([D][16]: a score row is one 16-wide FMA per d) and V zero-padded, and shared by all rows.
-// Either way only slots before the chunk's last valid token are read, so stale or non-finite cache contents
-// cannot leak, and blocks of rows keep their accumulators in registers across a chunk's tokens.
+//     chunks): chunks of 16 tokens, K and V read straight from the cache, every head of a token row in turn
+//     (address order), a 16-wide partial dot product per token and row reduced across lanes once per chunk
+//     (reduce16), the next chunk's pages prefetched (a block table defeats hardware prefetchers);
+//   * copying (more rows, or another head_dim: prefills): head by head, tiles of 64 tokens; each tile's K is
+//     transposed ([D][64], 16 x 16 blocks in registers) and its V copied into float32 buffers once, then
+//     shared by all rows of the head: a score row is one FMA per d and 16 tokens, and blocks of rows keep
+//     their accumulators in registers. Blocks of rows on the causal diagonal stop at the last token their
+//     furthest row sees, and rows that see none of a tile skip it.
+// Either way only slots before the range's last valid token are read, so stale or non-finite cache contents
+// cannot leak.
 // Units are sorted longest first and handed out from an atomic counter to the calling thread and XLA's
 // intra-op thread pool. When a batch has fewer units than twice the threads (one long decode, say), each
 // unit's KV range is split into parts of at least min_part_tokens, computed as separate units and merged
