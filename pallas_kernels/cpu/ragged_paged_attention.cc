@@ -13,17 +13,19 @@
 //
 // How the work is split. A *unit* is a block of consecutive query rows of one sequence (unit_rows / G of
 // them), all KV heads: per KV head, its rows times the G query heads sharing that head form the rows of one
-// matrix, so every K/V token it reads serves all of them. A unit walks the sequence's pages in chunks of 16
-// tokens, up to the position its last row may see, with an online softmax (running max, running sum and
-// accumulator, float32), reading each token row of the cache (every head) in address order and prefetching
-// the next chunk's pages (a block table defeats hardware prefetchers). Two ways through a chunk:
+// matrix, so every K/V token it reads serves all of them. Softmax is online (running max, running sum and
+// accumulator, float32). Two ways through a unit's KV range:
 //   * direct (fewer than kCopyRows matrix rows per head, head_dim a multiple of 16: decodes and short
-//     chunks): K and V are read straight from the cache, a 16-wide partial dot product per token and row,
-//     reduced across lanes once per chunk (reduce16);
-//   * copying (more rows, or another head_dim): the chunk is copied once per head into float32 buffers, K
-//     transposed ([D][16]: a score row is one 16-wide FMA per d) and V zero-padded, and shared by all rows.
-// Either way only slots before the chunk's last valid token are read, so stale or non-finite cache contents
-// cannot leak, and blocks of rows keep their accumulators in registers across a chunk's tokens.
+//     chunks): chunks of 16 tokens, K and V read straight from the cache, every head of a token row in turn
+//     (address order), a 16-wide partial dot product per token and row reduced across lanes once per chunk
+//     (reduce16), the next chunk's pages prefetched (a block table defeats hardware prefetchers);
+//   * copying (more rows, or another head_dim: prefills): head by head, tiles of 64 tokens; each tile's K is
+//     transposed ([D][64], 16 x 16 blocks in registers) and its V copied into float32 buffers once, then
+//     shared by all rows of the head: a score row is one FMA per d and 16 tokens, and blocks of rows keep
+//     their accumulators in registers. Blocks of rows on the causal diagonal stop at the last token their
+//     furthest row sees, and rows that see none of a tile skip it.
+// Either way only slots before the range's last valid token are read, so stale or non-finite cache contents
+// cannot leak.
 // Units are sorted longest first and handed out from an atomic counter to the calling thread and XLA's
 // intra-op thread pool. When a batch has fewer units than twice the threads (one long decode, say), each
 // unit's KV range is split into parts of at least min_part_tokens, computed as separate units and merged
@@ -49,7 +51,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kChunk = 16;           // KV tokens per chunk: one vector of scores
+constexpr int kChunk = 16;           // KV tokens per chunk of the direct path: one vector of scores
+constexpr int kTile = 64;            // KV tokens per tile of the copying path
+constexpr int kTileVectors = kTile / kChunk;
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -79,16 +83,33 @@ inline v16f exp_v(v16f x) {
   return p * (v16f)e * below;
 }
 
+// Horizontal max and sum: shuffle trees (lane 0 of the last step holds the result).
 inline float hmax(v16f x) {
-  float m = x[0];
-  for (int i = 1; i < kChunk; ++i) m = std::max(m, x[i]);
-  return m;
+  const v16i k8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const v16i k4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const v16i k2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const v16i k1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v16f y = __builtin_shuffle(x, k8);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, k4);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, k2);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, k1);
+  x = x > y ? x : y;
+  return x[0];
 }
 
 inline float hsum(v16f x) {
-  float s = 0.0f;
-  for (int i = 0; i < kChunk; ++i) s += x[i];
-  return s;
+  const v16i k8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const v16i k4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const v16i k2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const v16i k1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  x += __builtin_shuffle(x, k8);
+  x += __builtin_shuffle(x, k4);
+  x += __builtin_shuffle(x, k2);
+  x += __builtin_shuffle(x, k1);
+  return x[0];
 }
 
 // Element types: float, or bfloat16 stored as uint16_t.
@@ -162,46 +183,401 @@ inline v16f reduce16(const v16f* x) {
          __builtin_shuffle(c[0], c[1], v16i{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
 }
 
-// Per-thread scratch, grown to the largest unit seen. Matrix row r of a unit is (KV head h0 + r / hr,
-// query row (r % hr) / G, query head (r % hr) % G), hr = num_rows * G rows per head.
+// Per-thread scratch, grown to the largest unit seen. Matrix row r of a unit is (KV head r / hr, query row
+// (r % hr) / G, query head (r % hr) % G), hr = num_rows * G rows per head.
 struct Scratch {
   std::vector<v16f> q, o, s, tile, kt, vt;
   std::vector<float> m, l;
   void reserve(int64_t dv, int64_t rows) {
-    if (int64_t(m.size()) >= rows && int64_t(kt.size()) >= dv * kChunk) return;
-    q.resize(rows * dv);           // [rows][D/16] scaled queries, zero-padded to whole vectors
-    o.resize(rows * dv);           // [rows][D/16] unnormalised accumulators
-    s.resize(rows);                // [rows] this chunk's scores, then probabilities
-    tile.resize(rows * kChunk);    // [rows][16 tokens] per-token partial dot products (direct path)
-    kt.resize(dv * kChunk);        // [D][16 tokens]: one head's K chunk transposed (copying path)
-    vt.resize(kChunk * dv);        // [16 tokens][D/16]: one head's V chunk, zero-padded (copying path)
+    if (int64_t(m.size()) >= rows && int64_t(kt.size()) >= dv * kTile) return;
+    q.resize(rows * dv);              // [rows][D/16] scaled queries, zero-padded to whole vectors
+    o.resize(rows * dv);              // [rows][D/16] unnormalised accumulators
+    s.resize(rows * kTileVectors);    // [rows][tile tokens / 16] scores, then probabilities
+    tile.resize(rows * kChunk);       // [rows][16 tokens] per-token partial dot products (direct path)
+    kt.resize(dv * kTile);            // [D][64 tokens]: one head's K tile transposed (copying path)
+    vt.resize(kTile * dv);            // [64 tokens][D/16]: one head's V tile, zero-padded (copying path)
     m.resize(rows);
     l.resize(rows);
   }
 };
 
-// Query rows per head from which the copying path (K transposed once, then one FMA per d and row) beats the
-// direct one (per-token dot products, then a transposing reduction per row).
+// Query rows per head from which the copying path (K transposed once per tile, then one FMA per d, row and
+// 16 tokens) beats the direct one (per-token dot products, then a transposing reduction per row).
 constexpr int64_t kCopyRows = 16;
 constexpr int kDirectMaxVectors = 16;  // the direct path holds a head's K row in at most 16 vectors (D <= 256)
+
+// What a unit's walk over its KV range shares between the direct and the copying paths.
+template <typename T>
+struct UnitWalk {
+  const Unit& u;
+  const Shapes& sh;
+  int dv;
+  int64_t hr, rows;
+  const T *k_pages, *v_pages;
+  const int32_t* table;  // the sequence's block-table row
+  Scratch& scr;
+  int32_t first_pos() const { return u.kv_start + u.row0; }  // position of the unit's first query row
+
+  // Element offsets in the cache (head 0) of the tokens c0 .. c0 + n - 1, n = min(n_max, kv_hi - c0).
+  int offsets(int32_t c0, int n_max, int64_t* dst) const {
+    const int n = std::min<int32_t>(n_max, u.kv_hi - c0);
+    const int64_t page_stride = sh.block_size * sh.num_kv_heads * sh.head_dim;
+    const int64_t token_stride = sh.num_kv_heads * sh.head_dim;
+    int64_t page_idx = c0 / sh.block_size, slot = c0 % sh.block_size;
+    for (int t = 0; t < n; ++t) {
+      const int64_t page = std::clamp<int64_t>(table[page_idx], 0, sh.num_blocks - 1);
+      dst[t] = page * page_stride + slot * token_stride;
+      if (++slot == sh.block_size) slot = 0, ++page_idx;
+    }
+    return n;
+  }
+  // Prefetch whole token rows (every head) of K and V: pages lie anywhere, so no hardware prefetcher guesses
+  // them. Into L1 for the direct path's 16 tokens; into L2 for the copying path's larger tiles.
+  template <int Locality>
+  void prefetch(const int64_t* tok, int n) const {
+    const int64_t line_elems = 64 / sizeof(T), row_elems = sh.num_kv_heads * sh.head_dim;
+    for (int t = 0; t < n; ++t)
+      for (int64_t e = 0; e < row_elems; e += line_elems) {
+        __builtin_prefetch(k_pages + tok[t] + e, 0, Locality);
+        __builtin_prefetch(v_pages + tok[t] + e, 0, Locality);
+      }
+  }
+  // Matrix rows of one head before this one see none of the tokens from c0 on (causal): a tile's leading
+  // rows, rounded down to a multiple of `block`, are skipped.
+  int64_t first_row_seeing(int32_t c0, int64_t block) const {
+    const int64_t r = std::clamp<int64_t>(int64_t(c0 - first_pos()) * sh.group, 0, hr);
+    return r - r % block;
+  }
+};
+
+// Online softmax over a chunk of NV x 16 tokens from c0 (n_valid of them real), rows r_begin .. r_end - 1:
+// s[r * NV + j] become the probabilities (0 where row r may not look; slots past n_valid may hold anything
+// before), o[r] is rescaled and m[r], l[r] move on.
+template <int NV>
+void softmax_step(int64_t r_begin, int64_t r_end, int64_t hr, int64_t G, int32_t first_pos, int32_t c0, int n_valid,
+                  int dv, v16f* s, v16f* o, float* m, float* l) {
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    v16f* sr = s + r * NV;
+    // Row r sees chunk slots t with c0 + t <= its position, and t < n_valid.
+    const int32_t visible = std::min<int32_t>(n_valid, first_pos + int32_t((r % hr) / G) - c0 + 1);
+    if (visible <= 0) {
+      for (int j = 0; j < NV; ++j) sr[j] = splat(0.0f);
+      continue;
+    }
+    if (visible < NV * kChunk)  // slots past `visible` (which may hold anything) count as masked
+      for (int j = 0; j < NV; ++j) sr[j] = lane + kChunk * j < visible ? sr[j] : splat(kMaskValue);
+    v16f mx = sr[0];
+    for (int j = 1; j < NV; ++j) mx = mx > sr[j] ? mx : sr[j];
+    const float m_new = std::max(m[r], hmax(mx));
+    v16f sum = splat(0.0f);
+    for (int j = 0; j < NV; ++j) {  // exp_v is exactly 0 at masked slots (far below -87)
+      sr[j] = exp_v(sr[j] - m_new);
+      sum += sr[j];
+    }
+    const float alpha = m_new > m[r] ? exp_v(splat(m[r] - m_new))[0] : 1.0f;
+    l[r] = l[r] * alpha + hsum(sum);
+    m[r] = m_new;
+    if (alpha != 1.0f)
+      for (int c = 0; c < dv; ++c) o[r * dv + c] *= alpha;
+  }
+}
+
+// The direct path: 16-token chunks, K and V read straight from the cache.
+template <typename T, int DV>
+void walk_direct(const UnitWalk<T>& w) {
+  constexpr int DVMAX = DV > 0 ? DV : kDirectMaxVectors;
+  // Rows per register block: RB x DV accumulators plus DV operands fit 32 registers.
+  constexpr int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;
+  const int dv = DV > 0 ? DV : w.dv;
+  const int64_t D = w.sh.head_dim, hr = w.hr, rows = w.rows, heads = w.sh.num_kv_heads;
+  Scratch& scr = w.scr;
+  const v16f* qv = scr.q.data();
+  v16f *o = scr.o.data(), *s = scr.s.data(), *tile = scr.tile.data();
+  const T *k_pages = w.k_pages, *v_pages = w.v_pages;
+  int64_t tok[kChunk], next_tok[kChunk];
+  int n_valid = w.u.kv_hi > w.u.kv_lo ? w.offsets(w.u.kv_lo, kChunk, tok) : 0;
+  for (int32_t c0 = w.u.kv_lo; c0 < w.u.kv_hi; c0 += kChunk) {
+    int n_next = 0;
+    if (c0 + kChunk < w.u.kv_hi) {
+      n_next = w.offsets(c0 + kChunk, kChunk, next_tok);
+      w.template prefetch<3>(next_tok, n_next);
+    }
+    // Scores s[r]: a 16-wide partial dot product per token, reduced across lanes once per chunk. With fewer
+    // than RB rows per head (decodes of small groups), token by token, every head of a token row in turn (the
+    // cache is read in address order); otherwise per head and block of RB rows, their queries in registers.
+    if (hr < RB) {
+      for (int t = 0; t < n_valid; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* kp = k_pages + tok[t] + h * D;
+          v16f kv[DVMAX];
+          for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
+          for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
+            v16f acc = qv[r * dv] * kv[0];
+            for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * kv[c];
+            tile[r * kChunk + t] = acc;
+          }
+        }
+    }
+    for (int64_t h = 0; h < heads && hr >= RB; ++h) {
+      int64_t r = h * hr;
+      for (; r + RB <= (h + 1) * hr; r += RB) {
+        v16f qr[RB][DVMAX];
+        for (int i = 0; i < RB; ++i)
+          for (int c = 0; c < dv; ++c) qr[i][c] = qv[(r + i) * dv + c];
+        for (int t = 0; t < n_valid; ++t) {
+          const T* kp = k_pages + tok[t] + h * D;
+          v16f kv[DVMAX];
+          for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
+          for (int i = 0; i < RB; ++i) {
+            v16f acc = qr[i][0] * kv[0];
+            for (int c = 1; c < dv; ++c) acc += qr[i][c] * kv[c];
+            tile[(r + i) * kChunk + t] = acc;
+          }
+        }
+      }
+      for (; r < (h + 1) * hr; ++r)
+        for (int t = 0; t < n_valid; ++t) {
+          const T* kp = k_pages + tok[t] + h * D;
+          v16f acc = qv[r * dv] * load16(kp);
+          for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * load16(kp + c * kChunk);
+          tile[r * kChunk + t] = acc;
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int t = n_valid; t < kChunk; ++t) tile[r * kChunk + t] = splat(0.0f);
+      s[r] = reduce16(tile + r * kChunk);
+    }
+
+    softmax_step<1>(0, rows, hr, w.sh.group, w.first_pos(), c0, n_valid, dv, s, o, scr.m.data(), scr.l.data());
+
+    // o[r] += sum_t p[r][t] * v[t], in the same order as the scores.
+    if (hr < RB) {
+      for (int t = 0; t < n_valid; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* vp = v_pages + tok[t] + h * D;
+          v16f vv[DVMAX];
+          for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
+          for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
+            const float pt = s[r][t];
+            for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * vv[c];
+          }
+        }
+    }
+    for (int64_t h = 0; h < heads && hr >= RB; ++h) {
+      int64_t r = h * hr;
+      for (; r + RB <= (h + 1) * hr; r += RB) {
+        v16f acc[RB][DVMAX];
+        for (int i = 0; i < RB; ++i)
+          for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
+        for (int t = 0; t < n_valid; ++t) {
+          const T* vp = v_pages + tok[t] + h * D;
+          v16f vv[DVMAX];
+          for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
+          for (int i = 0; i < RB; ++i) {
+            const float pt = s[r + i][t];
+            for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
+          }
+        }
+        for (int i = 0; i < RB; ++i)
+          for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
+      }
+      for (; r < (h + 1) * hr; ++r)
+        for (int t = 0; t < n_valid; ++t) {
+          const T* vp = v_pages + tok[t] + h * D;
+          const float pt = s[r][t];
+          for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * load16(vp + c * kChunk);
+        }
+    }
+    std::memcpy(tok, next_tok, sizeof(tok));
+    n_valid = n_next;
+  }
+}
+
+// x[i] (16 rows of 16) becomes its transpose, in place: four stages, stage k swapping bit k of the row index
+// with bit k of the lane index.
+inline void transpose16(v16f* x) {
+  static const v16i kLo[4] = {
+      {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+      {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+      {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}};
+  static const v16i kHi[4] = {
+      {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+      {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+      {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+#pragma GCC unroll 4
+  for (int stage = 0; stage < 4; ++stage) {
+    const int k = 1 << stage;
+#pragma GCC unroll 16
+    for (int i = 0; i < kChunk; ++i) {
+      if (i & k) continue;
+      const v16f a = x[i], b = x[i + k];
+      x[i] = __builtin_shuffle(a, b, kLo[stage]);
+      x[i + k] = __builtin_shuffle(a, b, kHi[stage]);
+    }
+  }
+}
+
+// Rows per register block of the copying path's scores: RS x NV accumulators, NV K vectors and a broadcast
+// query fit 32 registers.
+constexpr int kScoreRows = 4;
+
+// s[r * kTileVectors + j] = q[r] . K[16 j .. 16 j + 15] for ROWS rows from r, NV vectors, from the transposed
+// tile kt ([dpad][kTileVectors] vectors); qb holds the scaled queries, qs floats apart.
+template <int ROWS, int NV>
+void block_scores(const float* qb, int64_t qs, const v16f* kt, int64_t dpad, int64_t r, v16f* s) {
+  v16f a[ROWS][NV] = {};
+  const float* q0 = qb + r * qs;
+  for (int64_t d = 0; d < dpad; ++d) {
+    v16f k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = kt[d * kTileVectors + j];
+    for (int i = 0; i < ROWS; ++i) {
+      const float qd = q0[i * qs + d];
+      for (int j = 0; j < NV; ++j) a[i][j] += qd * k[j];
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < NV; ++j) s[(r + i) * kTileVectors + j] = a[i][j];
+}
+
+template <int ROWS>
+void block_scores(int nv, const float* qb, int64_t qs, const v16f* kt, int64_t dpad, int64_t r, v16f* s) {
+  switch (nv) {
+    case 0: break;
+    case 1: block_scores<ROWS, 1>(qb, qs, kt, dpad, r, s); break;
+    case 2: block_scores<ROWS, 2>(qb, qs, kt, dpad, r, s); break;
+    case 3: block_scores<ROWS, 3>(qb, qs, kt, dpad, r, s); break;
+    default: block_scores<ROWS, 4>(qb, qs, kt, dpad, r, s); break;
+  }
+}
+
+// The copying path, head by head: tiles of kTile tokens, each one's K transposed and V copied once (float32),
+// then shared by all the unit's rows of the head: scores, online softmax, then o += p v.
+template <typename T, int DV>
+void walk_copying(const UnitWalk<T>& w) {
+  constexpr int DVMAX = DV > 0 ? DV : kDirectMaxVectors;
+  constexpr int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;  // rows per register block of o += p v
+  constexpr int kRowBlock = RB > kScoreRows ? RB : kScoreRows;
+  const int dv = DV > 0 ? DV : w.dv;
+  const int64_t D = w.sh.head_dim, hr = w.hr, heads = w.sh.num_kv_heads, dpad = dv * kChunk;
+  Scratch& scr = w.scr;
+  const float* qb = reinterpret_cast<const float*>(scr.q.data());
+  v16f *o = scr.o.data(), *s = scr.s.data(), *kt = scr.kt.data(), *vt = scr.vt.data();
+  float *ktf = reinterpret_cast<float*>(kt), *vtf = reinterpret_cast<float*>(vt);
+  const float* sf = reinterpret_cast<const float*>(s);
+  const bool whole_vectors = D % kChunk == 0;
+  const int64_t line_elems = 64 / sizeof(T);
+  int64_t tok[kTile], next_tok[kTile];
+  for (int64_t h = 0; h < heads; ++h) {
+    const T *k_head = w.k_pages + h * D, *v_head = w.v_pages + h * D;
+    int n_valid = w.u.kv_hi > w.u.kv_lo ? w.offsets(w.u.kv_lo, kTile, tok) : 0;
+    for (int32_t c0 = w.u.kv_lo; c0 < w.u.kv_hi; c0 += kTile) {
+      // The next tile of this head (or the first of the next head) into L2 while this one is computed.
+      int n_next = 0;
+      const T *k_next = k_head, *v_next = v_head;
+      if (c0 + kTile < w.u.kv_hi) {
+        n_next = w.offsets(c0 + kTile, kTile, next_tok);
+      } else if (h + 1 < heads) {
+        n_next = w.offsets(w.u.kv_lo, kTile, next_tok);
+        k_next += D, v_next += D;
+      }
+      for (int t = 0; t < n_next; ++t)
+        for (int64_t e = 0; e < D; e += line_elems) {
+          __builtin_prefetch(k_next + next_tok[t] + e, 0, 2);
+          __builtin_prefetch(v_next + next_tok[t] + e, 0, 2);
+        }
+      // Rows before r0 see none of this tile (causal): their state stays as it is.
+      const int64_t r0 = h * hr + w.first_row_seeing(c0, kRowBlock), r1 = (h + 1) * hr;
+      const int nv = (n_valid + kChunk - 1) / kChunk;  // score vectors that hold real tokens
+      // Tokens of this tile that matrix row r sees (causal), and the score vectors that hold them.
+      auto tokens_seen = [&](int64_t r) {
+        return std::clamp<int32_t>(w.first_pos() + int32_t((r % hr) / w.sh.group) - c0 + 1, 0, n_valid);
+      };
+      auto vectors_seen = [&](int64_t r) { return (tokens_seen(r) + kChunk - 1) / kChunk; };
+      if (r0 < r1) {
+        // K transposed 16 x 16 at a time; tokens past n_valid and dims past D are zeros.
+        for (int tb = 0; tb < nv; ++tb) {
+          const int nt = std::min(kChunk, n_valid - tb * kChunk);
+          const int64_t* tb_tok = tok + tb * kChunk;
+          if (whole_vectors) {
+            for (int64_t db = 0; db < dv; ++db) {
+              v16f x[kChunk];
+#pragma GCC unroll 16
+              for (int t = 0; t < kChunk; ++t)
+                x[t] = t < nt ? load16(k_head + tb_tok[t] + db * kChunk) : splat(0.0f);
+              transpose16(x);
+#pragma GCC unroll 16
+              for (int j = 0; j < kChunk; ++j) kt[(db * kChunk + j) * kTileVectors + tb] = x[j];
+            }
+          } else {
+            for (int t = 0; t < kChunk; ++t) {
+              const T* ks = k_head + tb_tok[std::min(t, nt - 1)];
+              for (int64_t d = 0; d < dpad; ++d)
+                ktf[(d * kTileVectors + tb) * kChunk + t] = t < nt && d < D ? to_f32(ks[d]) : 0.0f;
+            }
+          }
+        }
+        // V as float32 rows of dv vectors (zero-padded past D).
+        for (int t = 0; t < n_valid; ++t) {
+          const T* vs = v_head + tok[t];
+          if (whole_vectors)
+            for (int c = 0; c < dv; ++c) vt[t * dv + c] = load16(vs + c * kChunk);
+          else
+            for (int64_t d = 0; d < dpad; ++d) vtf[t * dpad + d] = d < D ? to_f32(vs[d]) : 0.0f;
+        }
+        // Scores by blocks of rows, each only over the vectors its last (furthest) row may see.
+        int64_t r = r0;
+        for (; r + kScoreRows <= r1; r += kScoreRows)
+          block_scores<kScoreRows>(vectors_seen(r + kScoreRows - 1), qb, dpad, kt, dpad, r, s);
+        for (; r < r1; ++r) block_scores<1>(vectors_seen(r), qb, dpad, kt, dpad, r, s);
+        softmax_step<kTileVectors>(r0, r1, hr, w.sh.group, w.first_pos(), c0, n_valid, dv, s, o, scr.m.data(),
+                                   scr.l.data());
+        // o[r] += sum_t p[r][t] v[t]: blocks of RB rows keep their accumulators in registers across the tokens
+        // their last row sees; the rest, and heads wider than the register budget, row by row.
+        r = r0;
+        for (; dv <= kDirectMaxVectors && r + RB <= r1; r += RB) {
+          const int n_seen = tokens_seen(r + RB - 1);
+          v16f acc[RB][DVMAX];
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
+          for (int t = 0; t < n_seen; ++t) {
+            v16f vv[DVMAX];
+            for (int c = 0; c < dv; ++c) vv[c] = vt[t * dv + c];
+            for (int i = 0; i < RB; ++i) {
+              const float pt = sf[(r + i) * kTile + t];
+              for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
+            }
+          }
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
+        }
+        for (; r < r1; ++r) {
+          v16f* orow = o + r * dv;
+          for (int t = 0, n_seen = tokens_seen(r); t < n_seen; ++t) {
+            const float pt = sf[r * kTile + t];
+            const v16f* vrow = vt + t * dv;
+            for (int c = 0; c < dv; ++c) orow[c] += pt * vrow[c];
+          }
+        }
+      }
+      if (c0 + kTile < w.u.kv_hi) {
+        std::memcpy(tok, next_tok, sizeof(tok));
+        n_valid = n_next;
+      }
+    }
+  }
+}
 
 template <typename T, int DV>  // DV: head_dim / 16 rounded up, or 0 for "given at run time"
 void run_unit(const Unit& u, const Shapes& sh, int dv_runtime, const T* q, const T* k_pages, const T* v_pages,
               const int32_t* block_tables, float sm_scale, T* out, float* parts, Scratch& scr) {
   const int dv = DV > 0 ? DV : dv_runtime;
-  const int64_t D = sh.head_dim, G = sh.group, Hkv = sh.num_kv_heads, Hq = sh.num_q_heads;
-  const int64_t hr = int64_t(u.num_rows) * G, heads = Hkv, rows = hr * heads;
-  // Reading K and V straight from the cache needs whole vectors per head; otherwise chunks are copied.
-  const bool direct = D % kChunk == 0 && dv <= kDirectMaxVectors && hr < kCopyRows;
-  // Rows per register block of the direct path: RB x DV accumulators plus DV operands fit 32 registers.
-  constexpr int DVMAX = DV > 0 ? DV : kDirectMaxVectors;
-  constexpr int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;
+  const int64_t D = sh.head_dim, G = sh.group, Hq = sh.num_q_heads;
+  const int64_t hr = int64_t(u.num_rows) * G, rows = hr * sh.num_kv_heads;
   float* qb = reinterpret_cast<float*>(scr.q.data());
   v16f* o = scr.o.data();
-  v16f* s = scr.s.data();
-  v16f* tile = scr.tile.data();
-  float* m = scr.m.data();
-  float* l = scr.l.data();
   auto q_row = [&](int64_t r) {  // element offset of matrix row r in q and out
     const int64_t h = r / hr, i = (r % hr) / G, g = (r % hr) % G;
     return ((u.q_start + u.row0 + i) * Hq + h * G + g) * D;
@@ -212,236 +588,27 @@ void run_unit(const Unit& u, const Shapes& sh, int dv_runtime, const T* q, const
     for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * sm_scale;
     for (int64_t d = D; d < dv * kChunk; ++d) dst[d] = 0.0f;
     for (int c = 0; c < dv; ++c) o[r * dv + c] = splat(0.0f);
-    m[r] = kMaskValue;
-    l[r] = 0.0f;
+    scr.m[r] = kMaskValue;
+    scr.l[r] = 0.0f;
   }
-  const v16f* qv = scr.q.data();
-  const int32_t first_pos = u.kv_start + u.row0;  // position of the unit's first query row
-  const int32_t extent = u.kv_hi;  // the unit's last row sees positions < extent
-  const int64_t page_stride = sh.block_size * Hkv * D, token_stride = Hkv * D;
-  const int32_t* table = block_tables + int64_t(u.seq) * sh.max_blocks;
-  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  int64_t tok[kChunk], next_tok[kChunk];  // element offsets of the chunk's tokens (head h0) in the cache
-  auto offsets = [&](int32_t c0, int64_t* dst) {
-    const int n = std::min<int32_t>(kChunk, extent - c0);
-    int64_t page_idx = c0 / sh.block_size, slot = c0 % sh.block_size;
-    for (int t = 0; t < n; ++t) {
-      const int64_t page = std::clamp<int64_t>(table[page_idx], 0, sh.num_blocks - 1);
-      dst[t] = page * page_stride + slot * token_stride;
-      if (++slot == sh.block_size) slot = 0, ++page_idx;
-    }
-    return n;
-  };
-  const int64_t line_elems = 64 / sizeof(T), row_elems = heads * D;
-  int n_valid = extent > u.kv_lo ? offsets(u.kv_lo, tok) : 0;
-
-  for (int32_t c0 = u.kv_lo; c0 < extent; c0 += kChunk) {
-    // Prefetch the next chunk (its pages are anywhere in the cache, so no hardware prefetcher guesses them).
-    int n_next = 0;
-    if (c0 + kChunk < extent) {
-      n_next = offsets(c0 + kChunk, next_tok);
-      for (int t = 0; t < n_next; ++t)
-        for (int64_t e = 0; e < row_elems; e += line_elems) {
-          __builtin_prefetch(k_pages + next_tok[t] + e);
-          __builtin_prefetch(v_pages + next_tok[t] + e);
-        }
-    }
-
-    // Scores s[r] (16 tokens each; slots past n_valid are 0 and masked below).
-    if (direct) {
-      // A 16-wide partial dot product per token, reduced across lanes once per chunk. With fewer than RB rows
-      // per head (decodes of small groups), token by token, every head of a token row in turn (the cache is
-      // read in address order); otherwise per head and block of RB rows, their queries held in registers.
-      if (hr < RB) {
-        for (int t = 0; t < n_valid; ++t)
-          for (int64_t h = 0; h < heads; ++h) {
-            const T* kp = k_pages + tok[t] + h * D;
-            v16f kv[DVMAX];
-            for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
-            for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
-              v16f acc = qv[r * dv] * kv[0];
-              for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * kv[c];
-              tile[r * kChunk + t] = acc;
-            }
-          }
-      }
-      for (int64_t h = 0; h < heads && hr >= RB; ++h) {
-        int64_t r = h * hr;
-        for (; r + RB <= (h + 1) * hr; r += RB) {
-          v16f qr[RB][DVMAX];
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < dv; ++c) qr[i][c] = qv[(r + i) * dv + c];
-          for (int t = 0; t < n_valid; ++t) {
-            const T* kp = k_pages + tok[t] + h * D;
-            v16f kv[DVMAX];
-            for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
-            for (int i = 0; i < RB; ++i) {
-              v16f acc = qr[i][0] * kv[0];
-              for (int c = 1; c < dv; ++c) acc += qr[i][c] * kv[c];
-              tile[(r + i) * kChunk + t] = acc;
-            }
-          }
-        }
-        for (; r < (h + 1) * hr; ++r)
-          for (int t = 0; t < n_valid; ++t) {
-            const T* kp = k_pages + tok[t] + h * D;
-            v16f acc = qv[r * dv] * load16(kp);
-            for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * load16(kp + c * kChunk);
-            tile[r * kChunk + t] = acc;
-          }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int t = n_valid; t < kChunk; ++t) tile[r * kChunk + t] = splat(0.0f);
-        s[r] = reduce16(tile + r * kChunk);
-      }
-    } else {
-      float* kt = reinterpret_cast<float*>(scr.kt.data());
-      const v16f* ktv = scr.kt.data();
-      for (int64_t h = 0; h < heads; ++h) {
-        for (int t = 0; t < n_valid; ++t) {
-          const T* ks = k_pages + tok[t] + h * D;
-          for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = to_f32(ks[d]);
-        }
-        for (int t = n_valid; t < kChunk; ++t)
-          for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = 0.0f;
-        for (int64_t d = D; d < dv * kChunk; ++d) scr.kt[d] = splat(0.0f);
-        // Four matrix rows at a time: s[r] = sum_d q[r][d] * kt[d].
-        int64_t r = h * hr;
-        for (; r + 4 <= (h + 1) * hr; r += 4) {
-          const float* q0 = qb + r * dv * kChunk;
-          const int64_t qs = dv * kChunk;
-          v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-          for (int64_t d = 0; d < dv * kChunk; ++d) {
-            const v16f kd = ktv[d];
-            a0 += q0[d] * kd;
-            a1 += q0[qs + d] * kd;
-            a2 += q0[2 * qs + d] * kd;
-            a3 += q0[3 * qs + d] * kd;
-          }
-          s[r] = a0, s[r + 1] = a1, s[r + 2] = a2, s[r + 3] = a3;
-        }
-        for (; r < (h + 1) * hr; ++r) {
-          const float* q0 = qb + r * dv * kChunk;
-          v16f a0 = {};
-          for (int64_t d = 0; d < dv * kChunk; ++d) a0 += q0[d] * ktv[d];
-          s[r] = a0;
-        }
-      }
-    }
-
-    // Online softmax: s[r] becomes the chunk's probabilities (0 where row r may not look) and o[r] is rescaled.
-    for (int64_t r = 0; r < rows; ++r) {
-      // Row r sees chunk slots t with c0 + t <= its position, and t < n_valid.
-      const int32_t visible = std::min<int32_t>(n_valid, first_pos + int32_t((r % hr) / G) - c0 + 1);
-      if (visible <= 0) {
-        s[r] = splat(0.0f);
-        continue;
-      }
-      const v16f sr = lane < visible ? s[r] : splat(kMaskValue);
-      const float m_new = std::max(m[r], hmax(sr));
-      v16f p = exp_v(sr - m_new);
-      p = lane < visible ? p : splat(0.0f);
-      const float alpha = exp_v(splat(m[r] - m_new))[0];
-      l[r] = l[r] * alpha + hsum(p);
-      m[r] = m_new;
-      s[r] = p;
-      for (int c = 0; c < dv; ++c) o[r * dv + c] *= alpha;
-    }
-
-    // o[r] += sum_t p[r][t] * v[t].
-    if (direct) {
-      // As for the scores: token by token with fewer than RB rows per head, else per head and block of RB
-      // rows, their accumulators held in registers across the chunk's tokens.
-      if (hr < RB) {
-        for (int t = 0; t < n_valid; ++t)
-          for (int64_t h = 0; h < heads; ++h) {
-            const T* vp = v_pages + tok[t] + h * D;
-            v16f vv[DVMAX];
-            for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
-            for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
-              const float pt = s[r][t];
-              for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * vv[c];
-            }
-          }
-      }
-      for (int64_t h = 0; h < heads && hr >= RB; ++h) {
-        int64_t r = h * hr;
-        for (; r + RB <= (h + 1) * hr; r += RB) {
-          v16f acc[RB][DVMAX];
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
-          for (int t = 0; t < n_valid; ++t) {
-            const T* vp = v_pages + tok[t] + h * D;
-            v16f vv[DVMAX];
-            for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
-            for (int i = 0; i < RB; ++i) {
-              const float pt = s[r + i][t];
-              for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
-            }
-          }
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
-        }
-        for (; r < (h + 1) * hr; ++r)
-          for (int t = 0; t < n_valid; ++t) {
-            const T* vp = v_pages + tok[t] + h * D;
-            const float pt = s[r][t];
-            for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * load16(vp + c * kChunk);
-          }
-      }
-    } else {
-      float* vt = reinterpret_cast<float*>(scr.vt.data());
-      const v16f* vtv = scr.vt.data();
-      for (int64_t h = 0; h < heads; ++h) {
-        for (int t = 0; t < n_valid; ++t) {
-          float* vd = vt + t * dv * kChunk;
-          const T* vs = v_pages + tok[t] + h * D;
-          for (int64_t d = 0; d < D; ++d) vd[d] = to_f32(vs[d]);
-          for (int64_t d = D; d < dv * kChunk; ++d) vd[d] = 0.0f;
-        }
-        // Blocks of RB rows keep their accumulators in registers across the chunk's tokens (as in the direct
-        // path); the rest, and heads wider than the register budget, row by row.
-        int64_t r = h * hr;
-        for (; dv <= kDirectMaxVectors && r + RB <= (h + 1) * hr; r += RB) {
-          v16f acc[RB][DVMAX];
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
-          for (int t = 0; t < n_valid; ++t) {
-            v16f vv[DVMAX];
-            for (int c = 0; c < dv; ++c) vv[c] = vtv[t * dv + c];
-            for (int i = 0; i < RB; ++i) {
-              const float pt = s[r + i][t];
-              for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
-            }
-          }
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
-        }
-        for (; r < (h + 1) * hr; ++r) {
-          v16f* orow = o + r * dv;
-          for (int t = 0; t < n_valid; ++t) {
-            const float pt = s[r][t];
-            const v16f* vrow = vtv + t * dv;
-            for (int c = 0; c < dv; ++c) orow[c] += pt * vrow[c];
-          }
-        }
-      }
-    }
-    std::memcpy(tok, next_tok, sizeof(tok));
-    n_valid = n_next;
-  }
+  const UnitWalk<T> walk{u, sh, dv, hr, rows, k_pages, v_pages, block_tables + int64_t(u.seq) * sh.max_blocks, scr};
+  // Reading K and V straight from the cache needs whole vectors per head; otherwise tiles are copied.
+  if (D % kChunk == 0 && dv <= kDirectMaxVectors && hr < kCopyRows)
+    walk_direct<T, DV>(walk);
+  else
+    walk_copying<T, DV>(walk);
 
   if (u.part >= 0) {  // the merge (merge_parts) normalises
     float* dst = parts;  // this unit's slot
     for (int64_t r = 0; r < rows; ++r, dst += dv * kChunk + 2) {
-      dst[0] = m[r], dst[1] = l[r];
+      dst[0] = scr.m[r], dst[1] = scr.l[r];
       std::memcpy(dst + 2, o + r * dv, sizeof(float) * dv * kChunk);
     }
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + q_row(r);
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float inv = scr.l[r] > 0.0f ? 1.0f / scr.l[r] : 0.0f;
     const float* orow = reinterpret_cast<const float*>(o + r * dv);
     for (int64_t d = 0; d < D; ++d) from_f32(orow[d] * inv, dst + d);
   }

@@ -7,7 +7,9 @@ The kernel must be built (`pip install -e .` builds it); these tests fail, never
 Static split sizes are varied so that every path runs: units of one row or of many (`unit_rows`), split-KV
 parts merged afterwards (`min_part_tokens`: a batch with fewer row blocks than twice the threads splits), the
 direct path (fewer than 16 matrix rows per KV head, head_dim a multiple of 16) and the copying one (more
-rows, or another head_dim), block sizes that hold less than, exactly, or several 16-token chunks.
+rows, or another head_dim), block sizes that hold less than, exactly, or several 16-token chunks, and KV
+ranges (up to 128 tokens, parts starting at any multiple of 16) that fill part of, one or two of the copying
+path's 64-token tiles, with blocks of rows on and off the causal diagonal.
 """
 
 from __future__ import annotations
