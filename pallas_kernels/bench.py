@@ -29,7 +29,8 @@ the C++ kernel (`attention_backend="cpu"`) and the jnp path (`"xla"`) side by si
 GQA groups 1, 4 and 8 at head_dim 64 and 128, decode batches of 1-128 rows at contexts 64-4096, and
 prefills and chunks; the floors use the matmul rate and the read bandwidth (attention mostly reads). The jnp
 path is skipped where its K/V exceed `--xla-max-mb` (it would take seconds per call); `--cpu-only` skips it
-everywhere.
+everywhere. `--baseline-library SO` times another build of the C++ kernel (an older checkout's .so) in
+alternating rounds with this one, on the same inputs, and reports the ratio.
 
     python -m pallas_kernels.bench                            # on a CPU: the CPU suite
     python -m pallas_kernels.bench --cpu-heads 8,8,64 --decodes 32 --decode-ctx 512
@@ -245,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-only", action="store_true", help="CPU suite: time the C++ kernel only")
     p.add_argument("--xla-max-mb", type=float, default=300.0,
                    help="CPU suite: time the jnp path only where the minimal bytes are at most this")
+    p.add_argument("--baseline-library", default=None, metavar="SO",
+                   help="CPU suite: another build of the C++ kernel (its _cpu_attention*.so, from another "
+                        "checkout), timed in alternating rounds with this one on the same inputs")
     return p
 
 

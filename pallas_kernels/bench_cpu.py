@@ -13,13 +13,14 @@ import numpy as np
 
 from pallas_kernels import machine_rates
 from pallas_kernels.bench_cases import Case, build_batch, count_work
-from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
+from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, kernel_of_library, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from pallas_kernels.timing import best_seconds_per_call
 
 
-def run_cpu_case(case: Case, heads, args, *, peak_flops, peak_bw, rng) -> dict:
-    """One batch on a CPU: the C++ kernel and (within --xla-max-mb) the jnp path, against the floor."""
+def run_cpu_case(case: Case, heads, args, *, peak_flops, peak_bw, rng, baseline=None) -> dict:
+    """One batch on a CPU: the C++ kernel and (within --xla-max-mb) the jnp path, against the floor; with
+    `baseline` (another build of the kernel), both builds timed in alternating rounds on the same inputs."""
     dtype = jnp.dtype(args.dtype)
     hq, hkv, d = heads
     seqs = case.seqs()
@@ -34,18 +35,27 @@ def run_cpu_case(case: Case, heads, args, *, peak_flops, peak_bw, rng) -> dict:
     fns = [("cpu", jax.jit(ragged_paged_attention_cpu))]
     if args.xla and not args.cpu_only and min_bytes / 1e6 <= args.xla_max_mb:
         fns.append(("xla", jax.jit(ragged_paged_attention_xla)))
-    outs = {}
-    for name, fn in fns:
-        outs[name] = jax.block_until_ready(fn(*arrays))
-        t = best_seconds_per_call(fn, *arrays, iters=args.iters, repeats=args.repeats, warmup=0)
+    if baseline is not None:
+        fns.append(("baseline", baseline))
+    outs = {name: jax.block_until_ready(fn(*arrays)) for name, fn in fns}
+    best = {name: float("inf") for name, _ in fns}
+    for _ in range(args.repeats):  # rounds alternate between the functions: drift hits them alike
+        for name, fn in fns:
+            best[name] = min(best[name], best_seconds_per_call(fn, *arrays, iters=args.iters, repeats=1, warmup=0))
+    for name, _ in fns:
+        t = best[name]
         rec[f"{name}_us"] = t * 1e6
         rec[f"{name}_over_floor"] = t / floor
         rec[f"{name}_over_memory_floor"] = t / t_memory
-    if "xla" in outs:
-        rows = int(arrays[5][len(seqs)])
-        a, b = (np.asarray(outs[n], np.float32)[:rows] for n in ("cpu", "xla"))
-        rec["max_rel_diff_vs_xla"] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-        rec["ok"] = rec["max_rel_diff_vs_xla"] <= (1e-5 if dtype == jnp.float32 else 2e-2)
+    rows = int(arrays[5][len(seqs)])
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for other in ("xla", "baseline"):
+        if other in outs:
+            a, b = (np.asarray(outs[n], np.float32)[:rows] for n in ("cpu", other))
+            rec[f"max_rel_diff_vs_{other}"] = diff = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+            rec["ok"] = rec.get("ok", True) and diff <= tol
+    if "baseline" in outs:
+        rec["baseline_ratio"] = rec["cpu_us"] / rec["baseline_us"]
     return rec
 
 
@@ -58,6 +68,10 @@ def format_cpu_table(records: list[dict]) -> str:
                if "xla_us" in r else "- | - | -")
         lines.append(f"| {hq}/{hkv}/{d} ({r['group']}) | {r['case']} | {r['cpu_us']:.1f} | {r['cpu_over_floor']:.3g} | "
                      f"{r['cpu_over_memory_floor']:.3g} | {xla} | {r['floor_us']:.1f} ({r['floor_kind']}) |")
+    if any("baseline_us" in r for r in records):
+        lines += ["", "| heads q/kv/d (G) | batch | baseline us | this build us | this / baseline |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['heads'][0]}/{r['heads'][1]}/{r['heads'][2]} ({r['group']}) | {r['case']} | {r['baseline_us']:.1f} | "
+                  f"{r['cpu_us']:.1f} | {r['baseline_ratio']:.2f}x |" for r in records if "baseline_us" in r]
     return "\n".join(lines)
 
 
@@ -73,10 +87,14 @@ def cpu_main(args, cases) -> None:
     print(f"device: {jax.devices()[0].device_kind} (cpu); dtype {args.dtype}; block_size {args.block_size}")
     print(f"measured: matmul {peak_flops / 1e9:.4g} GFLOP/s ({args.dtype}), read bandwidth {peak_bw / 1e9:.4g} GB/s")
     rng = np.random.default_rng(args.seed)
+    baseline = None
+    if args.baseline_library:
+        baseline = kernel_of_library(args.baseline_library, "sarathi_ragged_paged_attention_baseline")
+        print(f"baseline build: {args.baseline_library} (timed in alternating rounds with this one)")
     records = []
     for heads in heads_list:
         for case in cases:
-            r = run_cpu_case(case, heads, args, peak_flops=peak_flops, peak_bw=peak_bw, rng=rng)
+            r = run_cpu_case(case, heads, args, peak_flops=peak_flops, peak_bw=peak_bw, rng=rng, baseline=baseline)
             records.append(r)
             xla = f", xla {r['xla_us']:.0f} us" if "xla_us" in r else ""
             print(f"  {heads} {case.name}: cpu {r['cpu_us']:.1f} us ({r['cpu_over_floor']:.3g}x floor){xla}",

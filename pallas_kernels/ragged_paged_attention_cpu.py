@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +68,8 @@ def _smoke_test(origin: str) -> str | None:
 
 
 def _call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, unit_rows,
-          min_part_tokens):
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+          min_part_tokens, target=_TARGET):
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=np.float32(sm_scale),
                 unit_rows=np.int32(unit_rows), min_part_tokens=np.int32(min_part_tokens))
 
@@ -125,3 +126,19 @@ def ragged_paged_attention_cpu(
         raise ValueError(f"unit_rows={unit_rows} and min_part_tokens={min_part_tokens} must be positive")
     return _call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
                  unit_rows=unit_rows, min_part_tokens=min_part_tokens)
+
+
+def kernel_of_library(path: str, target: str) -> Callable[..., jax.Array]:
+    """Another build of this kernel (a .so from another checkout, say), registered under its own FFI target
+    name: a jitted `fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)` with the default
+    split sizes, for timing two builds side by side in one process (`python -m pallas_kernels.bench
+    --baseline-library`). Inputs are not validated: pass what `ragged_paged_attention_cpu` accepts."""
+    lib = ctypes.CDLL(path)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SarathiRaggedPagedAttention), platform="cpu")
+
+    def fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs):
+        return _call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, jnp.reshape(num_seqs, (1,)),
+                     sm_scale=q.shape[-1] ** -0.5, unit_rows=UNIT_ROWS, min_part_tokens=MIN_PART_TOKENS,
+                     target=target)
+
+    return jax.jit(fn)
