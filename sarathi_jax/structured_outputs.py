@@ -1,0 +1,249 @@
+"""Structured outputs: constrain a request's tokens to a JSON schema, a regex, a list of choices or a grammar.
+
+The grammar engine is llguidance (docs/design.md, "Structured outputs", says why, with figures). Three parts:
+
+- `StructuredOutputs`: what a user sends (`{"json": SCHEMA}`, `{"json_object": True}`, `{"regex": R}`,
+  `{"choice": [...]}`, `{"grammar": EBNF_OR_LARK}`), parsed and validated without a tokenizer, so the API edge
+  can refuse bad input (ValueError, with the library's message) before the request reaches the engine.
+- `GrammarCompiler` (one per tokenizer) -> `GrammarMatcher` (one per request): the host side. The matcher fills
+  its row of an int32 bitmask [rows, ceil(V/32)] for the next token and advances on each emitted token.
+- `apply_token_bitmask`: the device side, logits of disallowed tokens set to -inf.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import llguidance
+import llguidance.numpy as llguidance_numpy
+import numpy as np
+
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
+
+# The bound on a constraint's canonical text (a schema's compact JSON, a regex, a grammar, the choices' JSON
+# list), refused before anything is compiled. llguidance also bounds the work itself (`LLParserLimits`
+# defaults: grammar size 500k symbols, lexer fuel 1M at build and 200k per mask step), so no constraint
+# compiles or steps for long; this bound keeps hostile request bodies out of the parser altogether.
+MAX_CONSTRAINT_CHARS = 65_536
+
+# Compiled grammars kept per compiler (least recently used dropped first).
+DEFAULT_CACHE_SIZE = 256
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row: one bit per token id."""
+    return (vocab_size + 31) // 32
+
+
+def _canonical_json(value: object) -> str:
+    # Keys keep their order: llguidance emits an object's properties in the schema's order.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _llguidance_grammar(kind: ConstraintKind, text: str) -> str:
+    """The llguidance grammar of a constraint (raises ValueError on input the converters refuse)."""
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type":"object"}')
+    fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
+    return llguidance.grammar_from(fmt, text)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One request's constraint. `text` is canonical (a schema's compact JSON, keys in their order, the choices as
+    a JSON list, a regex or grammar as given, "" for json_object): equal constraints have equal text, which
+    is the compiler's cache key. Build with `parse`; direct construction is validated too."""
+
+    kind: ConstraintKind
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured_outputs: unknown kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        if len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs: the {self.kind} constraint has {len(self.text)} characters; "
+                             f"the limit is {MAX_CONSTRAINT_CHARS}")
+        try:
+            error = llguidance.LLMatcher.validate_grammar(self.grammar)
+        except ValueError as e:  # refused by a converter (a GBNF grammar's, a schema that is not JSON)
+            error = str(e)
+        if error:
+            raise ValueError(f"structured_outputs: invalid {self.kind}: {error.strip()}")
+
+    @property
+    def grammar(self) -> str:
+        """The llguidance grammar text."""
+        return _llguidance_grammar(self.kind, self.text)
+
+    @classmethod
+    def parse(cls, value: Mapping[str, object]) -> StructuredOutputs:
+        """The constraint of a request body's `structured_outputs` object: exactly one kind set (None, and
+        json_object False, count as unset). A schema may be an object or its JSON text."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"structured_outputs must be an object, not {type(value).__name__}")
+        unknown = sorted(set(value) - set(KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown keys {unknown}; expected one of {', '.join(KINDS)}")
+        given = [k for k in KINDS if value.get(k) is not None and value.get(k) is not False]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(given) if given else 'none'}")
+        kind: ConstraintKind = given[0]
+        item = value[kind]
+        if kind == "json":
+            if isinstance(item, str):
+                try:
+                    item = json.loads(item)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs: the json schema is not valid JSON: {e}") from e
+            if not isinstance(item, dict):
+                raise ValueError(f"structured_outputs: a json schema is an object, not {type(item).__name__}")
+            return cls(kind, _canonical_json(item))
+        if kind == "json_object":
+            if item is not True:
+                raise ValueError("structured_outputs: json_object must be true")
+            return cls(kind, "")
+        if kind == "choice":
+            if not isinstance(item, list) or not item:
+                raise ValueError("structured_outputs: choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) for c in item):
+                raise ValueError("structured_outputs: every choice must be a string")
+            return cls(kind, json.dumps(item, ensure_ascii=False))
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"structured_outputs: {kind} must be a non-empty string")
+        return cls(kind, item)
+
+
+class GrammarMatcher:
+    """One request's grammar state. `fill_bitmask` writes the next token's row; `advance` takes each emitted
+    token. Once it is in error (`error` is set: a token the grammar refuses, or the library's step limits
+    exceeded) it stays there, and its rows allow only the stop ids, so the request can end; the engine
+    finishes such a request with the error."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+        self._matcher = matcher
+        self._compiler = compiler
+        self._stopped_by: int | None = None  # the stop id that ended the output, once one has
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+    def may_stop(self) -> bool:
+        """Whether EOS / a stop id may be emitted now: only where the grammar may end."""
+        return self._matcher.is_accepting() and not self._matcher.is_error()
+
+    def is_finished(self) -> bool:
+        """The output is complete: a stop id was taken, or the grammar allows nothing but stopping."""
+        return self._stopped_by is not None or (self._matcher.is_stopped() and not self._matcher.is_error())
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int, stop_token_ids: Iterable[int] = ()) -> None:
+        """Write the allowed next tokens into bitmask[row] (int32 [rows, ceil(V/32)], C-contiguous).
+        `stop_token_ids`: the request's own stop ids beyond the compiler's, allowed where the grammar may end."""
+        if not self._matcher.is_error():
+            llguidance_numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+        if self._matcher.is_error():  # already, or the step just now ran out of its limits
+            bitmask[row] = 0
+            _set_bits(bitmask[row], self._compiler.stop_token_ids)
+        elif self.may_stop():
+            _set_bits(bitmask[row], (*self._compiler.stop_token_ids, *stop_token_ids))
+
+    def advance(self, token: int, stop_token_ids: Iterable[int] = ()) -> bool:
+        """Take one emitted token; False (and `error` set) if the grammar refuses it. A stop id (the
+        compiler's or `stop_token_ids`) is taken where the grammar may end and finishes the output."""
+        if self._stopped_by is not None or self._matcher.is_error():
+            return False
+        if token in self._compiler.stop_token_ids or token in stop_token_ids:
+            if self.may_stop():
+                self._stopped_by = token
+                return True
+        return bool(self._matcher.consume_token(token))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` advances (for speculative decoding: drafts past the first rejected one).
+        A stop id taken counts as one token. Not out of an error state."""
+        if num_tokens <= 0:
+            return
+        if self._stopped_by is not None:
+            self._stopped_by, num_tokens = None, num_tokens - 1
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error() or 'too many'}")
+
+
+def _set_bits(row: np.ndarray, token_ids: Iterable[int]) -> None:
+    for t in token_ids:
+        if 0 <= t < 32 * row.shape[0]:
+            row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; compiled grammars are cached by their canonical text.
+
+    `tokenizer_json`: the tokenizer.json text (`tokenizers.Tokenizer.to_str()`); `vocab_size`: the model's
+    vocabulary (logits width, may be padded past the tokenizer's: ids past it are never allowed);
+    `stop_token_ids`: EOS and the model's stop ids, allowed exactly where a grammar may end. Thread-safe:
+    the API edge compiles off the engine's hot path while the engine makes matchers."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        if not stop_token_ids:
+            raise ValueError("a grammar compiler needs at least one stop id (EOS)")
+        self.vocab_size = vocab_size
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                 eos_token=list(self.stop_token_ids))
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @property
+    def bitmask_width(self) -> int:
+        return bitmask_width(self.vocab_size)
+
+    def allocate_bitmask(self, rows: int) -> np.ndarray:
+        """An all-ones (unconstrained) int32 bitmask [rows, ceil(V/32)]."""
+        return np.full((rows, self.bitmask_width), -1, dtype=np.int32)
+
+    def compile(self, constraint: StructuredOutputs) -> llguidance.LLMatcher:
+        """The pristine matcher of a constraint, built once and cached; ValueError if it does not compile for
+        this tokenizer. Call it where a request arrives, so `matcher` later only copies."""
+        key = (constraint.kind, constraint.text)
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+                return template
+        template = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs: invalid {constraint.kind}: {template.get_error().strip()}")
+        # The first mask builds the lexer's start states; copies made afterwards share them.
+        llguidance_numpy.fill_next_token_bitmask(template, self.allocate_bitmask(1), 0)
+        with self._lock:
+            self._cache[key] = template
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return template
+
+    def matcher(self, constraint: StructuredOutputs) -> GrammarMatcher:
+        """A fresh matcher for one request (a copy of the compiled grammar's pristine state)."""
+        return GrammarMatcher(self.compile(constraint).deep_copy(), self)
+
+
+@jax.jit
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [R, V] with the tokens whose bit is 0 in bitmask int32 [R, ceil(V/32)] set to -inf (bit t % 32
+    of word t // 32 is token t). An all-ones row (-1 words) leaves its logits as they are."""
+    rows, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
+    bits = (words[:, :, None] >> shifts) & jnp.uint32(1)
+    allowed = bits.reshape(rows, -1)[:, :vocab].astype(jnp.bool_)
+    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
