@@ -37,7 +37,6 @@ from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
 from sarathi_jax.models.layers import unstack_layer_params
-from sarathi_jax.outputs import IterationRecord
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, size_engine
 from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
@@ -170,10 +169,6 @@ class LLMEngine(CoreFrontEnd):
         fraction = jax_mem_fraction() if platform in GPU_PLATFORMS else 1.0
         return kv_cache_budget(config, self.model_config, stats, fraction)
 
-    @property
-    def iteration_log(self) -> list[IterationRecord]:
-        return self.core.iteration_log
-
     # ----------------------------------------------------------------------------------- pipeline parallelism
 
     def pipeline_stats(self) -> dict:
@@ -201,9 +196,6 @@ class LLMEngine(CoreFrontEnd):
         return min(self.core.loop.max_in_flight, len(self.iteration_log))
 
     # ----------------------------------------------------------------------------------- introspection
-
-    def stats(self) -> dict:
-        return self.core.stats()
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until the executables left to background threads at start-up (`background_compile`) are all

@@ -382,6 +382,14 @@ class CoreFrontEnd:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    @property
+    def iteration_log(self) -> list[IterationRecord]:
+        return self.core.iteration_log
+
+    def stats(self) -> dict:
+        """Queue and KV-cache occupancy (`Scheduler.stats`)."""
+        return self.core.stats()
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their requests; nothing is reused after)."""
         self.core.scheduler.block_manager.reset_prefix_cache()

@@ -172,10 +172,6 @@ class SimulatedEngine(CoreFrontEnd):
     def clock(self) -> VirtualClock:
         return self.executor.clock
 
-    @property
-    def iteration_log(self) -> list[IterationRecord]:
-        return self.core.iteration_log
-
     def dummy_prompt(self, length: int) -> list[int]:
         """Made-up token ids for a prompt of `length` tokens (none for a length < 1)."""
         return [(7 * i + 1) % self.admission.vocab_size for i in range(length)]
