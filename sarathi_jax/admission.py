@@ -40,10 +40,12 @@ Prompt = str | Sequence[int]
 
 @dataclass(frozen=True)
 class AdmittedRequest:
-    """A validated request: its prompt as token ids, and its sampling parameters."""
+    """A validated request: its prompt as token ids, its sampling parameters, and the ids suppressed while it
+    has fewer than params.min_tokens outputs (`Admission.banned_until_min_tokens`)."""
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    banned_until_min_tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -188,10 +190,11 @@ class Admission:
             raise AdmissionError("stop", "stop strings need a tokenizer, and this model has none "
                                          "(use stop_token_ids)")
         self._check_vocab("stop_token_ids", params.stop_token_ids)
-        if len(self.banned_until_min_tokens(params)) > MAX_BANNED:
+        banned = self.banned_until_min_tokens(params)
+        if len(banned) > MAX_BANNED:
             raise AdmissionError("stop_token_ids",
                                  f"with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
-        return AdmittedRequest(tuple(prompt_ids), params)
+        return AdmittedRequest(tuple(prompt_ids), params, banned)
 
     def banned_until_min_tokens(self, params: SamplingParams) -> tuple[int, ...]:
         """The ids suppressed while a request has fewer than min_tokens outputs: its stop ids and (unless

@@ -1,11 +1,13 @@
-"""The real engine: request validation at the edge, the engine core, and the model runner as its executor.
+"""The real engine: a model's weights, KV cache sizing, scheduler, model runner and admission, built from an
+`EngineConfig`, with its start-up report.
 
-A request's path: `add_request` validates it through `self.admission` (sarathi_jax/admission.py, the one
-admission path, which servers call themselves) and `add_admitted` makes a `Sequence`; `step` runs one
-iteration of `EngineCore` (sarathi_jax/engine_core.py), which asks the scheduler for a batch, dispatches it
-on the model runner, and postprocesses sampled tokens (append, stop checks, finish, KV blocks freed). By default the loop is overlapped (`EngineConfig.async_scheduling`): the host
-schedules and dispatches batch N+1 before fetching batch N's tokens. The engine is driven by one thread;
-servers hand it work through a queue.
+Requests never run code here: `add_request`, `add_admitted` and `step` are `engine_core.CoreFrontEnd`'s, the
+one copy the simulator shares. `add_request` validates a request through `self.admission`
+(sarathi_jax/admission.py, the one admission path, which servers call themselves); `step` runs one iteration
+of `EngineCore` (sarathi_jax/engine_core.py), which asks the scheduler for a batch, dispatches it on the model
+runner, and postprocesses sampled tokens (append, stop checks, finish, KV blocks freed). By default the loop
+is overlapped (`EngineConfig.async_scheduling`): the host schedules and dispatches batch N+1 before fetching
+batch N's tokens. The engine is driven by one thread; servers hand it work through a queue.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import cpu_kernel_status, get_attention_fn
-from sarathi_jax.admission import Admission, AdmittedRequest, KVCapacity
+from sarathi_jax.admission import Admission, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.compile_cache import PhaseTimer, enable_compilation_cache, record_compiles
@@ -31,17 +32,14 @@ from sarathi_jax.config import (
     resolve_scan_layers,
 )
 from sarathi_jax.engine_api import WallClock
-from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
+from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
 from sarathi_jax.models.layers import unstack_layer_params
-from sarathi_jax.outputs import IterationRecord, RequestOutput
-from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import make_scheduler
-from sarathi_jax.sequence import Sequence
 from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, size_engine
-from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer, load_tokenizer
+from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
 
 
 class LLMEngine(CoreFrontEnd):
@@ -114,12 +112,13 @@ class LLMEngine(CoreFrontEnd):
             with timer.phase("warmup"):
                 if warmup:
                     self.runner.warmup(background=config.background_compile)
-        self._seed_rng = np.random.default_rng(config.seed)
         self.core = EngineCore(
             self.scheduler,
             self.runner,
             loop=LoopConfig(config.async_scheduling, config.pipeline_parallel_size),
             eos_token_ids=mc.eos_token_ids,
+            tokenizer=self.tokenizer,
+            seed=config.seed,
         )
         is_folder = Path(config.model).is_dir()
         self.admission = Admission(
@@ -170,45 +169,6 @@ class LLMEngine(CoreFrontEnd):
         fraction = jax_mem_fraction() if platform in GPU_PLATFORMS else 1.0
         return kv_cache_budget(config, self.model_config, stats, fraction)
 
-    # ----------------------------------------------------------------------------------- requests in
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Validate and queue a request. Raises AdmissionError (a ValueError) naming the bad field; the engine is
-        unchanged then."""
-        self.check_new_id(request_id)
-        self.add_admitted(request_id, self.admission.admit(prompt, params), arrival_time)
-
-    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
-        """Queue a request that `self.admission` admitted, under a new id. Nothing is re-checked (the scheduler
-        asserts what admission guarantees): servers admit in their own thread and hand this the result."""
-        ids, params = list(request.prompt_token_ids), request.params
-        assert request_id not in self.core, request_id
-        seq = Sequence(request_id, ids, params, time.monotonic() if arrival_time is None else arrival_time)
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
-        banned = self.admission.banned_until_min_tokens(params)
-        self.core.add(RequestState(seq, seed, banned, detokenizer, StopStringChecker(params.stop)))
-
-    def step(self) -> list[RequestOutput]:
-        """One iteration of the engine core: schedule and dispatch a batch, retire the oldest in flight.
-
-        Synchronous loop: the batch dispatched is also retired. Overlapped loop (the default): the batch
-        dispatched by call N+1 is queued on the device before call N+1 fetches and postprocesses batch N, so
-        a request's token is reported one call after its batch was dispatched. With pipeline_parallel_size =
-        pp > 1 up to pp micro-batches are in flight. See sarathi_jax/engine_core.py.
-        """
-        return self.core.step()
-
-    @property
-    def iteration_log(self) -> list[IterationRecord]:
-        return self.core.iteration_log
-
     # ----------------------------------------------------------------------------------- pipeline parallelism
 
     def pipeline_stats(self) -> dict:
@@ -236,9 +196,6 @@ class LLMEngine(CoreFrontEnd):
         return min(self.core.loop.max_in_flight, len(self.iteration_log))
 
     # ----------------------------------------------------------------------------------- introspection
-
-    def stats(self) -> dict:
-        return self.core.stats()
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until the executables left to background threads at start-up (`background_compile`) are all

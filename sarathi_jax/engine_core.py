@@ -34,12 +34,14 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
-from sarathi_jax.sampling_params import AdmissionError, RequestSampling
-from sarathi_jax.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from sarathi_jax.sequence import Sequence, SequenceStatus
-from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker
+import numpy as np
 
+from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
+from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
+from sarathi_jax.sampling_params import AdmissionError, RequestSampling, SamplingParams
+from sarathi_jax.scheduler import Scheduler
+from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
+from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
 
 
 class SampledBatch(Protocol):
@@ -106,8 +108,8 @@ class RequestState:
     seq: Sequence
     seed: int
     banned_until_min_tokens: tuple[int, ...]  # stop and EOS ids suppressed while outputs < min_tokens
-    detokenizer: IncrementalDetokenizer | None
-    stop_checker: StopStringChecker  # owns the released text; holds back what may become a stop string
+    detokenizer: IncrementalDetokenizer | None  # None, with stop_checker: no tokenizer, so no text
+    stop_checker: StopStringChecker | None  # owns the released text; holds back what may become a stop string
     prompt_token_ids: tuple[int, ...] = ()  # built once: every output carries it
     emitted_tokens: int = 0  # output tokens already reported to the caller
     text_delta: str = ""  # released text not yet reported
@@ -125,7 +127,11 @@ class _InFlight:
 
 
 class EngineCore:
-    """Requests in, one scheduled batch per `step()`, outputs out. Validation happens before `add`."""
+    """Requests in, one scheduled batch per `step()`, outputs out. Validation happens before `add_request`.
+
+    tokenizer: detokenizes outputs and finds stop strings (None: outputs have no text). seed: where the seeds
+    of requests that set none are drawn from (drawn once, so a preempted request resamples the same tokens).
+    """
 
     def __init__(
         self,
@@ -134,11 +140,15 @@ class EngineCore:
         *,
         loop: LoopConfig = LoopConfig(),
         eos_token_ids: SequenceOf[int] = (),
+        tokenizer: Tokenizer | None = None,
+        seed: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.loop = loop
         self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        self._seed_rng = np.random.default_rng(seed)
         self.iteration_log: list[IterationRecord] = []
         self._requests: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step()
@@ -148,6 +158,16 @@ class EngineCore:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def add_request(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
+        """Queue an admitted request under a new id (nothing is re-checked: the scheduler asserts the lengths)."""
+        ids, params = list(request.prompt_token_ids), request.params
+        seq = Sequence(request_id, ids, params, self.executor.now() if arrival_time is None else arrival_time)
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+        text = self.tokenizer is not None
+        self.add(RequestState(seq, seed, request.banned_until_min_tokens,
+                              IncrementalDetokenizer(self.tokenizer, ids) if text else None,
+                              StopStringChecker(params.stop) if text else None))
 
     def add(self, state: RequestState) -> None:
         """Queue a validated request (a new id: the caller checked with `in`)."""
@@ -294,7 +314,7 @@ class EngineCore:
             new_token_ids=new_ids,
             token_ids=tuple(output_ids),
             text_delta=text_delta,
-            text=state.stop_checker.text,
+            text=state.stop_checker.text if state.stop_checker is not None else "",
             new_logprobs=logprobs,
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
@@ -320,10 +340,35 @@ class EngineCore:
 
 
 class CoreFrontEnd:
-    """The requests-facing calls that an engine built on an `EngineCore` (`LLMEngine`, `SimulatedEngine`)
-    hands straight to it. The engine sets `core`."""
+    """The requests-facing calls of the engine API (`engine_api.Engine`) that an engine built on an
+    `EngineCore` (`LLMEngine`, `SimulatedEngine`) hands straight to it: one copy for both. The engine sets
+    `core` and `admission`."""
 
     core: EngineCore
+    admission: Admission
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises AdmissionError (a ValueError) naming the bad field; the engine
+        is unchanged then."""
+        self.check_new_id(request_id)
+        self.add_admitted(request_id, self.admission.admit(prompt, params), arrival_time)
+
+    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
+        """Queue a request that `self.admission` admitted, under a new id. Nothing is re-checked (the scheduler
+        asserts what admission guarantees): servers admit in their own thread and hand this the result."""
+        assert request_id not in self.core, request_id
+        self.core.add_request(request_id, request, arrival_time)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration of the engine core: schedule and dispatch a batch, retire the oldest in flight.
+
+        Synchronous loop: the batch dispatched is also retired. Overlapped loop (the default): the batch
+        dispatched by call N+1 is queued on the device before call N+1 fetches and postprocesses batch N, so
+        a request's token is reported one call after its batch was dispatched. With pipeline_parallel_size =
+        pp > 1 up to pp micro-batches are in flight (see the module docstring).
+        """
+        return self.core.step()
 
     def check_new_id(self, request_id: str) -> None:
         """The one request rule admission cannot decide: the id must not be in use here."""
@@ -336,6 +381,14 @@ class CoreFrontEnd:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    @property
+    def iteration_log(self) -> list[IterationRecord]:
+        return self.core.iteration_log
+
+    def stats(self) -> dict:
+        """Queue and KV-cache occupancy (`Scheduler.stats`)."""
+        return self.core.stats()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their requests; nothing is reused after)."""

@@ -19,6 +19,10 @@ steady decode costs a few Python operations per row and a handful of vectorised 
 `prepare` returns copies of the two buffers (a step in flight must never see the next step's writes) and the
 sampler variant. A pending input token (overlapped loop) is read on the device from the previous step's
 sampled row, which this batch remembers too.
+
+The sampling part is written here, for the runner and for one-off builds alike: `write_sampling_row` (a
+request's settings into a row), `variant_of` (the cheapest exact `SamplerVariant` for the rows), and for a
+plain list of rows `make_sampling_arrays` and `sampler_variant` (tests, the bench's sampler probe).
 """
 
 from __future__ import annotations
@@ -28,31 +32,37 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sarathi_jax.sampling_inputs import (
+    MAX_BANNED,
+    SAMPLER_VARIANTS,
+    SAMPLING_EPS,
+    TOP_K_CANDIDATES,
     SamplerVariant,
     SamplingArrays,
+    SamplingRow,
     empty_sampling_arrays,
-    variant_of,
-    write_sampling_row,
 )
-from sarathi_jax.sampling_params import RequestSampling
-from sarathi_jax.scheduler import ScheduledChunk
+from sarathi_jax.sampling_params import RequestSampling, SamplingParams
+from sarathi_jax.sequence import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, pack_sampling, sampling_views
 
+_U32_MASK = 0xFFFFFFFF
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class InputBatch:
-    """Step inputs for up to `max_num_seqs` rows and `max_num_tokens` tokens, kept between steps."""
+    """Step inputs for up to `max_num_seqs` rows and the largest of `buckets` tokens, kept between steps."""
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, max_num_tokens: int) -> None:
-        s, b = max_num_seqs, max_blocks_per_seq
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, buckets: Sequence[int]) -> None:
+        s, b, max_num_tokens = max_num_seqs, max_blocks_per_seq, max(buckets)
         self.max_num_seqs, self.max_blocks_per_seq, self.block_size = s, b, block_size
         self._batch = BatchLayout(max_num_tokens, s, b).empty_batch()  # any bucket's part is a prefix of it
         v = BatchLayout(max_num_tokens, s, b).host_views(self._batch)
         self._kv_lens, self._cu_q_lens, self._num_seqs = v["kv_lens"], v["cu_q_lens"], v["num_seqs"]
         self._logits_indices, self._block_tables = v["logits_indices"], v["block_tables"]
-        # bucket -> (its token fields' views, its batch part's length)
-        self._token_views: dict[int, tuple[dict[str, np.ndarray], int]] = {}
+        # bucket -> (its token fields' views, its batch part's length), laid out once
+        self._token_views = {bucket: (layout.host_views(self._batch), layout.batch_len)
+                             for bucket in buckets for layout in [BatchLayout(bucket, s, b)]}
         self._sampling = pack_sampling(empty_sampling_arrays(s))
         self._sv = sampling_views(self._sampling, s)
         # Per-row settings that travel with the row: banned ids (shipped only while step < min_tokens).
@@ -137,11 +147,7 @@ class InputBatch:
         self._logits_indices[:n] = cu - 1
 
         # Token fields of this bucket, padding included.
-        cached = self._token_views.get(bucket)
-        if cached is None:
-            layout = BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
-            cached = self._token_views[bucket] = (layout.host_views(self._batch), layout.batch_len)
-        v, size = cached
+        v, size = self._token_views[bucket]
         if num_tokens == n:  # decodes only (or prompts' last tokens): one token per row
             positions = starts_a
             token_rows = self._arange[:n]
@@ -220,3 +226,70 @@ class InputBatch:
         for i in range(start, end):
             self._row_seq[i] = self._row_table[i] = None
             self._row_blocks[i] = 0
+
+
+# ----------------------------------------------------------------------------------------------- sampling rows
+
+
+def write_sampling_row(arrays: SamplingArrays, i: int, params: SamplingParams, seed: int, banned: Sequence[int]) -> None:
+    """Row i's settings (all but `steps`) from a request's params, its seed and the ids it bans."""
+    assert len(banned) <= MAX_BANNED, (len(banned), "admission caps the banned ids")
+    # SamplingParams takes any finite temperature; one beyond float32's range would overflow to inf (with a
+    # RuntimeWarning). The largest float32 samples as it would: 1/t underflows, the logits flatten, uniform.
+    temperature = min(params.temperature, _F32_MAX)
+    arrays.temperature[i] = temperature if temperature >= SAMPLING_EPS else 0.0
+    arrays.top_k[i] = min(params.top_k, 2**31 - 1) if params.top_k > 0 else 0  # >= V is "off" anyway
+    arrays.top_p[i] = params.top_p
+    arrays.min_p[i] = params.min_p
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    arrays.keys[i] = (seed >> 32, seed & _U32_MASK)
+    arrays.num_logprobs[i] = -1 if params.logprobs is None else params.logprobs
+    arrays.banned_token_ids[i] = -1
+    arrays.banned_token_ids[i, : len(banned)] = banned
+
+
+# (sampled, filter, logprobs) -> the variant: `variant_of` picks one of the fixed set, it builds none.
+_VARIANTS = {(v.sampled, v.filter, v.logprobs): v for v in SAMPLER_VARIANTS}
+
+
+def variant_of(arrays: SamplingArrays, num_rows: int) -> SamplerVariant:
+    """The cheapest variant that is exact for the first `num_rows` rows of `arrays`.
+
+    Mirrors the device's per-row tests: sampled iff temperature >= SAMPLING_EPS (greedy rows hold 0); of the
+    sampled rows, filter "exact" if one has top_p < 1 or top_k > TOP_K_CANDIDATES, else "top_k" if one has
+    top_k > 0, else "none" (k >= V is "off" on device, which the host cannot see: it only costs time);
+    logprobs iff some row asked for logprobs, N = 0 included: the variant also decides whether the step's
+    logprobs reach the host, so a variant without them would leave an N = 0 row with none.
+    """
+    n = num_rows
+    sampled = arrays.temperature[:n] >= SAMPLING_EPS
+    logprobs = bool((arrays.num_logprobs[:n] >= 0).any())
+    if not sampled.any():
+        return _VARIANTS[False, "none", logprobs]
+    top_k = arrays.top_k[:n][sampled]
+    if ((arrays.top_p[:n][sampled] < 1.0) | (top_k > TOP_K_CANDIDATES)).any():
+        return _VARIANTS[True, "exact", logprobs]
+    return _VARIANTS[True, "top_k" if (top_k > 0).any() else "none", logprobs]
+
+
+def make_sampling_arrays(rows: Sequence[SamplingRow], max_num_seqs: int) -> SamplingArrays:
+    """Host-side numpy arrays for `sample`; rows past len(rows) are padding (temperature -1: no work, ignored).
+
+    rows[i] = (params, seed, step, banned): `seed` is the request's seed (the engine draws one for unseeded
+    requests when it queues them, so that a preempted-and-recomputed request resamples the same tokens), `step`
+    its number of already generated tokens, `banned` the token ids to suppress this step (at most MAX_BANNED).
+    The runner keeps these arrays row by row instead (`InputBatch`), through the same `write_sampling_row`.
+    """
+    n = len(rows)
+    if n > max_num_seqs:
+        raise ValueError(f"{n} sampling rows exceed max_num_seqs={max_num_seqs}")
+    arrays = empty_sampling_arrays(max_num_seqs)
+    for i, (params, seed, step, banned) in enumerate(rows):
+        write_sampling_row(arrays, i, params, seed, banned)
+        arrays.steps[i] = step
+    return arrays
+
+
+def sampler_variant(rows: Sequence[SamplingRow]) -> SamplerVariant:
+    """The cheapest variant that is exact for these rows (the same rows `make_sampling_arrays` takes)."""
+    return variant_of(make_sampling_arrays(rows, len(rows)), len(rows))

@@ -13,8 +13,10 @@ Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, att
 settings) travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by `sarathi_jax.input_batch`) that
 the jitted calls copy up as they dispatch (`Stage.upload`), parameters and the KV cache stay on the device,
 and `submit()` returns at once; the sampled tokens start their copy to the host as soon as they are
-dispatched. A pending token (the overlapped loop: a decode scheduled before its input token reached the host)
-is read on the device from the previous step's sampled tokens.
+dispatched. What a step looks up (its bucket, sampler, layout offsets, LM head weight) is resolved when the
+runner is built or an executable becomes ready, not per step. A pending token (the overlapped loop: a decode
+scheduled before its input token reached the host) is read on the device from the previous step's sampled
+tokens.
 
 Parallelism (`plan`, see `sarathi_jax.parallel`): the model is cut into `pp` pipeline stages (contiguous
 layer ranges), each one jitted function on its own sub-mesh of `tp` devices (`sarathi_jax.parallel.stages`
@@ -22,7 +24,7 @@ builds them and owns everything that depends on where a stage lives). A step dis
 the other without waiting (JAX dispatch is asynchronous), handing the activations to the next stage;
 `submit()` returns a `PendingStep` at once, so the engine can schedule and dispatch the next micro-batch
 while earlier ones are still running. Without a plan (or with tp = pp = 1) there is one stage on the default
-device, and the code below reads as the single-device runner it then is.
+device.
 """
 
 from __future__ import annotations
@@ -57,30 +59,29 @@ from sarathi_jax.sampling import (
 from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
-from sarathi_jax.sizing import EngineSizing, bucket_for, platform_buckets
+from sarathi_jax.sizing import EngineSizing, platform_buckets
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, row_ladder, sample_rows
 
 
-def _to_host(x: Any) -> np.ndarray | None:
-    """A fetched array on the host. `copy_to_host_async` started the copy at dispatch; `np.asarray` waits for it
-    (half the host time of `jax.device_get`, which starts a copy again and walks a tree). Allowed explicitly
-    here: the engine loop otherwise runs clean under `jax.transfer_guard("disallow")`."""
+def _to_host(x: Any, across_processes: bool) -> np.ndarray | None:
+    """A fetched array on the host (`across_processes`: this process's copy, `local_copy`). `np.asarray` waits
+    for the copy `copy_to_host_async` started at dispatch (half the host time of `jax.device_get`). Allowed
+    explicitly here: the engine loop otherwise runs clean under `jax.transfer_guard("disallow")`."""
     if x is None:
         return None
     with jax.transfer_guard_device_to_host("allow"):
-        return np.asarray(local_copy(x))
+        return np.asarray(local_copy(x) if across_processes else x)
 
 
 class PendingStep:
-    """A dispatched step; `result()` waits for it and returns the host `SamplerOutput` (cached): token ids,
-    and the logprob arrays when the step's sampler variant computed them (else None). The arrays it will
-    fetch are already being copied to the host as soon as they are ready. With
-    `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits `[R, vocab]` on the host after
-    `result()` (R the rows the step sampled, `step_inputs.sample_rows`: row i is the batch's i-th sequence)."""
+    """A dispatched step; `result()` waits for it and returns the host `SamplerOutput` (cached): token ids, and
+    the logprob arrays when the step's sampler variant computed them (else None), whose copy to the host
+    started at dispatch. With `ModelRunner.capture_logits(True)`, `logits` holds the step's float32 logits
+    `[R, vocab]` on the host after `result()` (R the rows it sampled: row i is the batch's i-th sequence)."""
 
     def __init__(self, out: SamplerOutput, want_logprobs: bool, num_padded_tokens: int, logits: Any = None,
                  record: Any = None, timeline: Any = None, *,
-                 sampler: tuple[SamplerVariant, int] | None = None) -> None:
+                 sampler: tuple[SamplerVariant, int] | None = None, across_processes: bool = False) -> None:
         self._out: Any = out if want_logprobs else SamplerOutput(out.token_ids, None, None, None)
         self.num_padded_tokens = num_padded_tokens  # the step's bucket
         self.sampler = sampler  # the (variant, rows R) its LM head and sampler ran
@@ -88,6 +89,7 @@ class PendingStep:
         self._record = record
         self._timeline = timeline
         self._result: SamplerOutput | None = None
+        self._across_processes = across_processes
         self.logits: np.ndarray | None = None
         for leaf in self._out:
             if isinstance(leaf, jax.Array):
@@ -95,9 +97,10 @@ class PendingStep:
 
     def result(self) -> SamplerOutput:
         if self._result is None:
-            out = SamplerOutput(*map(_to_host, self._out))
+            across = self._across_processes
+            out = SamplerOutput(*(_to_host(x, across) for x in self._out))
             if self._device_logits is not None:
-                self.logits = _to_host(self._device_logits)
+                self.logits = _to_host(self._device_logits, across)
             self._result, self._out, self._device_logits = out, None, None
             if self._record is not None:
                 self._timeline.retired(self._record)
@@ -153,9 +156,8 @@ class ModelRunner:
                     stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
             if self.plan is None:
                 self.model = self.stages[0].model
-        # Executables built ahead of time, which buckets and sampler variants are ready, and trace counts.
-        # Until `warmup` every bucket counts as ready: each compiles on its first run.
-        self._table = ExecutableTable(self.buckets, len(self.stages))
+        # Executables built ahead of time, what is ready (until `warmup`: everything, compiled on first run).
+        self._table = ExecutableTable(self.buckets, len(self.stages), self.row_ladder)
         self._capture_logits = False
         for stage in self.stages:
             stage.step = self._make_stage_step(stage)
@@ -168,7 +170,16 @@ class ModelRunner:
         self._no_tokens = self.stages[0].place(jnp.zeros(max_num_seqs, jnp.int32))
         self._prev_tokens: jax.Array = self._no_tokens
         # The host side of every step's inputs, kept and updated in place from step to step.
-        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, self.buckets[-1])
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, self.buckets)
+        # Resolved once for dispatch: batch part length -> (bucket, rows its step final-norms), where it keeps
+        # num_seqs, the fewest sampler rows that hold n sequences, the LM head weight, multi-process or not.
+        layouts = [self._layout(bucket) for bucket in self.buckets]
+        self._bucket_of_len = {layout.batch_len: (layout.num_tokens, layout.num_rows) for layout in layouts}
+        self._num_seqs_index = layouts[0].num_seqs_index
+        self._rows_for = tuple(sample_rows(self.row_ladder, n) for n in range(max_num_seqs + 1))
+        self._lm_head: LMHead = self.stages[-1].lm_head()
+        self._head_weight = self.stages[-1].lm_head_weight
+        self._across_processes = jax.process_count() > 1
 
     # ------------------------------------------------------------------------------------- building
 
@@ -217,10 +228,7 @@ class ModelRunner:
         """The parameter tree (with PP: the stages' trees merged; a tied embedding shows stage 0's copy)."""
         if len(self.stages) == 1:
             return self.stages[0].params
-        merged: dict = {}
-        for stage in reversed(self.stages):
-            merged.update(stage.params)
-        return merged
+        return {name: leaf for stage in reversed(self.stages) for name, leaf in stage.params.items()}
 
     @property
     def kv_caches(self) -> list:
@@ -228,9 +236,9 @@ class ModelRunner:
         return [stage.kv_cache for stage in self.stages]
 
     def bucket_for(self, num_tokens: int) -> int:
-        bucket = bucket_for(self._table.buckets, num_tokens)
-        if bucket is not None:
-            return bucket
+        bucket_of = self._table.bucket_of
+        if num_tokens < len(bucket_of) and bucket_of[num_tokens] is not None:
+            return bucket_of[num_tokens]
         raise ValueError(f"a batch of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
     def warmup(self, compile_threads: int | None = None, *, background: bool = False) -> None:
@@ -238,19 +246,17 @@ class ModelRunner:
         all-padding batch (num_seqs = 0 writes nothing to the cache; temperature -1 rows are no-ops).
 
         The largest bucket and the general sampler (`FULL_VARIANT`) for its rows are built first: every batch
-        can run on them. Each build loads from the executable cache when it holds the executable, else
-        compiles. The other buckets (each with FULL_VARIANT for its rows, `BatchLayout.num_rows`) and
-        samplers are built here too, or with `background`, loaded here if the cache holds them and else
-        compiled on background threads (`self.background`) while the engine serves, each one used from the
-        moment it is built. Until then a batch is padded to the smallest built bucket that holds it, and
-        sampled by FULL_VARIANT (bitwise the tokens and logprobs of the variant it stands in for; see
-        sarathi_jax/sampling.py). Samplers (each with the LM head, on R rows of the `row_ladder`): every
-        variant for the largest bucket's rows; for smaller row counts (small buckets, and steps of few
-        sequences in any bucket, where the sampler is cheap) the greedy variant and FULL_VARIANT only. A step
-        runs the smallest R that holds its sequences and has its variant, or else FULL_VARIANT, built
+        can run on them. Each build loads from the executable cache, else compiles. The other buckets (each
+        with FULL_VARIANT for its rows, `BatchLayout.num_rows`) and samplers are built here too, or with
+        `background`, loaded here if cached and else compiled on background threads (`self.background`) while
+        the engine serves, each used from the moment it is built; until then a batch runs in the smallest
+        built bucket that holds it, sampled by FULL_VARIANT (bitwise the same tokens and logprobs; see
+        sarathi_jax/sampling.py). Samplers (the LM head and sampler on R rows of the `row_ladder`): every
+        variant for the largest bucket's rows, the greedy one and FULL_VARIANT for the smaller Rs. A step
+        runs the smallest R that holds its sequences and has its variant, else FULL_VARIANT, built
         (`ExecutableTable.sampler_for`). Builds run on `compile_threads` threads (default:
-        `sarathi_jax.precompile.compile_threads`). A multi-process engine builds nothing ahead: every bucket
-        and variant compiles on its first run, here."""
+        `precompile.compile_threads`). A multi-process engine builds nothing ahead: every bucket and variant
+        compiles on its first run, here."""
         top_rows = self.row_ladder[-1]  # the largest bucket's rows
         # Every sampler variant for the largest bucket's rows; the greedy and the general one for the others.
         samplers = [(v, top_rows) for v in SAMPLER_VARIANTS]
@@ -331,9 +337,9 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def dispatch_outside_loop(self) -> Iterator[Callable[..., PendingStep]]:
-        """Yields `dispatch(packed, variant, rows=None)` (`rows` as for `_dispatch`) for steps outside the serving
-        loop (replays, warm-up): off the pipeline timeline, each one's samples feeding the next; on exit the next real step reads the last real
-        step's samples again."""
+        """Yields `dispatch(packed, variant, rows=None)` (`rows` as for `_dispatch`) for steps outside the
+        serving loop (replays, warm-up): off the pipeline timeline, each one's samples feeding the next; on exit
+        the next real step reads the last real step's samples again."""
         prev_tokens = self._prev_tokens
         try:
             yield functools.partial(self._dispatch, timed=False)
@@ -350,31 +356,30 @@ class ModelRunner:
         """The row counts the LM head and the sampler run at (`step_inputs.row_ladder` of the buckets)."""
         return row_ladder(self.buckets, self.max_num_seqs)
 
-    @functools.cached_property
-    def _lm_head(self) -> LMHead:
-        return self.stages[-1].lm_head()
-
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True,
                   rows: int | None = None) -> PendingStep:
         """Run a step of host `packed` inputs. Its LM head and sampler run on `rows` (a `row_ladder` value;
         default: the smallest that holds the step's sequences, `step_inputs.sample_rows`)."""
         timeline = self.timeline if timed else None
-        layout = BatchLayout.of_packed(packed.batch.size, self.max_num_seqs, self.max_blocks_per_seq)
-        num_tokens = layout.num_tokens
+        batch_len = packed.batch.size
+        num_tokens, bucket_rows = self._bucket_of_len[batch_len]
         if rows is None:
-            rows = sample_rows(self.row_ladder, layout.num_seqs(packed.batch))
-        run_variant, rows = self._table.sampler_for(variant, rows, self.row_ladder, layout.num_rows)
+            rows = self._rows_for[int(packed.batch[self._num_seqs_index])]
+        table = self._table
+        run_variant, rows = table.samplers[variant, rows, bucket_rows]
         record = timeline.begin(num_tokens) if timeline else None
-        single = len(self.stages) == 1
-        executables, head = self._table.executables, self._lm_head
-        x = None
-        for stage, on_device in on_stages(self.stages, packed):
+        single, on_mesh = len(self.stages) == 1, self.plan is not None
+        executables, head, x = table.executables, self._lm_head, None
+        # Off a mesh the one stage takes the host arrays, which its jitted call copies up (`Stage.upload`).
+        for stage, on_device in on_stages(self.stages, packed) if on_mesh else ((self.stages[0], packed),):
             prev = (self._prev_tokens if single else self._no_tokens) if stage.index == 0 else None
-            step = executables.get((stage.index, packed.batch.shape[0]), stage.step)
-            with jax.transfer_guard_host_to_device("allow"):  # the packed host arrays (`Stage.upload`), only
-                x, stage.kv_cache = step(stage.params, stage.kv_cache, stage.place(x), on_device.batch, prev)
+            step = executables.get((stage.index, batch_len), stage.step)
+            if on_mesh:
+                x = stage.place(x)
+            with jax.transfer_guard_host_to_device("allow"):  # the packed host arrays, only
+                x, stage.kv_cache = step(stage.params, stage.kv_cache, x, on_device.batch, prev)
             if stage.is_last:
-                hidden, weight = x, stage.lm_head_weight
+                hidden, weight = x, self._head_weight
                 sampler = executables.get((run_variant, rows))
                 with jax.transfer_guard_host_to_device("allow"):
                     if sampler is not None:
@@ -388,6 +393,8 @@ class ModelRunner:
                 timeline.dispatched(record, stage.index, x)
         if single:
             self._prev_tokens = x.token_ids
-        x = copy_to_every_process(self.stages, x)  # multi-process pipelines only
+        if self._across_processes:
+            x = copy_to_every_process(self.stages, x)  # multi-process pipelines only
         logits = captured_logits(hidden, weight, rows=rows, head=head) if self._capture_logits else None
-        return PendingStep(x, variant.logprobs, num_tokens, logits, record, timeline, sampler=(run_variant, rows))
+        return PendingStep(x, variant.logprobs, num_tokens, logits, record, timeline, sampler=(run_variant, rows),
+                           across_processes=self._across_processes)

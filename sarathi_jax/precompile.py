@@ -31,7 +31,8 @@ import jax
 from sarathi_jax.compile_cache import compiles_in_this_thread
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.parallel.stages import Stage
-from sarathi_jax.sampling import FULL_VARIANT, SamplerVariant
+from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerVariant
+from sarathi_jax.sizing import bucket_for
 from sarathi_jax.step_inputs import BatchLayout, PackedStep
 
 COMPILE_THREADS_ENV = "SARATHI_JAX_COMPILE_THREADS"
@@ -291,16 +292,22 @@ class ExecutableTable:
 
     `buckets`: the ready buckets, ascending (a batch is padded to the smallest that holds it). `variants`:
     the ready samplers, (variant, rows); None means any (the jitted sampler compiles one on first use).
+    What dispatch looks up per step is resolved here whenever those change, not per step: `bucket_of[n]`,
+    the smallest ready bucket that holds n tokens (None: none does), and `samplers[variant, rows,
+    bucket_rows]`, the (variant, rows) that `sampler_for` picks on the runner's row `ladder`.
     `stage_traces` and `sampler_builds` count compilations for `ModelRunner.num_compilations`.
     """
 
-    def __init__(self, buckets: Sequence[int], num_stages: int) -> None:
+    def __init__(self, buckets: Sequence[int], num_stages: int, ladder: Sequence[int]) -> None:
         self.executables: dict[Entry, Callable] = {}
         self.buckets: tuple[int, ...] = tuple(buckets)
         self.variants: frozenset[tuple[SamplerVariant, int]] | None = None
+        self.ladder = tuple(ladder)
+        self._max_tokens = max(buckets)
         self.stage_traces = [0] * num_stages
         self.sampler_builds = 0
         self.lock = threading.Lock()
+        self._resolve()
 
     def traced(self, stage_index: int) -> None:
         with self.lock:
@@ -315,19 +322,20 @@ class ExecutableTable:
                 self.sampler_builds += 1
                 if self.variants is not None:
                     self.variants = self.variants | {entry}
+                    self._resolve()
             elif loaded:
                 self.stage_traces[entry[0]] += 1
 
     def bucket_ready(self, bucket: int) -> None:
         with self.lock:
             self.buckets = tuple(sorted({*self.buckets, bucket}))
+            self._resolve()
 
-    def sampler_for(self, variant: SamplerVariant, rows: int, ladder: Sequence[int],
-                    bucket_rows: int) -> tuple[SamplerVariant, int]:
+    def sampler_for(self, variant: SamplerVariant, rows: int, bucket_rows: int) -> tuple[SamplerVariant, int]:
         """The (variant, rows) a step runs, from `rows` (the `ladder` value that holds its sequences) up to its
         bucket's `bucket_rows`: the first built with `variant`, else with FULL_VARIANT (the same tokens, and
         logprobs where asked for), which a ready bucket has for its `bucket_rows`."""
-        ready = self.variants
+        ready, ladder = self.variants, self.ladder
         if ready is None:  # not warmed up: the jitted sampler compiles what is asked for
             return variant, rows
         for r in ladder[ladder.index(rows):]:
@@ -342,3 +350,12 @@ class ExecutableTable:
         with self.lock:
             self.buckets = tuple(sorted(buckets))
             self.variants = frozenset(variants)
+            self._resolve()
+
+    def _resolve(self) -> None:
+        """`bucket_of` and `samplers` for what is ready now (under the lock, or before any thread runs)."""
+        buckets = self.buckets
+        self.bucket_of = tuple(bucket_for(buckets, n) for n in range(self._max_tokens + 1))
+        ladder = self.ladder
+        self.samplers = {(v, r, top): self.sampler_for(v, r, top)
+                         for v in SAMPLER_VARIANTS for top in ladder for r in ladder if r <= top}

@@ -1,5 +1,6 @@
 """Device sampler: one jitted, fixed-shape function from logits to next tokens and logprobs (its host-side
-inputs, `SamplingArrays` and the `SamplerVariant`, are built in sarathi_jax/sampling_inputs.py).
+inputs, `SamplingArrays` and the `SamplerVariant`, are defined in sarathi_jax/sampling_inputs.py and written
+in sarathi_jax/input_batch.py).
 
 `sample(logits f32[S, V], arrays, variant)` runs after the engine's jitted step; S rows (the step's `step_inputs.sample_rows`), one
 per scheduled sequence, the rest padding (temperature < 0: their outputs are meaningless and ignored).
@@ -15,7 +16,7 @@ is in the batch and whichever row it lands in (given the same logits).
 No data-dependent control flow: on a GPU every `lax.cond` / `while_loop` on a device predicate copies the
 predicate to the host, a sync in the middle of each engine step. Work is skipped statically instead:
   * `SamplerVariant` (sampled, filter, logprobs) is chosen on the host from the batch's rows by
-    `sampler_variant` (sarathi_jax/sampling_inputs.py, with `make_sampling_arrays`) and passed as a static argument (`sample_jit`); each of the 8 `SAMPLER_VARIANTS` is a
+    `variant_of` (sarathi_jax/input_batch.py, which writes the `SamplingArrays` too) and passed as a static argument (`sample_jit`); each of the 8 `SAMPLER_VARIANTS` is a
     straight-line program. A variant without a capability is still exact for the rows that do not need it
     (greedy and padding rows of a sampled batch, unfiltered rows of a filtered batch, top-k-only rows with
     k <= 128 under the "top_k" filter), and the host's choice gives bitwise the same tokens and logprobs as
@@ -70,8 +71,6 @@ from sarathi_jax.sampling_inputs import (  # noqa: F401  (the host side, re-expo
     SamplerVariant,
     SamplingArrays,
     SamplingRow,
-    make_sampling_arrays,
-    sampler_variant,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS
 from sarathi_jax.step_inputs import sampling_max_num_seqs, unpack_sampling

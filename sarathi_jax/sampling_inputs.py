@@ -1,11 +1,12 @@
-"""The sampler's host side: each step's per-row sampling settings and the compiled variant that serves them.
+"""What the sampler takes: each step's per-row sampling settings (`SamplingArrays`) and the compiled variant
+that serves them (`SamplerVariant`), with the limits both are sized by.
 
-`make_sampling_arrays(rows, max_num_seqs)` turns the scheduled rows' `SamplingParams`, seeds and steps into the
-fixed-shape `SamplingArrays` that `sampling.sample` takes (rows past the batch are padding), and
-`sampler_variant(rows)` picks the cheapest `SamplerVariant` (sampled, filter, logprobs) that is exact for those
-rows: a static argument of `sampling.sample_jit`, so the device program holds no data-dependent control flow.
-Each of the 8 `SAMPLER_VARIANTS` is compiled at warm-up; `FULL_VARIANT` serves any batch. Plain numpy: no
-device work happens here.
+`sampling.sample` takes fixed-shape `SamplingArrays` (rows past the batch are padding) and a `SamplerVariant`
+(sampled, filter, logprobs): a static argument of `sampling.sample_jit`, so the device program holds no
+data-dependent control flow. Each of the 8 `SAMPLER_VARIANTS` is compiled at warm-up; `FULL_VARIANT` serves
+any batch. The host writes the arrays and picks the cheapest exact variant in `sarathi_jax.input_batch`
+(`write_sampling_row`, `variant_of`; `make_sampling_arrays` and `sampler_variant` for a list of rows). Plain
+numpy: no device work happens here.
 """
 
 from __future__ import annotations
@@ -34,12 +35,9 @@ TOP_K_CANDIDATES = 128
 # Filters of a `SamplerVariant`, least to most general: each serves every batch the ones before it serve.
 SAMPLER_FILTERS = ("none", "top_k", "exact")
 
-_U32_MASK = 0xFFFFFFFF
-_F32_MAX = float(np.finfo(np.float32).max)
-
 
 class SamplingArrays(NamedTuple):
-    """Per-row sampling settings, built on the host each step by `make_sampling_arrays` (a pytree)."""
+    """Per-row sampling settings, written on the host (`input_batch.write_sampling_row`); a pytree."""
 
     temperature: jax.Array  # f32[S]; [0, SAMPLING_EPS) greedy; < 0 padding (no work, output meaningless)
     top_k: jax.Array  # i32[S]; <= 0 or >= V means off
@@ -54,25 +52,6 @@ class SamplingArrays(NamedTuple):
 SamplingRow = tuple[SamplingParams, int, int, Sequence[int]]  # (params, seed, step, banned ids)
 
 
-def make_sampling_arrays(rows: Sequence[SamplingRow], max_num_seqs: int) -> SamplingArrays:
-    """Host-side numpy arrays for `sample`; rows past len(rows) are padding (temperature -1: no work, ignored).
-
-    rows[i] = (params, seed, step, banned): `seed` is the request's seed (the engine draws one for unseeded
-    requests at admission, so that a preempted-and-recomputed request resamples the same tokens), `step` its
-    number of already generated tokens, `banned` the token ids to suppress this step (at most MAX_BANNED).
-    The engine's runner keeps these arrays row by row instead (`sarathi_jax.input_batch`), through the same
-    `write_sampling_row`.
-    """
-    n = len(rows)
-    if n > max_num_seqs:
-        raise ValueError(f"{n} sampling rows exceed max_num_seqs={max_num_seqs}")
-    arrays = empty_sampling_arrays(max_num_seqs)
-    for i, (params, seed, step, banned) in enumerate(rows):
-        write_sampling_row(arrays, i, params, seed, banned)
-        arrays.steps[i] = step
-    return arrays
-
-
 def empty_sampling_arrays(max_num_seqs: int) -> SamplingArrays:
     """All-padding arrays: temperature -1 (no work), filters off, no banned ids."""
     s = max_num_seqs
@@ -81,26 +60,10 @@ def empty_sampling_arrays(max_num_seqs: int) -> SamplingArrays:
                           np.full((s, MAX_BANNED), -1, np.int32), np.full(s, -1, np.int32))
 
 
-def write_sampling_row(arrays: SamplingArrays, i: int, params: SamplingParams, seed: int, banned: Sequence[int]) -> None:
-    """Row i's settings (all but `steps`) from a request's params, its seed and the ids it bans."""
-    assert len(banned) <= MAX_BANNED, (len(banned), "admission caps the banned ids")
-    # SamplingParams takes any finite temperature; one beyond float32's range would overflow to inf (with a
-    # RuntimeWarning). The largest float32 samples as it would: 1/t underflows, the logits flatten, uniform.
-    temperature = min(params.temperature, _F32_MAX)
-    arrays.temperature[i] = temperature if temperature >= SAMPLING_EPS else 0.0
-    arrays.top_k[i] = min(params.top_k, 2**31 - 1) if params.top_k > 0 else 0  # >= V is "off" anyway
-    arrays.top_p[i] = params.top_p
-    arrays.min_p[i] = params.min_p
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    arrays.keys[i] = (seed >> 32, seed & _U32_MASK)
-    arrays.num_logprobs[i] = -1 if params.logprobs is None else params.logprobs
-    arrays.banned_token_ids[i] = -1
-    arrays.banned_token_ids[i, : len(banned)] = banned
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplerVariant:
-    """Which optional work `sample` compiles in (a static, hashable jit argument); see `sampler_variant`."""
+    """Which optional work `sample` compiles in (a static, hashable jit argument); see
+    `input_batch.variant_of`."""
 
     sampled: bool = True  # some row has temperature >= SAMPLING_EPS; else greedy only, no sampling work
     # One of SAMPLER_FILTERS; not "none" needs `sampled`. "none": no sampled row sets top_k > 0 or top_p < 1;
@@ -124,28 +87,3 @@ SAMPLER_VARIANTS: tuple[SamplerVariant, ...] = tuple(
     for logprobs in (False, True)
 )
 FULL_VARIANT = SamplerVariant(sampled=True, filter="exact", logprobs=True)
-
-
-def sampler_variant(rows: Sequence[SamplingRow]) -> SamplerVariant:
-    """The cheapest variant that is exact for these rows (the same rows `make_sampling_arrays` takes)."""
-    return variant_of(make_sampling_arrays(rows, len(rows)), len(rows))
-
-
-def variant_of(arrays: SamplingArrays, num_rows: int) -> SamplerVariant:
-    """The cheapest variant that is exact for the first `num_rows` rows of `arrays`.
-
-    Mirrors the device's per-row tests: sampled iff temperature >= SAMPLING_EPS (greedy rows hold 0); of the
-    sampled rows, filter "exact" if one has top_p < 1 or top_k > TOP_K_CANDIDATES, else "top_k" if one has
-    top_k > 0, else "none" (k >= V is "off" on device, which the host cannot see: it only costs time);
-    logprobs iff some row asked for logprobs, N = 0 included: the variant also decides whether the step's
-    logprobs reach the host, so a variant without them would leave an N = 0 row with none.
-    """
-    n = num_rows
-    sampled = arrays.temperature[:n] >= SAMPLING_EPS
-    logprobs = bool((arrays.num_logprobs[:n] >= 0).any())
-    if not sampled.any():
-        return SamplerVariant(False, "none", logprobs)
-    top_k = arrays.top_k[:n][sampled]
-    if ((arrays.top_p[:n][sampled] < 1.0) | (top_k > TOP_K_CANDIDATES)).any():
-        return SamplerVariant(True, "exact", logprobs)
-    return SamplerVariant(True, "top_k" if (top_k > 0).any() else "none", logprobs)

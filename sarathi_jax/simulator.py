@@ -19,17 +19,15 @@ from typing import Any, Protocol
 
 from collections.abc import Sequence as Sequence_
 
-from sarathi_jax.admission import Admission, AdmittedRequest, KVCapacity, Prompt
+from sarathi_jax.admission import Admission, KVCapacity, Prompt
 from sarathi_jax.arrival_loop import Arrival, drive
 from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig, RequestState
+from sarathi_jax.engine_core import CoreFrontEnd, EngineCore, LoopConfig
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 from sarathi_jax.outputs import IterationRecord, RequestOutput
 from sarathi_jax.percentiles import percentile
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutput, make_scheduler
-from sarathi_jax.sequence import Sequence
-from sarathi_jax.tokenizer import StopStringChecker
 
 DUMMY_VOCAB = LLAMA2_VOCAB_SIZE  # the default vocabulary: dummy tokens are drawn below it
 
@@ -174,10 +172,6 @@ class SimulatedEngine(CoreFrontEnd):
     def clock(self) -> VirtualClock:
         return self.executor.clock
 
-    @property
-    def iteration_log(self) -> list[IterationRecord]:
-        return self.core.iteration_log
-
     def dummy_prompt(self, length: int) -> list[int]:
         """Made-up token ids for a prompt of `length` tokens (none for a length < 1)."""
         return [(7 * i + 1) % self.admission.vocab_size for i in range(length)]
@@ -191,22 +185,9 @@ class SimulatedEngine(CoreFrontEnd):
     ) -> None:
         """`prompt` is token ids or just a length (`dummy_prompt`; a length < 1 is an empty prompt).
         Raises AdmissionError (a ValueError) naming the bad field, as `LLMEngine.add_request` does."""
-        self.check_new_id(request_id)
         if isinstance(prompt, int):
             prompt = self.dummy_prompt(prompt)
-        self.add_admitted(request_id, self.admission.admit(prompt, params), arrival_time)
-
-    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
-        """Queue a request that `self.admission` admitted, under a new id (as `LLMEngine.add_admitted`)."""
-        params = request.params
-        seq = Sequence(request_id, list(request.prompt_token_ids), params,
-                       self.clock.now() if arrival_time is None else arrival_time)
-        # No detokenizer, so no text: stop strings never match (see the module docstring).
-        self.core.add(RequestState(seq, seed=0, banned_until_min_tokens=self.admission.banned_until_min_tokens(params),
-                                   detokenizer=None, stop_checker=StopStringChecker(())))
-
-    def step(self) -> list[RequestOutput]:
-        return self.core.step()
+        super().add_request(request_id, prompt, params, arrival_time)
 
     def stats(self) -> dict:
         return {**self.core.stats(), "clock": self.clock.now()}

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sarathi_jax.models import AttentionMetadata
-from sarathi_jax.sampling_inputs import MAX_BANNED, SamplingArrays, make_sampling_arrays
+from sarathi_jax.sampling_inputs import MAX_BANNED, SamplingArrays, empty_sampling_arrays
 from sarathi_jax.sizing import bucket_for
 
 
@@ -87,9 +87,14 @@ class BatchLayout:
         t, s, b = self.num_tokens, self.max_num_seqs, self.max_blocks_per_seq
         return s * (3 + b) + 2 + 4 * t
 
+    @property
+    def num_seqs_index(self) -> int:
+        """Where the batch part keeps `num_seqs`: after kv_lens [S] and cu_q_lens [S + 1], whatever the bucket."""
+        return 2 * self.max_num_seqs + 1
+
     def num_seqs(self, batch: np.ndarray) -> int:
         """Host side: the sequences of a (host) batch part."""
-        return int(batch[2 * self.max_num_seqs + 1])  # after kv_lens [S] and cu_q_lens [S + 1]
+        return int(batch[self.num_seqs_index])
 
     @classmethod
     def of_packed(cls, batch_len: int, max_num_seqs: int, max_blocks_per_seq: int) -> BatchLayout:
@@ -123,7 +128,7 @@ class BatchLayout:
 
     def empty(self) -> PackedStep:
         """An all-padding step: no sequences, and sampling rows that are no-ops (temperature -1)."""
-        return PackedStep(self.empty_batch(), pack_sampling(make_sampling_arrays([], self.max_num_seqs)))
+        return PackedStep(self.empty_batch(), pack_sampling(empty_sampling_arrays(self.max_num_seqs)))
 
     def unpack_batch(self, packed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, AttentionMetadata, jax.Array]:
         """Device side: (token_ids, src_rows, positions, metadata, logits_indices)."""
@@ -155,7 +160,7 @@ def sample_rows(ladder: Sequence[int], num_seqs: int) -> int:
 
 
 def pack_sampling(arrays: SamplingArrays) -> np.ndarray:
-    """The sampling part (int32) of host `SamplingArrays` (from `make_sampling_arrays`)."""
+    """The sampling part (int32) of host `SamplingArrays`."""
     part = np.concatenate([np.ascontiguousarray(field).reshape(-1).view(np.int32) for field in arrays])
     assert part.size == sampling_len(arrays.temperature.shape[0]), part.size
     return part

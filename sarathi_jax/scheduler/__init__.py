@@ -2,7 +2,7 @@
 
 from sarathi_jax.scheduler.base import Batch, Scheduler
 from sarathi_jax.scheduler.config import SchedulerConfig
-from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
+from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, SCHEDULERS, make_scheduler
 
 __all__ = [

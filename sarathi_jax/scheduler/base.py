@@ -34,8 +34,7 @@ from collections import deque
 from typing import ClassVar, Protocol, runtime_checkable
 
 from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
-from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
-from sarathi_jax.sequence import Sequence, SequenceStatus
+from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 
 
 @runtime_checkable
@@ -114,6 +113,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerSettings, block_manager: BlockManager) -> None:
         self.config = config
+        self.batch_token_limit = config.batch_token_limit  # read per batch: resolved once
         self.block_manager = block_manager
         # The config's watermark is a fraction; the block manager counts blocks. Keep the larger one.
         block_manager.watermark_blocks = max(
@@ -232,7 +232,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------ building blocks
 
     def _new_batch(self, token_limit: int | None = None) -> Batch:
-        return Batch(self.config.batch_token_limit if token_limit is None else token_limit, self.config.max_num_seqs)
+        return Batch(self.batch_token_limit if token_limit is None else token_limit, self.config.max_num_seqs)
 
     def _ready_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """Running sequences that may be scheduled now, earliest arrival first, as (decodes, prefills): not in

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sarathi_jax.sampling import SamplerOutput, sample_jit
-from sarathi_jax.sampling_inputs import SamplerVariant, make_sampling_arrays, sampler_variant
+from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant
+from sarathi_jax.sampling_inputs import SamplerVariant
 from sarathi_jax.sampling_params import SamplingParams
 
 # A few fixed shapes so that the whole file compiles each sampler variant only a handful of times.

@@ -18,7 +18,7 @@ from sarathi_jax.config_flags import ConfigFlags, field_docs, int_list
 from sarathi_jax.sampling_params import SamplingParams
 from server import __main__ as server_main
 from server import client
-from server.proto_convert import sampling_params_from_proto
+from server.grpc_service import sampling_params_from_proto
 
 ENGINE_FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
 SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
-from sarathi_jax.input_batch import InputBatch
-from sarathi_jax.sampling_inputs import make_sampling_arrays, sampler_variant
+from sarathi_jax.input_batch import InputBatch, make_sampling_arrays, sampler_variant
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig, make_scheduler
 from sarathi_jax.sequence import Sequence
@@ -58,7 +57,7 @@ class ComparingExecutor:
     """Builds each step both ways, asserts they are equal byte for byte, and samples random tokens."""
 
     def __init__(self, rng: random.Random, vocab: int) -> None:
-        self.batch = InputBatch(S, B, BLOCK, BUDGET)
+        self.batch = InputBatch(S, B, BLOCK, BUCKETS)
         self.rng, self.vocab = rng, vocab
         self.prev_rows: dict[str, int] = {}
         self.steps = 0

@@ -11,7 +11,7 @@ import pytest
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.precompile import is_sampler
-from sarathi_jax.sampling import make_sampling_arrays
+from sarathi_jax.input_batch import make_sampling_arrays
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence
 from sarathi_jax.step_inputs import BatchLayout, pack_sampling

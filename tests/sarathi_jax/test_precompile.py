@@ -104,13 +104,15 @@ def test_no_builds_is_done_at_once():
 
 
 def test_executable_table_tracks_what_is_ready():
-    table = ExecutableTable((16, 32, 64), num_stages=2)
+    table = ExecutableTable((16, 32, 64), num_stages=2, ladder=(4, 8, 16))
     assert table.buckets == (16, 32, 64) and table.variants is None  # before warm-up: everything, on demand
+    assert [table.bucket_of[n] for n in (0, 16, 17, 40, 64)] == [16, 16, 32, 64, 64]
     table.only([64], [(FULL_VARIANT, 8)])
     greedy = SAMPLER_VARIANTS[0]
     assert table.buckets == (64,) and table.variants == {(FULL_VARIANT, 8)}
+    assert [table.bucket_of[n] for n in (0, 16, 17, 64)] == [64] * 4  # what dispatch reads follows
     table.bucket_ready(16)
-    assert table.buckets == (16, 64)
+    assert table.buckets == (16, 64) and [table.bucket_of[n] for n in (16, 17)] == [16, 64]
     step, sampler = object(), object()
     table.add((1, 40), step, loaded=True)  # a model step loaded from the executable cache counts as compiled
     table.add((0, 40), step, loaded=False)  # a compiled one was counted when it was traced
@@ -122,14 +124,22 @@ def test_executable_table_tracks_what_is_ready():
 
 def test_a_step_samples_the_fewest_rows_built_that_hold_its_sequences():
     # Row ladder (4, 8, 16); a 64-token bucket samples up to 16 rows. The step's variant on the fewest rows
-    # that hold its sequences, else the general one there, else more rows, up to its bucket's.
-    table, greedy, ladder = ExecutableTable((64,), num_stages=1), SAMPLER_VARIANTS[0], (4, 8, 16)
-    assert table.sampler_for(greedy, 4, ladder, 16) == (greedy, 4)  # not warmed up: whatever is asked for
+    # that hold its sequences, else the general one there, else more rows, up to its bucket's. What dispatch
+    # reads (`samplers`) is that choice, resolved again after each change.
+    table, greedy = ExecutableTable((64,), num_stages=1, ladder=(4, 8, 16)), SAMPLER_VARIANTS[0]
+
+    def choice(variant, rows, bucket_rows):
+        picked = table.sampler_for(variant, rows, bucket_rows)
+        assert table.samplers[variant, rows, bucket_rows] == picked
+        return picked
+
+    assert choice(greedy, 4, 16) == (greedy, 4)  # not warmed up: whatever is asked for
     table.only([64], [(FULL_VARIANT, 16), (greedy, 16)])
-    assert table.sampler_for(greedy, 4, ladder, 16) == (greedy, 16)
+    assert choice(greedy, 4, 16) == (greedy, 16)
     table.add((FULL_VARIANT, 8), object(), loaded=False)
-    assert table.sampler_for(greedy, 4, ladder, 16) == (FULL_VARIANT, 8)
+    assert choice(greedy, 4, 16) == (FULL_VARIANT, 8)
+    assert choice(greedy, 4, 8) == (FULL_VARIANT, 8)
     table.add((greedy, 4), object(), loaded=False)
-    assert table.sampler_for(greedy, 4, ladder, 16) == (greedy, 4)
-    assert table.sampler_for(SAMPLER_VARIANTS[1], 4, ladder, 16) == (FULL_VARIANT, 8)
-    assert table.sampler_for(SAMPLER_VARIANTS[1], 16, ladder, 16) == (FULL_VARIANT, 16)
+    assert choice(greedy, 4, 16) == (greedy, 4)
+    assert choice(SAMPLER_VARIANTS[1], 4, 16) == (FULL_VARIANT, 8)
+    assert choice(SAMPLER_VARIANTS[1], 16, 16) == (FULL_VARIANT, 16)

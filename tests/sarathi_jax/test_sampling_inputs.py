@@ -16,6 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant, write_sampling_row
 from sarathi_jax.sampling import sample, sample_jit
 from sarathi_jax.sampling_inputs import (
     FULL_VARIANT,
@@ -24,9 +25,6 @@ from sarathi_jax.sampling_inputs import (
     SAMPLER_VARIANTS,
     TOP_K_CANDIDATES,
     SamplerVariant,
-    make_sampling_arrays,
-    sampler_variant,
-    write_sampling_row,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from tests.sarathi_jax.sampling_oracle import S, V, WIDE_V, random_logits, row, run

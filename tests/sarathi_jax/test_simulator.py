@@ -3,7 +3,7 @@ import pytest
 from sarathi_jax.admission import AdmissionError
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SchedulerConfig
-from sarathi_jax.scheduler.output import ScheduledChunk, SchedulerOutput
+from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput
 from sarathi_jax.sequence import Sequence
 from sarathi_jax.simulator import CostModel, SimRequest, SimulatedEngine, poisson_trace, simulate, summarize
 

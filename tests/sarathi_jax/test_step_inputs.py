@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sarathi_jax.sampling_inputs import MAX_BANNED, make_sampling_arrays
+from sarathi_jax.input_batch import make_sampling_arrays
+from sarathi_jax.sampling_inputs import MAX_BANNED
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.step_inputs import BatchLayout, pack_sampling, sampling_len, sampling_max_num_seqs, unpack_sampling
 

@@ -48,7 +48,7 @@ class WorkerEngine(SimulatedEngine):
 
 def tokens(n: int) -> AdmittedRequest:
     """A request that runs for `n` steps: a one-token prompt, exactly n tokens out."""
-    return AdmittedRequest((1,), SamplingParams(max_tokens=n, ignore_eos=True))
+    return AdmittedRequest((1,), SamplingParams(max_tokens=n, ignore_eos=True), ())
 
 
 def queued(engine: WorkerEngine) -> list[str]:

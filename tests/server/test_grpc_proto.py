@@ -1,5 +1,5 @@
 """The committed generated modules match generation.proto, and import as a package; the conversions between
-the messages and the engine's types (server/proto_convert.py)."""
+the messages and the engine's types (server/grpc_service.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_every_sampling_param_is_in_the_request_and_round_trips():
     from sarathi_jax.sampling_params import SamplingParams
     from server.client import make_request
     from server.proto.sarathi.v1 import generation_pb2
-    from server.proto_convert import sampling_params_from_proto
+    from server.grpc_service import sampling_params_from_proto
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     assert fields <= set(generation_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
@@ -60,7 +60,7 @@ def _output(**overrides):
 
 def test_stream_response_carries_the_step_and_timings_when_asked():
     from server.proto.sarathi.v1 import generation_pb2 as pb
-    from server.proto_convert import stream_response
+    from server.grpc_service import stream_response
 
     chunk = stream_response("r", 10.0, _output(), send_timings=False)
     assert list(chunk.token_ids) == [7] and chunk.text == "b" and not chunk.finished
@@ -79,7 +79,7 @@ def test_stream_response_carries_the_step_and_timings_when_asked():
 
 def test_finish_fields_map_every_reason_and_the_error():
     from server.proto.sarathi.v1 import generation_pb2 as pb
-    from server.proto_convert import FINISH_REASONS, fill_finish_fields
+    from server.grpc_service import FINISH_REASONS, fill_finish_fields
 
     for reason, value in FINISH_REASONS.items():
         resp = pb.GenerateResponse()
@@ -95,7 +95,7 @@ def test_admission_from_proto_refuses_a_request_without_prompt():
     import pytest
 
     from server.proto.sarathi.v1 import generation_pb2 as pb
-    from server.proto_convert import admission_from_proto, request_id_of
+    from server.grpc_service import admission_from_proto, request_id_of
 
     build = admission_from_proto(pb.GenerateRequest())
     with pytest.raises(ValueError, match="prompt: must be set"):

@@ -165,7 +165,7 @@ def build_engines(cfg: LoopBenchConfig, size: EngineSize, log: Callable[[str], N
 def warm_up_greedy(runner: ModelRunner) -> None:
     """Compile every bucket with the one sampler variant this benchmark uses (greedy), not all of them like
     `ModelRunner.warmup`; `compilations_during_timing` in the JSON checks that nothing else was needed."""
-    from sarathi_jax.sampling_inputs import sampler_variant
+    from sarathi_jax.input_batch import sampler_variant
     from sarathi_jax.sampling_params import SamplingParams
     from sarathi_jax.step_inputs import BatchLayout
 

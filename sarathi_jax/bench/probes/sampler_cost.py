@@ -39,7 +39,7 @@ from pallas_kernels.machine_rates import memory_bandwidth
 from pallas_kernels.timing import seconds_per_call
 from sarathi_jax.paths import cli_path
 from sarathi_jax.sampling import sample_jit
-from sarathi_jax.sampling_inputs import make_sampling_arrays, sampler_variant
+from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant
 from sarathi_jax.sampling_params import SamplingParams
 
 COPY_MBYTES = 256  # the bandwidth probe's array: far larger than any cache
