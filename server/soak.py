@@ -41,7 +41,7 @@ from sarathi_jax.percentiles import percentiles
 from sarathi_jax.sampling_params import SamplingParams
 from server.load_client import ClientBehaviour, ClientRequestResult, new_result, send_grpc, send_http
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
-from server.soak_server import LocalServer, ServerProbe, ServerSnapshot
+from server.soak_server import LocalServer, ServerProbe, ServerSnapshot, ServerTraits, read_traits
 
 OUTCOMES = ("completed", "cancelled", "refused", "errored")
 _WORDS = ("the quick brown fox jumps over the lazy dog hello world how are you today once upon a time there was "
@@ -67,17 +67,6 @@ class SoakConfig:
     @property
     def warmup(self) -> float:
         return self.warmup_s if self.warmup_s is not None else min(60.0, self.duration_s / 4)
-
-
-@dataclass(frozen=True)
-class ServerTraits:
-    """What the traffic may use of this server."""
-
-    routes: tuple[str, ...]  # "grpc", "http"
-    vocab_size: int
-    max_model_len: int
-    has_tokenizer: bool
-    has_chat_template: bool
 
 
 @dataclass(frozen=True)
@@ -200,22 +189,26 @@ def tally(report: SoakReport, plan: Sequence[SoakRequest], results: Sequence[Cli
     }
 
 
+def _count(n: int | None) -> str:
+    return "n/a" if n is None else str(n)  # None: this server does not say (no gRPC GetStats)
+
+
 def judge(report: SoakReport) -> None:
     """The checks: no error, nothing left in flight or holding KV blocks, memory within bounds, refusals seen."""
     c, end, refused = report.counts, report.snapshots["end"], report.burst.get("refused", 0)
     report.checks = [
         ("no errors", c["errored"] == 0, f"{c['errored']} errored (5xx, protocol errors, hangs)"),
         ("no leaked requests", end.engine_requests == 0 and not end.server_requests,
-         f"{end.engine_requests} in the engine, {end.server_requests} in the server after the traffic"),
+         f"{end.engine_requests} in the engine, {_count(end.server_requests)} in the server after the traffic"),
         ("no KV blocks in use", not end.kv_blocks_in_use and end.kv_usage == 0,
-         f"{end.kv_blocks_in_use} blocks in use (kv usage {end.kv_usage:.4f}) after the traffic"),
+         f"{_count(end.kv_blocks_in_use)} blocks in use (kv usage {end.kv_usage:.4f}) after the traffic"),
         ("the bursts were refused in part", refused > 0, f"{refused} of {report.burst.get('sent', 0)} burst "
          "requests refused" + ("" if refused else " (is --burst-size above the server's --max-waiting-requests?)")),
     ]
     growth = report.memory_growth
     limit = report.config.max_memory_growth
     report.checks.append(("memory flat", None if growth is None else growth <= limit,
-                          "not measured (no process_resident_memory_bytes)" if growth is None
+                          "not measured (no process_resident_memory_bytes: give --metrics)" if growth is None
                           else f"{growth:+.2%} from after the warm-up to the end (limit {limit:.0%})"))
     if report.server_exit_status is not None or "model" in report.targets:
         report.checks.append(("the server drained and exited 0", report.server_exit_status == 0,
@@ -241,7 +234,8 @@ def format_report(report: SoakReport) -> str:
               for kind, n in sorted(report.by_kind.items())]
     lines += [f"latency: refusals {ms(report.latency_s['refusal'])}; completions {ms(report.latency_s['completion'])}",
               f"after the traffic: {snaps['end'].engine_requests} requests in the engine, "
-              f"{snaps['end'].server_requests} in the server, {snaps['end'].kv_blocks_in_use} KV blocks in use",
+              f"{_count(snaps['end'].server_requests)} in the server, {_count(snaps['end'].kv_blocks_in_use)} KV "
+              "blocks in use",
               f"resident memory: start {mib(snaps['start'].rss_bytes)}, after warm-up "
               f"{mib(snaps['after_warmup'].rss_bytes)}, end {mib(snaps['end'].rss_bytes)}, peak "
               f"{mib(report.rss_peak_bytes)}"]
@@ -250,22 +244,6 @@ def format_report(report: SoakReport) -> str:
               for name, p, detail in report.checks]
     lines.append("soak " + ("passed" if report.ok else "FAILED"))
     return "\n".join(lines)
-
-
-async def _traits(routes: tuple[str, ...], http: Any, stub: Any) -> ServerTraits:
-    from server.proto.sarathi.v1 import generation_pb2 as pb
-
-    if http is not None:
-        info = (await http.get("/v1/models")).raise_for_status().json()["data"][0]["sarathi"]
-    else:
-        m = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        info = {"vocab_size": m.vocab_size, "max_model_len": m.max_model_len, "has_tokenizer": m.has_tokenizer}
-    chat = False
-    if http is not None and info["has_tokenizer"]:  # one chat request says whether the model has a template
-        probe = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                              "max_tokens": 1})
-        chat = probe.status_code == 200
-    return ServerTraits(routes, int(info["vocab_size"]), int(info["max_model_len"]), bool(info["has_tokenizer"]), chat)
 
 
 async def _settle(probe: ServerProbe, timeout_s: float) -> ServerSnapshot:
@@ -295,7 +273,7 @@ async def run_soak(config: SoakConfig, grpc_target: str | None, http_target: str
     stub = pb_grpc.GenerationStub(channel) if channel is not None else None
     rss_peak = 0
     try:
-        report = SoakReport(config, report_targets, await _traits(routes, http, stub))
+        report = SoakReport(config, report_targets, await read_traits(routes, http, stub))
         report.snapshots["start"] = await probe.snapshot()
         all_plans: list[SoakRequest] = []
         all_results: list[ClientRequestResult] = []

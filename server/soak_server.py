@@ -1,5 +1,6 @@
 """The server the soak (server/soak.py) drives, seen from outside: `LocalServer` starts `python -m server` as a
-child process; `ServerProbe` reads what any running server exposes.
+child process; `read_traits` says what it offers the traffic (`ServerTraits`); `ServerProbe` reads what any
+running server exposes.
 
 `ServerProbe.snapshot()`: requests in flight and KV blocks in use from gRPC `GetStats` (read between engine
 iterations, so exact), or, for a server without gRPC, from the `/metrics` gauges (`sarathi:num_requests_running`,
@@ -49,6 +50,33 @@ class ServerSnapshot:
     def to_json(self) -> dict[str, Any]:
         return {"engine_requests": self.engine_requests, "server_requests": self.server_requests,
                 "kv_blocks_in_use": self.kv_blocks_in_use, "kv_usage": self.kv_usage, "rss_bytes": self.rss_bytes}
+
+
+@dataclass(frozen=True)
+class ServerTraits:
+    """What the traffic may use of this server."""
+
+    routes: tuple[str, ...]  # "grpc", "http"
+    vocab_size: int
+    max_model_len: int
+    has_tokenizer: bool
+    has_chat_template: bool
+
+
+async def read_traits(routes: tuple[str, ...], http: Any, stub: Any) -> ServerTraits:
+    """What the server offers: from its /v1/models card (`http`: an httpx2.AsyncClient on it) or GetModelInfo
+    (`stub`); one chat request says whether the model has a chat template."""
+    if http is not None:
+        info = (await http.get("/v1/models")).raise_for_status().json()["data"][0]["sarathi"]
+    else:
+        m = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        info = {"vocab_size": m.vocab_size, "max_model_len": m.max_model_len, "has_tokenizer": m.has_tokenizer}
+    chat = False
+    if http is not None and info["has_tokenizer"]:  # one chat request says whether the model has a template
+        probe = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 1})
+        chat = probe.status_code == 200
+    return ServerTraits(routes, int(info["vocab_size"]), int(info["max_model_len"]), bool(info["has_tokenizer"]), chat)
 
 
 class ServerProbe:

@@ -13,8 +13,8 @@ import sys
 
 from grpc_test_utils import ENGINE_KW, PLAIN_CHAT_TEMPLATE
 from server.load_client import ClientRequestResult
-from server.soak import ServerTraits, SoakConfig, SoakReport, judge, outcome, plan_phase
-from server.soak_server import REPO_ROOT, ServerSnapshot
+from server.soak import SoakConfig, SoakReport, judge, outcome, plan_phase
+from server.soak_server import REPO_ROOT, ServerSnapshot, ServerTraits
 
 TRAITS = ServerTraits(routes=("grpc", "http"), vocab_size=256, max_model_len=256, has_tokenizer=True,
                       has_chat_template=True)
