@@ -202,8 +202,10 @@ def judge(report: SoakReport) -> None:
          f"{end.engine_requests} in the engine, {_count(end.server_requests)} in the server after the traffic"),
         ("no KV blocks in use", not end.kv_blocks_in_use and end.kv_usage == 0,
          f"{_count(end.kv_blocks_in_use)} blocks in use (kv usage {end.kv_usage:.4f}) after the traffic"),
-        ("the bursts were refused in part", refused > 0, f"{refused} of {report.burst.get('sent', 0)} burst "
-         "requests refused" + ("" if refused else " (is --burst-size above the server's --max-waiting-requests?)")),
+        ("the bursts were refused in part", refused > 0 if report.config.burst_size else None,
+         f"{refused} of {report.burst.get('sent', 0)} burst requests refused"
+         + ("" if refused else " (is --burst-size above the server's --max-waiting-requests?)")
+         if report.config.burst_size else "no bursts (--burst-size 0)"),
     ]
     growth = report.memory_growth
     limit = report.config.max_memory_growth
