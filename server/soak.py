@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("seed", None)):
         flag = "--" + name.removesuffix("_s").replace("_", "-")
         kind = int if isinstance(getattr(d, name), int) else float
-        p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=help_ or "(default %(default)s)")
+        p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=help_ or "(default %(default)s)",
+                       metavar="SECONDS" if name.endswith("_s") else "N")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     return p
 
