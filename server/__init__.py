@@ -18,7 +18,7 @@ _EXPORTS = {
     "ServingEngine": "server.engine_worker",
     "run_load": "server.loadgen",
     "run_load_async": "server.loadgen",
-    "ClientRequestResult": "server.loadgen",
+    "ClientRequestResult": "server.load_client",
     "make_request": "server.client",
 }
 

@@ -12,147 +12,49 @@ be sorted) over one shared gRPC channel, as a `Generate` stream; or, when the ta
 `time.monotonic()`: `ttft` from the moment the request was sent to the first message carrying tokens, `tbts`
 between consecutive tokens. Tokens that arrive in the same message share that message's receipt time (so a
 message with k tokens contributes k-1 zero gaps). Failed requests (e.g. RESOURCE_EXHAUSTED) come back with
-`error` set ("CODE: details") rather than raising.
+`error` set ("CODE: details") rather than raising. Each request is sent by server/load_client.py.
+
+`python -m server.loadgen --soak [...]` runs the soak instead (server/soak.py: minutes of mixed traffic, then
+checks for leaks and memory growth).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import grpc
 
-from sarathi_jax.outputs import elapsed, token_gaps
-from server.client import finish_reason_name, make_request
+from server.load_client import ClientRequestResult, is_http, new_result, send_grpc, send_http
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 
 LoadRequest = tuple  # (arrival_time: float, prompt: list[int] | str, params: SamplingParams)
 
+__all__ = ["ClientRequestResult", "LoadRequest", "load_records", "run_bench_workload", "run_load", "run_load_async"]
 
-@dataclass
-class ClientRequestResult:
-    index: int  # position in the input list
-    request_id: str
-    arrival_time: float  # scheduled, seconds after the driver's start
-    send_time: float  # when it was actually sent, seconds after the driver's start
-    num_prompt_tokens: int  # from the server's usage (0 if it never finished)
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)  # receipt time of each token, seconds after start
-    finish_reason: str | None = None
-    error: str | None = None  # "STATUS_CODE: details" when the RPC failed
-    server_ttft: float | None = None  # the server's own TTFT / queue time, from the last message's timings
-    server_queue_time: float | None = None
-    end_time: float | None = None  # seconds after start
 
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def first_token_time(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    @property
-    def ttft(self) -> float | None:
-        return elapsed(self.send_time, self.first_token_time)
-
-    @property
-    def tbts(self) -> list[float]:
-        return token_gaps(self.token_times)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return elapsed(self.send_time, self.end_time)
-
-    @property
-    def send_lag(self) -> float:
-        """How late the driver sent the request relative to its scheduled arrival."""
-        return self.send_time - self.arrival_time
+async def _sleep_until(when: float) -> None:
+    delay = when - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 async def _one(stub: Any, index: int, arrival: float, prompt: Any, params: Any, t0: float,
                request_timeout: float | None, prefix: str) -> ClientRequestResult:
-    delay = t0 + arrival - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    rid = f"{prefix}-{index}"
-    res = ClientRequestResult(index=index, request_id=rid, arrival_time=arrival,
-                              send_time=time.monotonic() - t0, num_prompt_tokens=0)
-    call = stub.Generate(make_request(prompt, params, request_id=rid), timeout=request_timeout)
-    try:
-        async for msg in call:
-            now = time.monotonic() - t0
-            if msg.token_ids:
-                res.token_ids.extend(msg.token_ids)
-                res.token_times.extend([now] * len(msg.token_ids))
-            if msg.finished:
-                res.finish_reason = finish_reason_name(msg.finish_reason)
-                res.num_prompt_tokens = msg.usage.prompt_tokens
-                if msg.timings.HasField("ttft_s"):
-                    res.server_ttft = msg.timings.ttft_s
-                if msg.timings.HasField("queue_time_s"):
-                    res.server_queue_time = msg.timings.queue_time_s
-                if msg.error:
-                    res.error = f"ENGINE_ERROR: {msg.error}"
-    except grpc.aio.AioRpcError as err:
-        res.error = f"{err.code().name}: {err.details()}"
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
-    res.end_time = time.monotonic() - t0
+    await _sleep_until(t0 + arrival)
+    res = new_result(index, f"{prefix}-{index}", arrival, t0)
+    await send_grpc(stub, res, prompt, params, t0, timeout=request_timeout)
     return res
-
-
-def is_http(target: str) -> bool:
-    return target.startswith(("http://", "https://"))
-
-
-def completion_body(prompt: Any, params: Any) -> dict[str, Any]:
-    """A streamed /v1/completions body for (prompt, SamplingParams): the engine's fields are vLLM's names."""
-    fields = {k: v for k, v in dataclasses.asdict(params).items() if v is not None and v != ()}
-    return {**fields, "prompt": prompt if isinstance(prompt, str) else list(prompt), "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
 
 
 async def _one_http(client: Any, index: int, arrival: float, prompt: Any, params: Any, t0: float,
                     prefix: str) -> ClientRequestResult:
-    delay = t0 + arrival - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    res = ClientRequestResult(index=index, request_id=f"{prefix}-{index}", arrival_time=arrival,
-                              send_time=time.monotonic() - t0, num_prompt_tokens=0)
-    try:
-        async with client.stream("POST", "/v1/completions", json=completion_body(prompt, params)) as resp:
-            if resp.status_code != 200:
-                detail = json.loads(await resp.aread() or b"{}").get("error", {}).get("message", "")
-                res.error = f"HTTP {resp.status_code}: {detail}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    now = time.monotonic() - t0
-                    if "error" in chunk:
-                        res.error = f"ENGINE_ERROR: {chunk['error'].get('message')}"
-                    for choice in chunk.get("choices", ()):
-                        ids = choice.get("token_ids") or []
-                        res.token_ids.extend(ids)
-                        res.token_times.extend([now] * len(ids))
-                        res.finish_reason = choice.get("finish_reason") or res.finish_reason
-                    if chunk.get("usage"):
-                        res.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
-    except Exception as err:  # noqa: BLE001 - connection errors: reported per request, like gRPC's
-        res.error = f"{type(err).__name__}: {err}"
-    res.end_time = time.monotonic() - t0
+    await _sleep_until(t0 + arrival)
+    res = new_result(index, f"{prefix}-{index}", arrival, t0)
+    await send_http(client, res, prompt, params, t0)
     return res
 
 
@@ -289,17 +191,25 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m server.loadgen --bench-job JOB --bench-result RESULT`: what `python -m sarathi_jax.bench
     --endpoint` runs in a child process (`sarathi_jax.bench.endpoint`): replay the job's requests against its
-    endpoint and write the run as JSON; a failure is one line on stderr and exit status 1."""
+    endpoint and write the run as JSON; a failure is one line on stderr and exit status 1.
+    `python -m server.loadgen --soak [...]`: the soak (server/soak.py; `--soak --help` lists its options)."""
     import argparse
     import sys
     from pathlib import Path
+
+    args_given = list(sys.argv[1:] if argv is None else argv)
+    if "--soak" in args_given:
+        from server.soak import main as soak_main
+
+        args_given.remove("--soak")
+        return soak_main(args_given)
 
     from sarathi_jax.bench.endpoint import job_workload
 
     parser = argparse.ArgumentParser(prog="python -m server.loadgen", description=main.__doc__.split(":")[0])
     parser.add_argument("--bench-job", required=True, help="the requests (sarathi_jax.bench.endpoint.bench_job)")
     parser.add_argument("--bench-result", required=True, help="where to write the run (RunResult.to_json)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_given)
     job = json.loads(Path(args.bench_job).read_text())
     try:
         run = run_bench_workload(job["endpoint"], job_workload(job), job["prompts"], temperature=job["temperature"])

@@ -20,6 +20,10 @@ Names follow vLLM's (`vllm:` -> `sarathi:`), labelled with `model_name` like vLL
 | sarathi:request_rejected_total | counter | requests refused, label reason (not in vLLM) |
 | sarathi:prefix_cache_queries_total | counter | prompt tokens looked up in the prefix cache at admission |
 | sarathi:prefix_cache_hits_total | counter | of those, tokens found cached (not recomputed) |
+
+A registry the server makes itself also carries prometheus_client's standard process metrics
+(`process_resident_memory_bytes`, `process_cpu_seconds_total`, `process_open_fds`, ...; Linux only), which the
+soak (server/soak.py) reads.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 PREFIX = "sarathi:"
 
@@ -73,6 +77,8 @@ class ServerMetrics:
                                             labels, registry=r).labels(model_name)
         self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits", "Prefix-cache hits, in tokens.", labels,
                                          registry=r).labels(model_name)
+        if registry is None:  # a registry given is the caller's (the global one has these already)
+            ProcessCollector(registry=r)  # this process's memory, CPU time and open files
         self._last_totals: dict[str, int] = {}  # engine stat -> the cumulative total already counted
         self._http = None
 

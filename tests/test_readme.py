@@ -64,6 +64,7 @@ EXCLUDED: tuple[tuple[str, str], ...] = (
     (r"^python -m sarathi_jax\.bench\.probes\.host_cost ",
      "a machine probe: minutes of host-time profiling of three workloads on a 2-core CPU"),
     (r"^grpcurl ", "grpcurl is a Go program, not installed with the project"),
+    (r"^python -m server\.loadgen --soak ", "10 minutes of traffic; tests/server/test_soak.py runs a minute of it"),
 )
 
 
