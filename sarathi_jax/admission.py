@@ -11,6 +11,8 @@ The rules, each written once:
   prompt that is not empty and leaves room to generate within max_model_len, prompt + max_tokens within
   max_model_len and within the KV cache, stop strings only where the engine sees text, stop ids inside the
   vocabulary, and at most MAX_BANNED ids suppressed before min_tokens;
+- a request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX], the range of a signed 32-bit integer
+  (`check_priority`);
 - what keeps a hostile input from costing more than it may: text must be valid Unicode (encodable as
   UTF-8: JSON can carry lone surrogates, which the tokenizer cannot take), and a prompt too long to fit
   max_model_len is refused before it is tokenised or converted (token ids: more than max_model_len of them;
@@ -33,6 +35,7 @@ from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.sampling_inputs import MAX_BANNED
 from sarathi_jax.sampling_params import AdmissionError, SamplingParams
+from sarathi_jax.scheduler.ordering import PRIORITY_MAX, PRIORITY_MIN
 from sarathi_jax.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -41,11 +44,13 @@ Prompt = str | Sequence[int]
 @dataclass(frozen=True)
 class AdmittedRequest:
     """A validated request: its prompt as token ids, its sampling parameters, and the ids suppressed while it
-    has fewer than params.min_tokens outputs (`Admission.banned_until_min_tokens`)."""
+    has fewer than params.min_tokens outputs (`Admission.banned_until_min_tokens`), and its priority (lower is
+    served first under scheduling_policy="priority")."""
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     banned_until_min_tokens: tuple[int, ...]
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,17 +164,20 @@ class Admission:
 
     # ----------------------------------------------------------------------------------- requests
 
-    def admit(self, prompt: Prompt, params: SamplingParams | None = None) -> AdmittedRequest:
+    def admit(self, prompt: Prompt, params: SamplingParams | None = None, priority: Any = 0) -> AdmittedRequest:
         """Validate a request with a plain prompt; raises AdmissionError naming the field."""
-        return self.check(self.prompt_ids(prompt), params)
+        priority = check_priority(priority)  # first: a refused request costs no tokenising
+        return self.check(self.prompt_ids(prompt), params, priority)
 
     def admit_chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
-                   **template_kwargs: Any) -> AdmittedRequest:
-        return self.check(self.chat_prompt_ids(messages, **template_kwargs), params)
+                   priority: Any = 0, **template_kwargs: Any) -> AdmittedRequest:
+        priority = check_priority(priority)
+        return self.check(self.chat_prompt_ids(messages, **template_kwargs), params, priority)
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams | None) -> AdmittedRequest:
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams | None, priority: Any = 0) -> AdmittedRequest:
         """The rules on a prompt (ids as `prompt_ids` or `chat_prompt_ids` return them: inside the vocabulary)
-        together with its sampling parameters."""
+        together with its sampling parameters and priority."""
+        priority = check_priority(priority)
         params = params or SamplingParams()
         n, m = len(prompt_ids), params.max_tokens
         if m > self.room(prompt_ids):
@@ -194,7 +202,7 @@ class Admission:
         if len(banned) > MAX_BANNED:
             raise AdmissionError("stop_token_ids",
                                  f"with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
-        return AdmittedRequest(tuple(prompt_ids), params, banned)
+        return AdmittedRequest(tuple(prompt_ids), params, banned, priority)
 
     def banned_until_min_tokens(self, params: SamplingParams) -> tuple[int, ...]:
         """The ids suppressed while a request has fewer than min_tokens outputs: its stop ids and (unless
@@ -209,4 +217,14 @@ class Admission:
             raise AdmissionError(param, f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
 
 
-__all__ = ["Admission", "AdmissionError", "AdmittedRequest", "KVCapacity", "Prompt"]
+def check_priority(priority: Any) -> int:
+    """A request's priority as an int: AdmissionError("priority") unless it is an integer (not a bool) in
+    [PRIORITY_MIN, PRIORITY_MAX]."""
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        raise AdmissionError("priority", f"must be an integer, got {type(priority).__name__}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise AdmissionError("priority", f"{priority} is outside [{PRIORITY_MIN}, {PRIORITY_MAX}]")
+    return int(priority)
+
+
+__all__ = ["Admission", "AdmissionError", "AdmittedRequest", "KVCapacity", "check_priority", "Prompt"]

@@ -27,6 +27,7 @@ class Arrival:
     offset: float
     prompt: Prompt
     params: SamplingParams
+    priority: int = 0  # lower is served first under scheduling_policy="priority"
 
 
 @dataclass
@@ -84,7 +85,8 @@ def drive(
         while i < n and t0 + offsets[i] <= now:
             a = arrivals[i]
             try:
-                engine.add_request(a.request_id, a.prompt, a.params, arrival_time=t0 + a.offset)
+                engine.add_request(a.request_id, a.prompt, a.params, arrival_time=t0 + a.offset,
+                                   priority=a.priority)
             except ValueError as e:
                 if raise_refused:
                     raise

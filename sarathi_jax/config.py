@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from sarathi_jax.models.presets import PRESETS
 from sarathi_jax.paths import absolute_path
+from sarathi_jax.scheduler.config import check_scheduling_policy
+from sarathi_jax.scheduler.ordering import SCHEDULING_POLICIES
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -112,6 +114,11 @@ class EngineConfig:
     compilation_cache_dir: JAX's persistent compilation cache. "auto": $SARATHI_JAX_COMPILATION_CACHE (a
         directory, or "0"/"off"/"" for none), else ~/.cache/sarathi-jax/jax ($XDG_CACHE_HOME honoured); a
         path; None or "off": no cache. Process-wide; see sarathi_jax/compile_cache.py.
+    scheduling_policy: the order requests are served in: `fcfs` (arrival) or `priority` (vLLM's: a lower
+        request priority first, then arrival; running decodes still come first under sarathi). A request that
+        has waited priority_max_wait_s since its arrival is served as the most urgent priority (aging; see
+        sarathi_jax/scheduler/ordering.py).
+    priority_max_wait_s: the aging bound of the priority policy, in seconds; None: no aging.
     background_compile: the engine is ready once the largest bucket's step and the general sampler are built;
         the other buckets and sampler variants are then built on background threads while it serves (until
         one is built, a batch runs padded to a larger bucket, with the same tokens). False: everything is
@@ -141,6 +148,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     compilation_cache_dir: str | None = "auto"
     background_compile: bool = True
+    scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES})
+    priority_max_wait_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -177,6 +186,7 @@ class EngineConfig:
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
             raise ValueError(f"compilation_cache_dir must be a path, 'auto', 'off' or None, "
                              f"got {self.compilation_cache_dir!r}")
+        check_scheduling_policy(self.scheduling_policy, self.priority_max_wait_s)
         self._check_batch_limits()
 
     def _resolve_batch_limits(self) -> None:

@@ -64,8 +64,9 @@ class Engine(Protocol):
     def iteration_log(self) -> list[IterationRecord]: ...
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Admit and queue a request: AdmissionError (a ValueError naming the field) when it is refused."""
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Admit and queue a request: AdmissionError (a ValueError naming the field) when it is refused.
+        `priority`: lower is served first under scheduling_policy="priority"."""
         ...
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:

@@ -162,7 +162,8 @@ class EngineCore:
     def add_request(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queue an admitted request under a new id (nothing is re-checked: the scheduler asserts the lengths)."""
         ids, params = list(request.prompt_token_ids), request.params
-        seq = Sequence(request_id, ids, params, self.executor.now() if arrival_time is None else arrival_time)
+        arrival = self.executor.now() if arrival_time is None else arrival_time
+        seq = Sequence(request_id, ids, params, arrival, request.priority)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
         text = self.tokenizer is not None
         self.add(RequestState(seq, seed, request.banned_until_min_tokens,
@@ -203,7 +204,7 @@ class EngineCore:
         """Schedule and dispatch one batch, then retire what the loop mode says (see the module docstring).
         When nothing new could be scheduled, the oldest batch in flight is retired, so every call progresses."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.executor.now())  # now: the priority policy's aging
         if sched.chunks:
             self._dispatch(sched)
         while self._in_flight and (len(self._in_flight) >= self.loop.max_in_flight or not sched.chunks):
@@ -348,11 +349,11 @@ class CoreFrontEnd:
     admission: Admission
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises AdmissionError (a ValueError) naming the bad field; the engine
-        is unchanged then."""
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue a request (`priority`: lower is served first under scheduling_policy="priority").
+        Raises AdmissionError (a ValueError) naming the bad field; the engine is unchanged then."""
         self.check_new_id(request_id)
-        self.add_admitted(request_id, self.admission.admit(prompt, params), arrival_time)
+        self.add_admitted(request_id, self.admission.admit(prompt, params, priority), arrival_time)
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queue a request that `self.admission` admitted, under a new id. Nothing is re-checked (the scheduler

@@ -57,8 +57,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; returns one output per prompt, in order.
+        """Run every prompt to completion; returns one output per prompt, in order. `priority`: one per prompt
+        (lower is served first under scheduling_policy="priority"); None: all 0.
 
         Each returned output covers the whole request: `new_token_ids`, `text_delta` and `new_logprobs`
         hold everything generated. Bad input raises ValueError before anything runs.
@@ -70,13 +72,16 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts")
 
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, prio in zip(prompts, params, priority):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, priority=prio)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:

@@ -39,9 +39,11 @@ class Sequence:
     """
 
     def __init__(
-        self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float
+        self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float,
+        priority: int = 0,
     ) -> None:
         self.seq_id = seq_id
+        self.priority = priority  # lower is served first under scheduling_policy="priority" (scheduler/ordering.py)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params

@@ -182,12 +182,13 @@ class SimulatedEngine(CoreFrontEnd):
         prompt: Prompt | int,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """`prompt` is token ids or just a length (`dummy_prompt`; a length < 1 is an empty prompt).
         Raises AdmissionError (a ValueError) naming the bad field, as `LLMEngine.add_request` does."""
         if isinstance(prompt, int):
             prompt = self.dummy_prompt(prompt)
-        super().add_request(request_id, prompt, params, arrival_time)
+        super().add_request(request_id, prompt, params, arrival_time, priority)
 
     def stats(self) -> dict:
         return {**self.core.stats(), "clock": self.clock.now()}
@@ -213,6 +214,7 @@ class SimRequest:
     arrival_time: float
     num_prompt_tokens: int
     max_tokens: int
+    priority: int = 0  # lower is served first under scheduling_policy="priority"
 
 
 @dataclass
@@ -254,7 +256,7 @@ def simulate(
     refuses (one that could never fit) raises its AdmissionError."""
     engine = SimulatedEngine(scheduler_config, num_blocks, block_size, cost_model)
     arrivals = [Arrival(r.request_id, r.arrival_time, engine.dummy_prompt(r.num_prompt_tokens),
-                        SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+                        SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), r.priority)
                 for r in sorted(requests, key=lambda r: r.arrival_time)]
     final = drive(engine, arrivals, raise_refused=True, max_steps=max_steps).finished
     makespan = max((o.metrics.finished_time or 0.0 for o in final.values()), default=0.0)

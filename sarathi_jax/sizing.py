@@ -232,6 +232,8 @@ def size_engine(
         max_num_batched_tokens=config.max_num_batched_tokens,
         tile_size=config.tile_size,
         watermark=config.watermark,
+        scheduling_policy=config.scheduling_policy,
+        priority_max_wait_s=config.priority_max_wait_s,
     )
     if config.scheduler in CHUNKING_POLICIES:
         max_step_tokens = config.token_budget

@@ -68,10 +68,11 @@ def admission_from_proto(request: pb.GenerateRequest) -> Callable[[Admission], A
         if which is None:
             raise AdmissionError("prompt", "must be set (text, token_ids or messages)")  # the oneof: protocol shape
         params = sampling_params_from_proto(request)
+        priority = request.priority  # 0 when unset: the default
         if which == "messages":
             return admission.admit_chat([{"role": m.role, "content": m.content} for m in request.messages.messages],
-                                        params)
-        return admission.admit(request.text if which == "text" else list(request.token_ids.ids), params)
+                                        params, priority)
+        return admission.admit(request.text if which == "text" else list(request.token_ids.ids), params, priority)
 
     return build
 

@@ -5,7 +5,8 @@ coerced into a number (`"max_tokens": true` or `"5"`), nor a string into a bool 
 is a valid float. Fields this engine cannot honour (`n > 1`, `best_of > 1`,
 `echo`, `suffix`, `tools`, a non-text `response_format`) are refused by `unsupported()`, naming the field.
 vLLM's extra sampling fields are accepted as vLLM accepts them: `top_k`, `min_p`, `min_tokens`,
-`stop_token_ids`, `ignore_eos`, and `return_token_ids` (each choice then carries its new `token_ids`).
+`stop_token_ids`, `ignore_eos`, `return_token_ids` (each choice then carries its new `token_ids`), and
+`priority` (an integer; lower is served first when the server schedules by priority).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    priority: int = 0  # vLLM's: lower is served first under --scheduling-policy priority (range: admission's)
 
     def unsupported(self) -> str | None:
         """The first field set to something this engine cannot honour, or None."""

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY
 from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR
+from sarathi_jax.bench.slo_mix import GoodputTarget, SloMix, parse_goodput_target, parse_slo_mix
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
 from sarathi_jax.config import ACCELERATOR_PLATFORMS, EngineConfig
 from sarathi_jax.config_flags import ConfigFlags, DefaultsHelpFormatter
@@ -133,8 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TBT SLO as M x the measured decode-only iteration time (paper: 5 strict, 25 relaxed)")
     s.add_argument("--decode-probe-batch", type=int, default=8,
                    help="decode batch size for measuring the decode-only iteration time")
+    s.add_argument("--slo-mix", default=None, metavar="SPEC",
+                   help="SLO classes, e.g. 'interactive:0.2:ttft=0.5,tbt=0.05,priority=-1;batch:0.8:ttft=30,tbt=1': "
+                        "NAME:SHARE:TARGETS per class (shares add up to 1; each request's class is drawn from "
+                        "--seed); ttft and tbt targets in seconds (tbt: every gap between tokens), priority sent "
+                        "with the class's requests (see --scheduling-policy). Adds goodput overall and per class")
     s.add_argument("--capacity", action="store_true",
-                   help="binary-search the highest QPS with P99 TBT <= SLO and median scheduling delay <= limit")
+                   help="binary-search the highest QPS with P99 TBT <= SLO and median scheduling delay <= limit "
+                        "(or, with --capacity-goodput, with enough requests meeting their SLO)")
+    s.add_argument("--capacity-goodput", default=None, metavar="FRACTION[:CLASS]",
+                   help="capacity: pass a rate when at least FRACTION of the requests (of SLO class CLASS, or of "
+                        "all) meet their --slo-mix targets, e.g. 0.9 or 0.9:interactive")
     s.add_argument("--max-sched-delay", type=float, default=DEFAULT_MAX_SCHED_DELAY,
                    help="capacity: median scheduling delay limit (s)")
     s.add_argument("--capacity-probes", type=int, default=8, help="capacity: most runs per configuration")
@@ -156,14 +166,34 @@ def check_args(args: argparse.Namespace) -> None:
     """Option combinations that cannot work, refused before anything is built."""
     if args.slo_tbt is not None and args.slo_tbt_multiple is not None:
         raise BenchError("give either --slo-tbt or --slo-tbt-multiple, not both")
-    if args.capacity and args.slo_tbt is None and args.slo_tbt_multiple is None:
-        raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed)")
+    mix = slo_mix_of(args)
+    goodput_target_of(args, mix)
+    if args.capacity_goodput is not None and not args.capacity:
+        raise BenchError("--capacity-goodput is the criterion of --capacity: add --capacity")
+    if args.capacity_goodput is not None and (args.slo_tbt is not None or args.slo_tbt_multiple is not None):
+        raise BenchError("--capacity searches on goodput (--capacity-goodput) or on a TBT SLO, not both")
+    if args.capacity and args.capacity_goodput is None and args.slo_tbt is None and args.slo_tbt_multiple is None:
+        raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed), "
+                         "or a goodput target: --capacity-goodput FRACTION with --slo-mix")
     if args.cost_model and not args.simulate:
         raise BenchError("--cost-model is for the simulator: add --simulate")
     if args.prompts_file and (args.simulate or args.endpoint or args.capacity):
         raise BenchError("--prompts-file runs text prompts on the real engine: not with --simulate, --endpoint "
                          "or --capacity")
 
+
+def slo_mix_of(args: argparse.Namespace) -> SloMix | None:
+    try:
+        return None if args.slo_mix is None else parse_slo_mix(args.slo_mix)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+
+
+def goodput_target_of(args: argparse.Namespace, mix: SloMix | None) -> GoodputTarget | None:
+    try:
+        return None if args.capacity_goodput is None else parse_goodput_target(args.capacity_goodput, mix)
+    except ValueError as e:
+        raise BenchError(f"--capacity-goodput: {e}" if not str(e).startswith("--") else str(e)) from None
 
 
 def default_model(platform: str) -> str:

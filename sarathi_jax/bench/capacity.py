@@ -1,7 +1,9 @@
 """Capacity: the highest request rate an engine sustains within latency SLOs (Sarathi-Serve, section 5).
 
 A rate passes when the run's P99 TBT <= `slo_tbt` and its median scheduling delay <= `max_sched_delay`
-(the paper's 2 s bound, which keeps a queue from growing without limit). The search probes a start rate,
+(the paper's 2 s bound, which keeps a queue from growing without limit), or, searching on goodput
+(`goodput_target`, --capacity-goodput), when at least a given fraction of its requests (of one SLO class, or of
+all) meet their own SLO targets (--slo-mix). The search probes a start rate,
 doubles (or halves) until the verdict flips, then bisects, with a bounded number of probes in all.
 Every probe replays the same requests with the arrival pattern stretched to the probed rate.
 """
@@ -17,6 +19,7 @@ import numpy as np
 from sarathi_jax.arrival_loop import RunState
 from sarathi_jax.bench.driver import RunResult, run_workload
 from sarathi_jax.bench.metrics import summarize
+from sarathi_jax.bench.slo_mix import GoodputTarget
 from sarathi_jax.bench.workload import Workload
 from sarathi_jax.engine_api import Engine
 
@@ -32,6 +35,7 @@ class Probe:
     p50_sched_delay: float | None = None
     stopped_early: bool = False
     throughput: float | None = None  # requests completed per second over the probe; None when it stopped early
+    good_fraction: float | None = None  # searching on goodput: the fraction of requests meeting their SLO
     result: Any = field(default=None, repr=False)  # the RunResult, when the probe ran an engine
 
     def to_dict(self) -> dict:
@@ -43,7 +47,7 @@ class Probe:
 @dataclass
 class CapacityResult:
     capacity_qps: float  # highest passing rate found; 0.0 when even the lowest probed rate failed
-    slo_tbt: float
+    slo_tbt: float | None  # None: searched on goodput alone
     max_sched_delay: float
     probes: list[Probe]
     bracket: tuple[float, float]  # (highest pass, lowest fail); fail is inf when no probe failed
@@ -184,7 +188,7 @@ def find_capacity(
     base: Workload,
     prompts: list[list[int]],
     *,
-    slo_tbt: float,
+    slo_tbt: float | None,
     max_sched_delay: float = DEFAULT_MAX_SCHED_DELAY,
     start_qps: float | None = None,
     max_probes: int = 8,
@@ -194,12 +198,18 @@ def find_capacity(
     early_stop: bool = True,
     summarize_kwargs: dict | None = None,
     on_probe: Callable[[Probe], None] | None = None,
+    goodput_target: GoodputTarget | None = None,
+    priorities: list[int] | None = None,
 ) -> CapacityResult:
     """Search the capacity of `engine` on `base`'s requests, its arrival pattern rescaled to each probed rate.
 
     `base` must have arrival times (not offline). The engine is reused across probes (request ids get a
-    per-probe prefix). `start_qps` defaults to the base workload's own rate.
+    per-probe prefix). `start_qps` defaults to the base workload's own rate. `goodput_target`: a probe passes on
+    goodput (summarize_kwargs must carry the requests' `request_slos`) instead of P99 TBT and scheduling delay.
+    `priorities`: each request's priority.
     """
+    if (slo_tbt is None) == (goodput_target is None):
+        raise ValueError("search on a TBT SLO (slo_tbt) or on goodput (goodput_target): one of them")
     if not math.isfinite(base.mean_rate):
         raise ValueError("capacity search needs a workload with an arrival pattern, not an offline one")
     counter = [0]
@@ -207,20 +217,22 @@ def find_capacity(
     def evaluate(qps: float) -> Probe:
         counter[0] += 1
         wl = base.at_rate(qps)
-        stop = _early_stop(wl, slo_tbt, max_sched_delay) if early_stop else None
+        stop = _early_stop(wl, slo_tbt, max_sched_delay) if early_stop and slo_tbt is not None else None
         res: RunResult = run_workload(
             engine, wl, prompts, label=f"{label} @ {qps:.3g} req/s", id_prefix=f"{label}-p{counter[0]}-",
-            progress=progress, early_stop=stop,
+            progress=progress, early_stop=stop, priorities=priorities,
         )
         res.summary = summarize(res.records, res.iterations, num_preemptions=res.num_preemptions,
                                 **(summarize_kwargs or {}))
         p = Probe(
             qps=qps,
-            passed=(not res.stopped_early) and meets_slos(res.summary, slo_tbt, max_sched_delay),
+            passed=(not res.stopped_early) and (goodput_target.met(res.summary) if goodput_target is not None
+                                                else meets_slos(res.summary, slo_tbt, max_sched_delay)),
             p99_tbt=res.summary["tbt"]["p99"],
             p50_sched_delay=res.summary["scheduling_delay"]["p50"],
             stopped_early=res.stopped_early,
             throughput=None if res.stopped_early else res.summary["request_throughput"],
+            good_fraction=None if goodput_target is None else goodput_target.good_fraction(res.summary),
             result=res,
         )
         if on_probe is not None:
@@ -234,7 +246,7 @@ def find_capacity(
 def search_capacity(
     evaluate: Callable[[float], Probe],
     *,
-    slo_tbt: float,
+    slo_tbt: float | None,
     max_sched_delay: float,
     start_qps: float,
     max_probes: int = 8,

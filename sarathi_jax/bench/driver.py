@@ -109,17 +109,20 @@ def run_workload(
     early_stop: Callable[[RunState], bool] | None = None,
     early_stop_every: int = 8,
     max_idle_steps: int = 10000,
+    priorities: Sequence[int] | None = None,
 ) -> RunResult:
     """Run `workload` (with these prompt token ids) on `engine` until every request has finished.
 
     `early_stop(state)` is checked every `early_stop_every` steps; when it returns True the requests still
     in the engine are aborted, those not yet added are recorded as never run, and the run ends.
     Request ids are `f"{id_prefix}{index}"`: use a fresh prefix when reusing an engine. `stop_at_eos`: requests
-    end at EOS (real text prompts) instead of running to their trace output length.
+    end at EOS (real text prompts) instead of running to their trace output length. `priorities`: request i's
+    priority (None: all 0; the SLO classes of --slo-mix).
     """
     ids = [f"{id_prefix}{i}" for i in range(len(workload))]
-    arrivals = [Arrival(rid, arrival, prompt, params) for rid, (arrival, prompt, params)
-                in zip(ids, workload_requests(workload, prompts, temperature, stop_at_eos))]
+    priorities = [0] * len(ids) if priorities is None else priorities
+    arrivals = [Arrival(rid, arrival, prompt, params, int(prio)) for rid, (arrival, prompt, params), prio
+                in zip(ids, workload_requests(workload, prompts, temperature, stop_at_eos), priorities)]
     log_start = len(engine.iteration_log)
     engine.reset_pipeline_stats()  # count bubbles of this run only, not warm-up or earlier runs
     engine.reset_prefix_cache()  # every run (and capacity probe) starts cold: no hits on earlier runs' prompts

@@ -8,7 +8,10 @@ Definitions (all times in seconds, relative to the start of a run):
   scheduling delay     first time the request was scheduled (any prefill chunk) - arrival time
   normalized latency   end-to-end latency / number of output tokens (seconds per token)
   throughput           completed requests (or their tokens) / (last finish - first arrival)
-  goodput              completed requests with TTFT <= slo_ttft and every TBT <= slo_tbt, per second
+  goodput              completed requests with TTFT <= slo_ttft and every TBT <= slo_tbt, per second (a
+                       TBT target is a deadline on every token, counted from the token before it; not a P99)
+  class goodput        the same with each request's own targets (`RequestSlo`, the bench's --slo-mix), over
+                       all requests and per SLO class, over the run's span
   stall                a TBT above `stall_factor` x the run's median TBT (default 5)
 Percentiles use numpy's default (linear interpolation between closest ranks). Only completed requests
 (finish_reason "stop" or "length") count towards latency percentiles; errors and aborts are counted apart.
@@ -148,6 +151,37 @@ def goodput(
     }
 
 
+@dataclass(frozen=True)
+class RequestSlo:
+    """One request's SLO class and targets (seconds; None: not checked)."""
+
+    slo_class: str
+    ttft: float | None
+    tbt: float | None
+
+
+def class_goodput(records: Sequence[RequestRecord], slos: Sequence[RequestSlo], duration: float | None = None) -> dict:
+    """Goodput with each request's own targets (`slos[i]` is `records[i]`'s): {"overall": ..., "classes": {name:
+    ...}} (classes in order of first appearance), each with num_requests, num_good, good_fraction, goodput (good
+    requests per second of the run's span) and the TTFT percentiles of its completed requests."""
+    if len(slos) != len(records):
+        raise ValueError(f"{len(slos)} SLOs for {len(records)} requests")
+    dur = run_span(records) if duration is None else duration
+
+    def part(pairs: list[tuple[RequestRecord, RequestSlo]]) -> dict:
+        good = sum(meets_slo(r, s.ttft, s.tbt) for r, s in pairs)
+        return {"num_requests": len(pairs), "num_good": good, "good_fraction": good / len(pairs) if pairs else None,
+                "goodput": good / dur if dur > 0 else None,
+                "ttft": percentiles(r.ttft for r, _ in pairs if r.completed)}
+
+    pairs = list(zip(records, slos))
+    by_class: dict[str, list] = {}
+    for r, s in pairs:
+        by_class.setdefault(s.slo_class, []).append((r, s))
+    classes = {name: {"slo_ttft": p[0][1].ttft, "slo_tbt": p[0][1].tbt, **part(p)} for name, p in by_class.items()}
+    return {"overall": part(pairs), "classes": classes}
+
+
 def decode_only_iteration_time(iterations: Sequence) -> float | None:
     """Median duration of iterations that ran decodes and no prefill tokens (None when there are none)."""
     d = [_get(it, "duration") for it in iterations if _get(it, "num_prefill_tokens") == 0 and _get(it, "num_decode_tokens") > 0]
@@ -189,8 +223,10 @@ def summarize(
     slo_tbt: float | None = None,
     stall_factor: float = DEFAULT_STALL_FACTOR,
     num_preemptions: int | None = None,
+    request_slos: Sequence[RequestSlo] | None = None,
 ) -> dict:
-    """All run-level metrics as one JSON-able dict."""
+    """All run-level metrics as one JSON-able dict. `request_slos`: each request's SLO class (`class_goodput`,
+    under "slo_classes")."""
     done = completed(records)
     tbts = all_tbts(done)
     median_tbt = float(np.median(tbts)) if tbts else None
@@ -215,6 +251,8 @@ def summarize(
         "goodput": goodput(records, slo_ttft, slo_tbt) if (slo_ttft is not None or slo_tbt is not None) else None,
         "iterations": iteration_stats(iterations),
     }
+    if request_slos is not None:
+        summary["slo_classes"] = class_goodput(records, request_slos)
     return summary
 
 

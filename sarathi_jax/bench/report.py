@@ -33,6 +33,7 @@ def prefix_hit_rate(run: RunResult) -> float | None:
 
 def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tuple[list[str], list[list[str]]]:
     show_goodput = any(r.summary.get("goodput") for r in runs)
+    show_classes = any(r.summary.get("slo_classes") for r in runs)
     show_prefix = any(prefix_hit_rate(r) is not None for r in runs)
     header = ["run", "done", "P50 TTFT", "P99 TTFT", "P50 TBT", "P99 TBT", "P50 sched", "req/s", "out tok/s",
               "preempt", "stalls"]
@@ -40,6 +41,8 @@ def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tup
         header += ["prefill tok", "prefix hit"]
     if show_goodput:
         header.append("goodput")
+    if show_classes:
+        header.append("goodput (own SLOs)")
     if capacities:
         header.append("capacity")
     rows = []
@@ -64,10 +67,29 @@ def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tup
         if show_goodput:
             g = s.get("goodput") or {}
             row.append("-" if g.get("goodput") is None else f"{g['goodput']:.2f}/s ({g['good_fraction']:.0%})")
+        if show_classes:
+            row.append(_goodput_cell((s.get("slo_classes") or {}).get("overall")))
         if capacities:
             c = capacities.get(r.label)
             row.append("-" if c is None else f"{c.capacity_qps:.3g} req/s")
         rows.append(row)
+    return header, rows
+
+
+def _goodput_cell(part: dict | None) -> str:
+    if not part or part.get("goodput") is None:
+        return "-"
+    return f"{part['goodput']:.2f}/s ({part['good_fraction']:.0%})"
+
+
+def class_table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
+    """One row per run and SLO class (--slo-mix): its requests, targets, goodput and TTFT."""
+    header = ["run", "class", "requests", "TTFT SLO", "TBT SLO", "goodput", "P50 TTFT", "P99 TTFT"]
+    rows = []
+    for r in runs:
+        for name, c in ((r.summary.get("slo_classes") or {}).get("classes") or {}).items():
+            rows.append([r.label, name, str(c["num_requests"]), fmt_seconds(c["slo_ttft"]), fmt_seconds(c["slo_tbt"]),
+                         _goodput_cell(c), fmt_seconds(c["ttft"]["p50"]), fmt_seconds(c["ttft"]["p99"])])
     return header, rows
 
 
@@ -248,6 +270,9 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
         extra = f" ({args.slo_tbt_multiple:g}x decode-only iteration {fmt_seconds(decode_time)})" if decode_time else ""
         print(f"TBT SLO: {fmt_seconds(slo_tbt)}{extra}")
     print(format_table(runs, capacities))
+    if any(r.summary.get("slo_classes") for r in runs):
+        print("SLO classes (a request is good when it completes within both its TTFT and every-token TBT targets):")
+        print(format_rows(*class_table_rows(runs), left=2))
     for run in runs:
         if run.pipeline and run.pipeline.get("bubble_fraction") is not None:
             p = run.pipeline

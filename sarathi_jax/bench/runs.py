@@ -17,12 +17,13 @@ from typing import Callable
 import numpy as np
 
 from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchError, default_model, engine_config_kwargs,
-                                   run_configs)
+                                   goodput_target_of, run_configs, slo_mix_of)
 from sarathi_jax.bench.capacity import CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
 from sarathi_jax.bench.endpoint import EndpointError, run_endpoint
 from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import fmt_seconds, summarize
+from sarathi_jax.bench.slo_mix import SloMix, request_slos
 from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_workload, trace_workload,
                                         with_shared_prefix)
 from sarathi_jax.config import EngineConfig
@@ -173,6 +174,8 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
     prompts: list[list[int]] | None = None
     fitted_len = None
     workload_info: dict[str, dict] = {}
+    mix = slo_mix_of(args)
+    goodput_target = goodput_target_of(args, mix)
 
     if args.endpoint:
         if args.max_model_len:
@@ -186,7 +189,8 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         except EndpointError as e:
             raise BenchError(f"--endpoint {args.endpoint}: {e} (is the server running there?)") from None
         run.summary = summarize(run.records, run.iterations, slo_ttft=args.slo_ttft, slo_tbt=slo_tbt,
-                                stall_factor=args.stall_factor, num_preemptions=run.num_preemptions)
+                                stall_factor=args.stall_factor, num_preemptions=run.num_preemptions,
+                                **_slo_classes(mix, len(workload), args.seed))
         runs.append(run)
         fitted = workload
         workload_info[run.label] = workload.summary()
@@ -217,18 +221,22 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
             slo_tbt = args.slo_tbt_multiple * decode_time
             _log(quiet, f"decode-only iteration time (batch {args.decode_probe_batch}): {fmt_seconds(decode_time)}"
                         f" -> TBT SLO {args.slo_tbt_multiple:g}x = {fmt_seconds(slo_tbt)}")
-        summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor}
+        summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor,
+                   **_slo_classes(mix, len(fitted), args.seed)}
+        priorities = None if mix is None else [c.priority for c in mix.assign(len(fitted), args.seed)]
         desc = engine_description(engine, kwargs, args.simulate)
         if args.capacity:
             def on_probe(p, label=cfg["label"]):
+                good = "" if p.good_fraction is None else f", {p.good_fraction:.0%} within their SLO"
                 _log(quiet, f"[{label}] {p.qps:8.3g} req/s: {'pass' if p.passed else 'FAIL'}  "
                             f"P99 TBT {fmt_seconds(p.p99_tbt)}, P50 sched delay {fmt_seconds(p.p50_sched_delay)}"
-                            f"{' (stopped early)' if p.stopped_early else ''}")
+                            f"{good}{' (stopped early)' if p.stopped_early else ''}")
 
             cap = find_capacity(
                 engine, fitted, prompts, slo_tbt=slo_tbt, max_sched_delay=args.max_sched_delay,
                 start_qps=args.capacity_start_qps, max_probes=args.capacity_probes, rel_tol=args.capacity_tol,
                 label=cfg["label"], progress=progress, summarize_kwargs=summ_kw, on_probe=on_probe,
+                goodput_target=goodput_target, priorities=priorities,
             )
             capacities[cfg["label"]] = cap
             _log(quiet, f"[{cfg['label']}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
@@ -238,7 +246,8 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
             desc["capacity_probe_qps"] = shown.qps
         else:
             run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
-                               temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress)
+                               temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress,
+                               priorities=priorities)
             run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
             _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
                         f"in {run.wall_time:.1f} s wall")
@@ -249,3 +258,8 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         gc.collect()
 
     return BenchRuns(runs, capacities, fitted, workload_info, slo_tbt, decode_time)
+
+
+def _slo_classes(mix: SloMix | None, num_requests: int, seed: int) -> dict:
+    """`summarize`'s keyword for the requests' SLO classes (--slo-mix), drawn as the runs send them."""
+    return {} if mix is None else {"request_slos": request_slos(mix.assign(num_requests, seed))}

@@ -1,17 +1,17 @@
 """Scheduler base: queues, admission, KV allocation with preemption, rejection. Policies only pick the order.
 
 Shared rules (every policy):
-- FCFS. `waiting` is kept in arrival order (the order of `add_sequence`); admission takes its head and stops
-  at the first request that does not fit (no skipping ahead). A preempted sequence goes back into `waiting`
-  at its arrival position, which is at or near the front since it was admitted before everything behind it.
+- Order (scheduler/ordering.py): `waiting` and `running` are kept sorted by each request's order key: its
+  arrival ("fcfs") or (priority, arrival) with aging ("priority"). Admission takes the head of `waiting` and
+  stops at the first request that does not fit (no skipping ahead); a preempted sequence goes back into
+  `waiting` at its key's position. "Earliest"/"latest" below mean first/last in that order.
 - At most `max_num_seqs` sequences are running (admitted) at once, and at most that many are in a batch.
 - Admission never over-commits memory: a request is admitted only when the blocks for its whole
   (re-)prefill (or, for policies that reserve, its whole request) are free above the watermark, after what
   the running prefills still need. Growth of a running sequence may dip into the watermark.
-- When a running sequence needs a block and none is free, the latest arrival among the running sequences
-  that are neither in this batch nor in flight is preempted by recompute (blocks freed, generated tokens
-  kept, re-queued); if there is none later than the one growing, a decode preempts itself and a prefill
-  chunk shrinks to what fits (or waits).
+- When a running sequence needs a block and none is free, the latest running sequence that is neither in
+  this batch nor in flight is preempted by recompute (blocks freed, outputs kept, re-queued); if there is
+  none later than the one growing, a decode preempts itself and a prefill chunk shrinks to fit (or waits).
 - Pipeline parallelism: `schedule()` may be called again before `on_step_done` of earlier outputs; a
   sequence in an output that is not done yet ("in flight") is neither scheduled again nor preempted.
 - The overlapped loop (pipeline_parallel_size 1) calls `on_step_done` as soon as a batch is dispatched, so a
@@ -29,11 +29,11 @@ Shared rules (every policy):
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from typing import ClassVar, Protocol, runtime_checkable
 
 from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
+from sarathi_jax.scheduler.ordering import RequestOrder
 from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -62,6 +62,12 @@ class SchedulerSettings(Protocol):
 
     @property
     def batch_token_limit(self) -> int: ...
+
+    @property
+    def scheduling_policy(self) -> str: ...
+
+    @property
+    def priority_max_wait_s(self) -> float | None: ...
 
 
 class Batch:
@@ -120,10 +126,9 @@ class Scheduler:
             block_manager.watermark_blocks, int(config.watermark * block_manager.num_total_blocks)
         )
         self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []  # kept in arrival order
+        self._running: list[Sequence] = []  # kept in order (see _order)
         self._seqs: dict[str, Sequence] = {}  # unfinished sequences by id
-        self._order: dict[str, int] = {}  # arrival rank (add order): the FCFS and preemption key
-        self._counter = itertools.count()
+        self._order = RequestOrder(config.scheduling_policy, config.priority_max_wait_s)  # the queues' keys
         self._in_flight: set[str] = set()  # seq ids in outputs whose on_step_done has not come yet
         self._preempted: list[Sequence] = []  # during one schedule() call
         self._num_preemptions = 0
@@ -139,8 +144,8 @@ class Scheduler:
                 and bm.blocks_for_tokens(seq.max_total_tokens) <= bm.num_total_blocks - bm.watermark_blocks), seq
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
-        self._order[seq.seq_id] = next(self._counter)
-        self._waiting.append(seq)
+        self._order.add(seq)
+        self._order.insert(self._waiting, seq)
 
     def abort_sequence(self, seq_id: str) -> Sequence | None:
         """Remove a sequence in any state and free its blocks now. None if unknown or already finished."""
@@ -157,13 +162,17 @@ class Scheduler:
                 self._running.remove(seq)
             else:
                 self._waiting.remove(seq)
-            del self._order[seq.seq_id]
+            self._order.remove(seq.seq_id)
         self._in_flight.discard(seq.seq_id)
         self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """The next batch. `now`: the engine's clock, for aging under the priority policy (None: no aging)."""
         self._preempted = []
+        if now is not None and self._order.age(now):
+            for queue in (self._waiting, self._running):
+                self._order.sort(queue)
         batch = self._schedule()
         chunks = tuple([ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill)
                         for seq, n, prefill in batch.items])
@@ -213,12 +222,12 @@ class Scheduler:
 
     @property
     def running(self) -> tuple[Sequence, ...]:
-        """Admitted sequences, earliest arrival first."""
+        """Admitted sequences, in order (earliest first)."""
         return tuple(self._running)
 
     @property
     def waiting(self) -> tuple[Sequence, ...]:
-        """Queued sequences in admission order (FCFS)."""
+        """Queued sequences in admission order."""
         return tuple(self._waiting)
 
     def is_in_flight(self, seq: Sequence) -> bool:
@@ -339,7 +348,7 @@ class Scheduler:
         seq.num_computed_tokens = hit.num_tokens
         self.block_manager.allocate(seq, reserve_tokens)
         seq.status = SequenceStatus.RUNNING
-        self._insert_by_order(self._running, seq)
+        self._order.insert(self._running, seq)
 
     def _grow_prefill(self, seq: Sequence, want: int, batch: Batch, *, shrink_ok: bool) -> int:
         """Give a running prefill blocks for `want` more tokens (preempting later arrivals if needed), or
@@ -382,13 +391,6 @@ class Scheduler:
         self._running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self._insert_by_order(self._waiting, seq)
+        self._order.insert(self._waiting, seq)
         self._preempted.append(seq)
         self._num_preemptions += 1
-
-    def _insert_by_order(self, queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
-        rank, order = self._order[seq.seq_id], self._order
-        i = len(queue)
-        while i > 0 and order[queue[i - 1].seq_id] > rank:  # from the back: admissions are usually latest
-            i -= 1
-        queue.insert(i, seq)

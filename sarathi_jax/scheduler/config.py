@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sarathi_jax.scheduler.base import Scheduler
+from sarathi_jax.scheduler.ordering import SCHEDULING_POLICIES
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, SCHEDULERS
 
 
@@ -24,6 +25,10 @@ class SchedulerConfig:
     tile_size: sarathi only: round each batch's tokens down to a multiple of this by shrinking the last
         prefill chunk (see SarathiScheduler).
     watermark: fraction of KV blocks kept free when admitting new requests.
+    scheduling_policy: the order requests are served in, one of SCHEDULING_POLICIES: "fcfs" (arrival) or
+        "priority" (lower priority value first, then arrival; see sarathi_jax/scheduler/ordering.py).
+    priority_max_wait_s: "priority" only: aging; a request waiting this many seconds since its arrival is
+        served as the most urgent priority. None: no aging.
     """
 
     policy: str = "sarathi"
@@ -33,6 +38,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     tile_size: int | None = None
     watermark: float = 0.01
+    scheduling_policy: str = "fcfs"
+    priority_max_wait_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
@@ -47,6 +54,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        check_scheduling_policy(self.scheduling_policy, self.priority_max_wait_s)
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, self.token_budget))
         uses_token_budget = self.scheduler_class.uses_token_budget
@@ -72,3 +80,13 @@ class SchedulerConfig:
     def batch_token_limit(self) -> int:
         """The token limit of a normal batch under this policy."""
         return self.token_budget if self.scheduler_class.uses_token_budget else self.max_num_batched_tokens
+
+
+def check_scheduling_policy(scheduling_policy: str, priority_max_wait_s: float | None) -> None:
+    """ValueError unless `scheduling_policy` is known and `priority_max_wait_s` None or a positive number
+    (`EngineConfig` checks the same before anything loads)."""
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
+    wait = priority_max_wait_s
+    if wait is not None and (not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait > 0):
+        raise ValueError(f"priority_max_wait_s must be None or a positive number of seconds, got {wait!r}")

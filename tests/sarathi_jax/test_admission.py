@@ -70,3 +70,16 @@ def test_text_too_long_to_fit_is_refused_before_tokenising(admission) -> None:
     admission.tokenizer.backend = None  # tokenising now fails: the length check must come first
     err = refusal(admission.admit, "x" * (limit + 1))
     assert err.param == "prompt" and str(limit) in err.reason
+
+
+@pytest.mark.parametrize("bad", [1.5, "1", None, True, [0], 2**31, -(2**31) - 1, 10**30])
+def test_bad_priority_is_refused_naming_the_field(admission, bad):
+    for call, first in ((admission.admit, [3, 4]), (admission.admit_chat, [{"role": "user", "content": "hello"}])):
+        err = refusal(call, first, None, bad)
+        assert err.param == "priority" and str(err).startswith("priority: ")
+
+
+@pytest.mark.parametrize("good", [0, -(2**31), 2**31 - 1, -7])
+def test_priority_in_the_int32_range_is_admitted(admission, good):
+    assert admission.admit([3, 4], None, good).priority == good
+    assert admission.admit("hello world").priority == 0

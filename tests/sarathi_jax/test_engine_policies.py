@@ -23,7 +23,7 @@ def prompts():
     return [rng.integers(3, 256, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
-def run(model_dir, prompts, **config) -> tuple[dict[str, list[int]], LLMEngine]:
+def run(model_dir, prompts, priorities=None, **config) -> tuple[dict[str, list[int]], LLMEngine]:
     fields = dict(model=str(model_dir), token_budget=64, max_num_seqs=8, num_blocks=256, max_model_len=256)
     fields.update(config)
     engine = LLMEngine(EngineConfig(**fields), warmup=False)
@@ -34,7 +34,7 @@ def run(model_dir, prompts, **config) -> tuple[dict[str, list[int]], LLMEngine]:
     while pending or engine.has_unfinished_requests():
         if pending and steps % 2 == 0:  # arrivals while others decode
             i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
+            engine.add_request(f"r{i}", prompt, params, priority=priorities[i] if priorities else 0)
         for out in engine.step():
             if out.finished:
                 assert out.finish_reason == "length", out.error
@@ -71,3 +71,18 @@ def test_pallas_backend_matches_xla(llama_dir, prompts, reference):
     subset = prompts[:4]
     tokens, _ = run(llama_dir, subset, attention_backend="pallas")
     assert tokens == {f"r{i}": reference[f"r{i}"] for i in range(len(subset))}
+
+
+PRIORITY_ORDERS = {
+    "later-first": list(range(len(PROMPT_LENGTHS)))[::-1],  # every arrival outranks those before it
+    "mixed": [3, -2, 0, 7, -2, 1, 0, -(2**31)],
+}
+
+
+@pytest.mark.parametrize("policy,order", [("sarathi", "later-first"), ("sarathi", "mixed"), ("vllm", "mixed")])
+def test_priority_scheduling_keeps_tokens_under_preemption(llama_dir, prompts, reference, policy, order):
+    # The cache of test_preemption_by_recompute_keeps_tokens: lower-priority requests get evicted and recomputed.
+    tokens, engine = run(llama_dir, prompts, PRIORITY_ORDERS[order], scheduler=policy, num_blocks=14,
+                         watermark=0.0, scheduling_policy="priority")
+    assert engine.scheduler.num_preemptions > 0
+    assert tokens == reference

@@ -137,3 +137,16 @@ def test_streamed_text_deltas_add_up_and_never_show_the_stop_string(llm):
             if out.finished:
                 final = out
     assert "".join(deltas) == final.text == free.text[: free.text.index(stop)]
+
+
+def test_generate_takes_one_priority_per_prompt(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    plain = llm.generate([[5, 6, 7], [8, 9]], params)
+    ranked = llm.generate([[5, 6, 7], [8, 9]], params, priority=[2, -1])
+    assert [o.token_ids for o in ranked] == [o.token_ids for o in plain]
+    with pytest.raises(ValueError, match="priority: got 1 priorities for 2 prompts"):
+        llm.generate([[5, 6, 7], [8, 9]], params, priority=[0])
+    with pytest.raises(ValueError, match="^priority: must be an integer"):
+        llm.generate([[5, 6, 7], [8, 9]], params, priority=[0, 0.5])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks

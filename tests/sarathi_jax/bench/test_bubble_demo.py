@@ -42,7 +42,7 @@ class FakeEngine(SimulatedEngine):
     def reset_pipeline_stats(self) -> None:
         self.resets += 1
 
-    def add_request(self, request_id, prompt, params=None, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params=None, arrival_time=None, priority=0) -> None:
         self.added.append((time.monotonic() - self.start, request_id, prompt, params))
         super().add_request(request_id, prompt, params, arrival_time)
 

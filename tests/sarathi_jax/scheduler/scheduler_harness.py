@@ -29,6 +29,7 @@ class Req:
     prompt_len: int
     max_tokens: int
     family: int = 0  # prompts of one family share their tokens up to the shorter one's length (prefix caching)
+    priority: int = 0  # served first when lower, under scheduling_policy="priority"
 
 
 @dataclass
@@ -163,7 +164,7 @@ class CheckedScheduler:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
         sched, cfg, res = self.inner, self.cfg, self.result
         in_flight = self.executor.in_flight
         # The core retires down to max_in_flight - 1 batches before it schedules again.
@@ -187,7 +188,7 @@ class CheckedScheduler:
 
         ready_decodes = [s for s in sched.running if s.is_decode and ready(s)]
 
-        out = sched.schedule()
+        out = sched.schedule(now)
 
         # Depth 1 (overlapped loop): a sequence may run again while its previous batch is in flight; that is
         # the point. Depth > 1: never (its K/V are not written yet).
@@ -243,7 +244,7 @@ def run_trace(
     sched = make_scheduler(cfg, bm)
     executor = TrackingExecutor(CostModelExecutor(CostModel()))
     seqs = [Sequence(f"s{i}", [1000 * r.family + t for t in range(1, r.prompt_len + 1)],
-                     SamplingParams(max_tokens=r.max_tokens), float(r.arrival_step))
+                     SamplingParams(max_tokens=r.max_tokens), float(r.arrival_step), r.priority)
             for i, r in enumerate(reqs)]
     res = RunResult(seqs)
     checked = CheckedScheduler(sched, cfg, loop, executor, res)

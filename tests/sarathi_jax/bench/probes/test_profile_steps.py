@@ -39,7 +39,7 @@ class FakeEngine(SimulatedEngine):
     def startup_stats(self) -> dict:
         return {"fake": True}
 
-    def add_request(self, request_id, prompt, params=None, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params=None, arrival_time=None, priority=0) -> None:
         self.added.append((request_id, prompt, params))
         super().add_request(request_id, prompt, params, arrival_time)
 
