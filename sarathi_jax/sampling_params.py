@@ -7,10 +7,11 @@ what depends on the model and the engine (vocabulary, tokenizer, lengths). Both 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sarathi_jax.structured_outputs import StructuredOutputs
 
@@ -63,8 +64,8 @@ class SamplingParams:
     ignore_eos: keep generating past EOS.
     logprobs: None for none; N >= 0 for the sampled token's log-probability and the top-N.
     structured_outputs: constrain the output to a JSON schema, a regex, a choice or a grammar: a dict with
-    exactly one of `json`, `json_object`, `regex`, `choice`, `grammar` (`StructuredOutputs.parse`; stored
-    parsed, so the params stay hashable), or a `StructuredOutputs`. Needs a tokenizer.
+      exactly one of `json`, `json_object`, `regex`, `choice`, `grammar` (`StructuredOutputs.parse`; kept
+      parsed, so the params stay hashable), or a `StructuredOutputs`. Needs a tokenizer.
     """
 
     temperature: float = 1.0
@@ -78,7 +79,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    structured_outputs: StructuredOutputs | Mapping[str, object] | None = None
+    structured_outputs: StructuredOutputs | Mapping[str, object] | None = field(
+        default=None, metadata={"cli": {"type": json.loads, "metavar": "JSON"}})  # a flag takes JSON text
 
     def __post_init__(self) -> None:
         constraint = self.structured_outputs

@@ -83,6 +83,12 @@ class StructuredOutputs:
         """The llguidance grammar text."""
         return _llguidance_grammar(self.kind, self.text)
 
+    def as_dict(self) -> dict[str, object]:
+        """The object `parse` takes back to this constraint (what a request body or gRPC field carries)."""
+        if self.kind == "json_object":
+            return {"json_object": True}
+        return {self.kind: json.loads(self.text) if self.kind in ("json", "choice") else self.text}
+
     @classmethod
     def parse(cls, value: Mapping[str, object]) -> StructuredOutputs:
         """The constraint of a request body's `structured_outputs` object: exactly one kind set (None, and

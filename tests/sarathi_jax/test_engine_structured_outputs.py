@@ -2,9 +2,9 @@
 `EngineCore._postprocess`): outputs that satisfy their constraint, exact tokens where the constraint allows the
 unconstrained ones, no interference with unconstrained rows, the finish reasons, aborts and bad input.
 
-The tiny random model gets an ASCII byte-level BPE (llguidance cannot read tests/conftest.py's Metaspace
-tokenizer, and its random weights would otherwise emit bytes that are not UTF-8 text); SmolLM2-135M-Instruct
-(the GGUF of the session fixtures) checks JSON schemas with the `jsonschema` library.
+The tiny random model is tests/conftest.py's `ascii_llama`, with an ASCII byte-level BPE (llguidance cannot
+read the Metaspace tiny tokenizer, and random weights over all 256 bytes would emit text that is not UTF-8);
+SmolLM2-135M-Instruct (the converted GGUF of the session fixtures) checks JSON schemas with `jsonschema`.
 """
 
 from __future__ import annotations
@@ -15,35 +15,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sarathi_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.admission import Admission, AdmissionError
 from sarathi_jax.tokenizer import load_tokenizer
-from tests import conftest
 
-CORPUS = ['{"id": 12, "name": "Ada", "tags": ["x", "yz"]}', "red green blue 0123456789",
-          "The quick brown fox jumps over the lazy dog.", "Hello world! How are you today?"]
 PROMPTS = ["The quick brown fox", "Hello world", "red green blue"]
-
-
-@pytest.fixture(scope="module")
-def ascii_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama whose vocabulary is exactly an ASCII byte-level BPE's (EOS id 0)."""
-    folder = tmp_path_factory.mktemp("ascii-llama")
-    backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    ascii_bytes = [chr(b) for b in range(33, 127)] + ["Ġ"]  # ByteLevel's printable ASCII and its space
-    trainer = trainers.BpeTrainer(vocab_size=160, initial_alphabet=ascii_bytes, special_tokens=["<|eos|>"])
-    backend.train_from_iterator(CORPUS, trainer=trainer)
-    backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
-    cls, kwargs, _, _ = conftest.HF_CHECKPOINT_SPECS["llama"]
-    config = {**conftest._COMMON, **kwargs, "vocab_size": backend.get_vocab_size(), "eos_token_id": 0,
-              "bos_token_id": None}
-    return conftest.write_hf_checkpoint(folder, cls, config, seed=0)
 
 
 @pytest.fixture(scope="module")
