@@ -65,14 +65,17 @@ class _SamplingFields(_Body):
                                       top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens,
                                       max_tokens=max_tokens, logprobs=logprobs)
         kwargs = {k: v for k, v in fields.items() if v is not None}
-        field, constraint = self.constraint()
         try:
             return SamplingParams(stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                                  ignore_eos=self.ignore_eos, structured_outputs=constraint, **kwargs)
-        except AdmissionError as e:  # report the field the request set
-            if e.param != "structured_outputs" or field is None:
-                raise
-            raise AdmissionError(field, e.reason) from None
+                                  ignore_eos=self.ignore_eos, structured_outputs=self.constraint()[1], **kwargs)
+        except AdmissionError as e:
+            raise self.named(e) from None
+
+    def named(self, error: AdmissionError) -> AdmissionError:
+        """`error`, or if it is about the structured-outputs constraint, the same naming the body field that
+        set it (SamplingParams and admission call it `structured_outputs`)."""
+        field = next((name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None), None)
+        return AdmissionError(field, error.reason) if error.param == "structured_outputs" and field else error
 
     def constraint(self) -> tuple[str | None, dict[str, Any] | None]:
         """(the body field that sets a structured-outputs constraint, the constraint as
@@ -104,6 +107,10 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
 
 
 def _kind(kind: str, value: Any) -> dict[str, Any] | None:
