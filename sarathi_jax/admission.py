@@ -10,7 +10,9 @@ The rules, each written once:
 - what depends on the engine, here: prompt token ids inside the vocabulary (text needs a tokenizer), a
   prompt that is not empty and leaves room to generate within max_model_len, prompt + max_tokens within
   max_model_len and within the KV cache, stop strings only where the engine sees text, stop ids inside the
-  vocabulary, and at most MAX_BANNED ids suppressed before min_tokens;
+  vocabulary, at most MAX_BANNED ids suppressed before min_tokens, and a structured-outputs constraint only
+  with a tokenizer and an EOS id, compiled here (`GrammarCompiler`, built once from the tokenizer and cached
+  by the constraint's text), so the engine thread never compiles: the request gets its `GrammarMatcher`;
 - a request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX], the range of a signed 32-bit integer
   (`check_priority`);
 - what keeps a hostile input from costing more than it may: text must be valid Unicode (encodable as
@@ -27,8 +29,9 @@ serve, the model name).
 from __future__ import annotations
 
 import numbers
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sarathi_jax.block_manager import BlockManager
@@ -36,6 +39,7 @@ from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.sampling_inputs import MAX_BANNED
 from sarathi_jax.sampling_params import AdmissionError, SamplingParams
 from sarathi_jax.scheduler.ordering import PRIORITY_MAX, PRIORITY_MIN
+from sarathi_jax.structured_outputs import GrammarCompiler, GrammarMatcher, StructuredOutputs
 from sarathi_jax.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -44,13 +48,15 @@ Prompt = str | Sequence[int]
 @dataclass(frozen=True)
 class AdmittedRequest:
     """A validated request: its prompt as token ids, its sampling parameters, and the ids suppressed while it
-    has fewer than params.min_tokens outputs (`Admission.banned_until_min_tokens`), and its priority (lower is
-    served first under scheduling_policy="priority")."""
+    has fewer than params.min_tokens outputs (`Admission.banned_until_min_tokens`), its priority (lower is
+    served first under scheduling_policy="priority"), and with params.structured_outputs the request's
+    grammar state (its own: queue an admitted request once)."""
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     banned_until_min_tokens: tuple[int, ...]
     priority: int = 0
+    grammar: GrammarMatcher | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class Admission:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template  # a plain attribute: tests swap it
         self.stop_strings = tokenizer is not None if stop_strings is None else stop_strings
+        # Built on the first constrained request; a str: why this tokenizer has none (kept, not retried).
+        self._grammar_compiler: GrammarCompiler | str | None = None
+        self._grammar_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------- prompts
 
@@ -202,7 +211,31 @@ class Admission:
         if len(banned) > MAX_BANNED:
             raise AdmissionError("stop_token_ids",
                                  f"with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
-        return AdmittedRequest(tuple(prompt_ids), params, banned, priority)
+        constraint = params.structured_outputs
+        grammar = None if constraint is None else self.grammar_matcher(constraint)
+        return AdmittedRequest(tuple(prompt_ids), params, banned, priority, grammar)
+
+    def grammar_matcher(self, constraint: StructuredOutputs) -> GrammarMatcher:
+        """A fresh matcher of a constraint, compiled (or taken from the compiler's cache) now."""
+        param = "structured_outputs"
+        if self.tokenizer is None:
+            raise AdmissionError(param, "needs a tokenizer, and this model has none")
+        if not self.eos_token_ids:
+            raise AdmissionError(param, "needs an EOS token id (the output ends with it), and this model has none")
+        with self._grammar_lock:  # front ends admit on several threads; the compiler is built once
+            if self._grammar_compiler is None:
+                try:
+                    self._grammar_compiler = GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size,
+                                                             self.eos_token_ids)
+                except ValueError as e:  # llguidance cannot read this tokenizer (e.g. its decoder type)
+                    self._grammar_compiler = f"not available with this model's tokenizer: {e}"
+        compiler = self._grammar_compiler
+        if isinstance(compiler, str):
+            raise AdmissionError(param, compiler)
+        try:
+            return compiler.matcher(constraint)
+        except ValueError as e:  # the library's message
+            raise AdmissionError(param, str(e).removeprefix(f"{param}: ")) from None
 
     def banned_until_min_tokens(self, params: SamplingParams) -> tuple[int, ...]:
         """The ids suppressed while a request has fewer than min_tokens outputs: its stop ids and (unless

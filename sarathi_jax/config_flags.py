@@ -2,7 +2,8 @@
 
 One flag per field, `--field-name`: its type from the annotation (bool: `--x` / `--no-x`; int, float, str; a
 tuple of strings: a repeatable flag; a tuple of ints: comma-separated), its choices from the field's
-`metadata["choices"]`, its help from the class docstring's `name: text` entry. A flag left out is None and
+`metadata["choices"]`, its help from the class docstring's `name: text` entry; a field of another type names
+its argparse keywords in `metadata["cli"]` (SamplingParams.structured_outputs: JSON text). A flag left out is None and
 the dataclass's own default applies, so a field added to the dataclass appears on every front end at once,
 documented where it is defined.
 
@@ -103,7 +104,7 @@ class ConfigFlags:
             text = f"{self.cls.__name__}.{name}: {docs[name]}"
             if f.default is not dataclasses.MISSING and f.default not in (None, ()):
                 text += f" (default: {f.default})"
-            kind = _argparse_kind(hints[name])
+            kind = dict(f.metadata["cli"]) if "cli" in f.metadata else _argparse_kind(hints[name])
             if "choices" in f.metadata:
                 kind["choices"] = f.metadata["choices"]
             parser.add_argument(self.flag(name), dest=self.dest(name), default=None, help=text.replace("%", "%%"),

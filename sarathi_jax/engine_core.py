@@ -1,15 +1,13 @@
 """The engine core: the one serving loop that the engine, the simulator and the tests drive.
 
-`EngineCore` owns the scheduler (and through it the KV block manager), each request's host state, the
-postprocessing of sampled tokens (append, stop checks, finish: `_postprocess`, the one place a sampled token
-is handled), the outputs and the iteration records. What runs a batch is an `Executor`: the model runner
-(`LLMEngine`) or a cost model on a virtual clock (`SimulatedEngine`). No JAX here.
+`EngineCore` owns the scheduler (and through it the KV blocks), each request's host state, the postprocessing
+of sampled tokens (append, grammar, stop checks, finish: `_postprocess`, the one place a sampled token is
+handled), the outputs and the iteration records. An `Executor` runs batches: the model runner (`LLMEngine`)
+or a cost model on a virtual clock (`SimulatedEngine`). No JAX here.
 
-One `step()`:
-  1. schedule a batch and dispatch it (`Executor.submit` returns at once; the device works behind it). Each
-     sequence the batch samples for gets a pending token at once (`Sequence.append_pending_token`);
-  2. retire the oldest batches in flight beyond `keep_in_flight`: fetch their sampled tokens, resolve the
-     pending tokens, check stop conditions, finish sequences, build outputs.
+One `step()`: 1. schedule a batch and dispatch it (`Executor.submit` returns at once). Each sequence it
+samples for gets a pending token at once (`Sequence.append_pending_token`); 2. retire the oldest batches in
+flight beyond `keep_in_flight`: fetch their tokens, resolve the pending ones, check stops, build outputs.
 
 How many batches stay in flight after a step (`LoopConfig`):
   * synchronous (`async_scheduling=False`, pipeline depth 1): none. Dispatch, wait, postprocess.
@@ -23,7 +21,10 @@ How many batches stay in flight after a step (`LoopConfig`):
   * pipeline parallel (depth pp > 1): up to pp micro-batches in flight; the scheduler is told a batch is done
     only when it retires, so a sequence is in at most one micro-batch at a time (the next stage runs
     micro-batch i while this one runs i + 1). The host already overlaps there; async_scheduling adds nothing.
-In every mode a request's sampled tokens depend only on its own tokens and seed, so the modes agree.
+Structured outputs: a constrained row's token bitmask (`_token_bitmask`, on the host) needs its last token,
+so while a constrained request is unfinished the overlapped loop retires every batch before it schedules the
+next (the device waits for the host's postprocess and scheduling; depth > 1 is unchanged: it never schedules
+a sequence in flight). In every mode a request's tokens depend only on its own tokens and seed.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
 from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
 from sarathi_jax.sampling_params import AdmissionError, RequestSampling, SamplingParams
 from sarathi_jax.scheduler import Scheduler
+from sarathi_jax.structured_outputs import GrammarMatcher, step_bitmask
 from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
 
 
 class SampledBatch(Protocol):
-    """Host arrays of one retired batch; row i belongs to chunk i. The logprob arrays may be None when no
-    row asked for logprobs."""
+    """Host arrays of one retired batch; row i is chunk i's. The logprob arrays are None if no row wants them."""
 
     token_ids: Any  # int[>= num_chunks]
     logprobs: Any  # float[>= num_chunks]
@@ -65,10 +66,12 @@ class StepHandle(Protocol):
 class Executor(Protocol):
     """Runs batches: the model runner on a device, or a cost model on a virtual clock."""
 
-    def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_of: Callable[[Sequence], RequestSampling]) -> StepHandle:
+    def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_of: Callable[[Sequence], RequestSampling],
+               token_bitmask: np.ndarray | None = None) -> StepHandle:
         """Dispatch one batch without waiting for it. A chunk's tokens may include one pending token (the
         last, `PENDING_TOKEN`), sampled by the batch submitted just before this one. `sampling_of(seq)` gives
-        a request's sampling settings; an executor asks for them when the sequence first enters a batch."""
+        a request's sampling settings; an executor asks for them when the sequence first enters a batch.
+        `token_bitmask` (int32 [len(chunks), ceil(V/32)]): the tokens each row may sample; None: any."""
         ...
 
     def now(self) -> float:
@@ -114,6 +117,7 @@ class RequestState:
     emitted_tokens: int = 0  # output tokens already reported to the caller
     text_delta: str = ""  # released text not yet reported
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: the request's grammar state
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.seq.prompt_token_ids)
@@ -153,6 +157,7 @@ class EngineCore:
         self._requests: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step()
         self._in_flight: deque[_InFlight] = deque()
+        self._num_constrained = 0  # unfinished requests with a grammar
 
     # ----------------------------------------------------------------------------------- requests in
 
@@ -168,12 +173,13 @@ class EngineCore:
         text = self.tokenizer is not None
         self.add(RequestState(seq, seed, request.banned_until_min_tokens,
                               IncrementalDetokenizer(self.tokenizer, ids) if text else None,
-                              StopStringChecker(params.stop) if text else None))
+                              StopStringChecker(params.stop) if text else None, grammar=request.grammar))
 
     def add(self, state: RequestState) -> None:
         """Queue a validated request (a new id: the caller checked with `in`)."""
         assert state.seq.seq_id not in self._requests, state.seq.seq_id
         self._requests[state.seq.seq_id] = state
+        self._num_constrained += state.grammar is not None
         self.scheduler.add_sequence(state.seq)
 
     def abort(self, request_id: str) -> bool:
@@ -182,6 +188,7 @@ class EngineCore:
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
+        self._num_constrained -= state.grammar is not None
         self.scheduler.abort_sequence(request_id)
         seq = state.seq
         seq.discard_pending_tokens()
@@ -204,6 +211,8 @@ class EngineCore:
         """Schedule and dispatch one batch, then retire what the loop mode says (see the module docstring).
         When nothing new could be scheduled, the oldest batch in flight is retired, so every call progresses."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        while self._num_constrained and self._in_flight and self.loop.done_at_dispatch:
+            outputs.extend(self._retire(self._in_flight.popleft()))  # their masks need their last tokens
         sched = self.scheduler.schedule(self.executor.now())  # now: the priority policy's aging
         if sched.chunks:
             self._dispatch(sched)
@@ -214,8 +223,8 @@ class EngineCore:
         return outputs
 
     def _dispatch(self, sched: SchedulerOutput) -> None:
-        start = self.executor.now()
-        handle = self.executor.submit(sched.chunks, self._sampling_of)
+        start, bitmask = self.executor.now(), self._token_bitmask(sched.chunks) if self._num_constrained else None
+        handle = self.executor.submit(sched.chunks, self._sampling_of, bitmask)
         for chunk in sched.chunks:
             seq = chunk.seq
             if chunk.needs_sample:
@@ -243,12 +252,18 @@ class EngineCore:
             self._postprocess(state, sampled, i, now)
             outputs.append(self._make_output(state))
             if seq.status is finished:
-                del requests[seq.seq_id]
+                self._num_constrained -= requests.pop(seq.seq_id).grammar is not None
         # Overlapped or pipelined batches overlap in time: the duration runs from dispatch to retirement.
-        self._record_iteration(batch.sched, batch.start, now, batch.handle.num_padded_tokens)
+        log = self.iteration_log
+        log.append(batch.sched.iteration_record(len(log), batch.start, now, batch.handle.num_padded_tokens))
         return outputs
 
     # ----------------------------------------------------------------------------------- sampled tokens
+
+    def _token_bitmask(self, chunks: SequenceOf[ScheduledChunk]) -> np.ndarray | None:
+        """The step's token bitmask (None when no row that samples is constrained)."""
+        return step_bitmask([(self._requests[c.seq.seq_id].grammar, c.seq.sampling_params.stop_token_ids)
+                             if c.needs_sample else None for c in chunks])
 
     def _sampling_of(self, seq: Sequence) -> RequestSampling:
         state = self._requests[seq.seq_id]
@@ -273,7 +288,7 @@ class EngineCore:
                 tuple(float(x) for x in sampled.top_logprobs[row, :n]),
             ))
 
-        reason = None
+        reason = grammar_end = None
         num_outputs = len(seq.output_token_ids)
         past_min_tokens = num_outputs >= params.min_tokens
         if state.detokenizer is not None:
@@ -282,6 +297,9 @@ class EngineCore:
             state.text_delta += checker.add(delta, detect=past_min_tokens)
             if checker.stopped:
                 reason = "stop"
+        if reason is None and state.grammar is not None:  # complete ("stop", its text all kept) or "error"
+            reason = grammar_end = state.grammar.take(token_id, params.stop_token_ids)
+            seq.error = f"structured_outputs: {state.grammar.error}" if reason == "error" else None
         if reason is None and past_min_tokens:
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
                 reason = "stop"
@@ -289,7 +307,7 @@ class EngineCore:
         if reason is None and num_outputs >= params.max_tokens:
             reason = "length"
         if reason is not None:
-            if state.detokenizer is not None and reason != "stop":
+            if state.detokenizer is not None and (reason != "stop" or grammar_end):
                 # Release a held-back partial character and any tail held for stop strings.
                 state.text_delta += state.stop_checker.add(state.detokenizer.flush(), detect=False)
                 state.text_delta += state.stop_checker.flush()
@@ -323,19 +341,6 @@ class EngineCore:
             error=seq.error,
         )
 
-    def _record_iteration(self, sched: SchedulerOutput, start: float, end: float, num_padded_tokens: int) -> None:
-        self.iteration_log.append(IterationRecord(
-            iteration=len(self.iteration_log),
-            start_time=start,
-            duration=end - start,
-            num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_tokens=sched.num_decode_tokens,
-            num_seqs=len(sched.chunks),
-            chunk_sizes=tuple(c.num_new_tokens for c in sched.chunks if not c.is_decode),
-            num_preemptions=len(sched.preempted),
-            num_padded_tokens=num_padded_tokens,
-        ))
-
     def stats(self) -> dict:
         return self.scheduler.stats()
 
@@ -364,11 +369,10 @@ class CoreFrontEnd:
     def step(self) -> list[RequestOutput]:
         """One iteration of the engine core: schedule and dispatch a batch, retire the oldest in flight.
 
-        Synchronous loop: the batch dispatched is also retired. Overlapped loop (the default): the batch
-        dispatched by call N+1 is queued on the device before call N+1 fetches and postprocesses batch N, so
-        a request's token is reported one call after its batch was dispatched. With pipeline_parallel_size =
-        pp > 1 up to pp micro-batches are in flight (see the module docstring).
-        """
+        Synchronous loop: the batch dispatched is also retired. Overlapped loop (the default): call N+1
+        queues its batch before it fetches and postprocesses batch N (a token is reported one call after its
+        batch was dispatched); with pipeline parallelism up to pp micro-batches are in flight."""
+
         return self.core.step()
 
     def check_new_id(self, request_id: str) -> None:

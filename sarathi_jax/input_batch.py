@@ -248,8 +248,9 @@ def write_sampling_row(arrays: SamplingArrays, i: int, params: SamplingParams, s
     arrays.banned_token_ids[i, : len(banned)] = banned
 
 
-# (sampled, filter, logprobs) -> the variant: `variant_of` picks one of the fixed set, it builds none.
-_VARIANTS = {(v.sampled, v.filter, v.logprobs): v for v in SAMPLER_VARIANTS}
+# (sampled, filter, logprobs) -> the variant: `variant_of` picks one of the fixed set, it builds none (a step
+# with a token bitmask runs `sampling_inputs.constrained_variant` of it).
+_VARIANTS = {(v.sampled, v.filter, v.logprobs): v for v in SAMPLER_VARIANTS if not v.constrained}
 
 
 def variant_of(arrays: SamplingArrays, num_rows: int) -> SamplerVariant:

@@ -2,12 +2,11 @@
 
 Every step runs at one of a few fixed token counts (`buckets`): tile-aligned sizes up to the largest batch
 the scheduler can produce. The sampler is a separate jitted function with one variant per sampling need
-(`sampling.SamplerVariant`: greedy only, sampled, top-k/top-p, logprobs), chosen on the host, so no step
-contains a conditional whose predicate lives on the device (on a GPU that is a host sync mid-step). Every
-bucket and every variant is built by `warmup()` (`sarathi_jax.precompile`): the largest bucket and the
-general sampler before the engine is ready, the others there too or on a background thread while the engine
-serves (a batch then runs in the smallest bucket already built that holds it). Serving never compiles;
-`num_compilations` counts traces and lets tests check that.
+(`sampling.SamplerVariant`: greedy only, sampled, top-k/top-p, logprobs, a structured-outputs token bitmask),
+chosen on the host, so no step has a conditional whose predicate lives on the device (on a GPU a host sync
+mid-step). `warmup()` (`sarathi_jax.precompile`) builds every bucket and variant: the largest bucket and the
+general sampler before the engine is ready, the others then or on background threads while it serves (a
+batch runs in the smallest bucket built that holds it). Serving never compiles (`num_compilations`).
 
 Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
 settings) travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by `sarathi_jax.input_batch`) that
@@ -18,13 +17,11 @@ runner is built or an executable becomes ready, not per step. A pending token (t
 scheduled before its input token reached the host) is read on the device from the previous step's sampled
 tokens.
 
-Parallelism (`plan`, see `sarathi_jax.parallel`): the model is cut into `pp` pipeline stages (contiguous
-layer ranges), each one jitted function on its own sub-mesh of `tp` devices (`sarathi_jax.parallel.stages`
-builds them and owns everything that depends on where a stage lives). A step dispatches the stages one after
-the other without waiting (JAX dispatch is asynchronous), handing the activations to the next stage;
-`submit()` returns a `PendingStep` at once, so the engine can schedule and dispatch the next micro-batch
-while earlier ones are still running. Without a plan (or with tp = pp = 1) there is one stage on the default
-device.
+Parallelism (`plan`, `sarathi_jax.parallel`): `pp` pipeline stages (contiguous layer ranges), each one jitted
+function on its own sub-mesh of `tp` devices (`sarathi_jax.parallel.stages` owns where a stage lives). A step
+dispatches the stages one after the other without waiting, handing activations on; `submit()` returns a
+`PendingStep` at once, so the engine dispatches the next micro-batch while earlier ones run. Without a plan
+(or tp = pp = 1): one stage on the default device.
 """
 
 from __future__ import annotations
@@ -48,19 +45,15 @@ from sarathi_jax.parallel.pipeline import PipelineTimeline
 from sarathi_jax.parallel.stages import LMHead, Stage, build_stages, copy_to_every_process, local_copy
 from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, on_stages, run_builds
 from sarathi_jax.precompile import compile_threads as _default_compile_threads
-from sarathi_jax.sampling import (
-    FULL_VARIANT,
-    SAMPLER_VARIANTS,
-    SamplerOutput,
-    SamplerVariant,
-    captured_logits,
-    sample_packed_jit,
-)
+from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerOutput, SamplerVariant, captured_logits
+from sarathi_jax.sampling import sample_packed_jit
+from sarathi_jax.sampling_inputs import constrained_variant, padded_bitmask
 from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.sizing import EngineSizing, platform_buckets
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, row_ladder, sample_rows
+from sarathi_jax.structured_outputs import bitmask_width
 
 
 def _to_host(x: Any, across_processes: bool) -> np.ndarray | None:
@@ -85,9 +78,7 @@ class PendingStep:
         self._out: Any = out if want_logprobs else SamplerOutput(out.token_ids, None, None, None)
         self.num_padded_tokens = num_padded_tokens  # the step's bucket
         self.sampler = sampler  # the (variant, rows R) its LM head and sampler ran
-        self._device_logits = logits
-        self._record = record
-        self._timeline = timeline
+        self._device_logits, self._record, self._timeline = logits, record, timeline
         self._result: SamplerOutput | None = None
         self._across_processes = across_processes
         self.logits: np.ndarray | None = None
@@ -180,6 +171,7 @@ class ModelRunner:
         self._lm_head: LMHead = self.stages[-1].lm_head()
         self._head_weight = self.stages[-1].lm_head_weight
         self._across_processes = jax.process_count() > 1
+        self._bitmask_width = bitmask_width(model_config.vocab_size)
 
     # ------------------------------------------------------------------------------------- building
 
@@ -281,7 +273,7 @@ class ModelRunner:
         builder = ExecutableBuilder(
             stages, lambda bucket: on_stages(stages, BatchLayout(bucket, s, b).empty()), no_tokens=self._no_tokens,
             max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, sampler=sample_packed_jit,
-            cache=self.executable_cache, table=table,
+            cache=self.executable_cache, table=table, bitmask_width=self._bitmask_width,
         )
         greedy = SAMPLER_VARIANTS[0]
         builder.bucket(top, (FULL_VARIANT,))
@@ -304,19 +296,24 @@ class ModelRunner:
         """Block until every bucket and variant is built (True), or `timeout` seconds pass (False)."""
         return True if self.background is None else self.background.wait(timeout)
 
-    def execute(self, chunks: Sequence[ScheduledChunk], sampling_of: Callable[[Seq], RequestSampling]) -> SamplerOutput:
-        """Run one step; row i of the result is chunk i's sample (meaningful where chunk.needs_sample)."""
-        return self.submit(chunks, sampling_of).result()
+    def execute(self, chunks: Sequence[ScheduledChunk], sampling_of: Callable[[Seq], RequestSampling],
+                token_bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """Run one step (`submit` and wait); row i of the result is chunk i's sample (where it samples)."""
+        return self.submit(chunks, sampling_of, token_bitmask).result()
 
-    def submit(self, chunks: Sequence[ScheduledChunk], sampling_of: Callable[[Seq], RequestSampling]) -> PendingStep:
+    def submit(self, chunks: Sequence[ScheduledChunk], sampling_of: Callable[[Seq], RequestSampling],
+               token_bitmask: np.ndarray | None = None) -> PendingStep:
         """Dispatch one step without waiting for it. A chunk may end in a pending token
         (`PENDING_TOKEN`) that the step submitted just before this one sampled. `sampling_of(seq)` gives a
-        sequence's sampling settings; it is asked only when the sequence enters the batch's rows."""
+        sequence's sampling settings; it is asked only when the sequence enters the batch's rows. A
+        `token_bitmask` (structured outputs: int32 [len(chunks), ceil(V/32)]) runs a constrained variant."""
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
         packed, variant = self.input_batch.prepare(chunks, self.bucket_for(num_tokens), sampling_of)
+        if token_bitmask is not None:
+            variant = constrained_variant(variant)
         if self._step_observer is not None:
             self._step_observer(chunks, packed, variant)
-        return self._dispatch(packed, variant)
+        return self._dispatch(packed, variant, token_bitmask=token_bitmask)
 
     def now(self) -> float:
         return time.monotonic()
@@ -357,9 +354,10 @@ class ModelRunner:
         return row_ladder(self.buckets, self.max_num_seqs)
 
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True,
-                  rows: int | None = None) -> PendingStep:
+                  rows: int | None = None, token_bitmask: np.ndarray | None = None) -> PendingStep:
         """Run a step of host `packed` inputs. Its LM head and sampler run on `rows` (a `row_ladder` value;
-        default: the smallest that holds the step's sequences, `step_inputs.sample_rows`)."""
+        default: the smallest that holds the step's sequences, `step_inputs.sample_rows`); a constrained
+        variant takes `token_bitmask`'s rows, padded to max_num_seqs with all-ones (unconstrained) rows."""
         timeline = self.timeline if timed else None
         batch_len = packed.batch.size
         num_tokens, bucket_rows = self._bucket_of_len[batch_len]
@@ -382,12 +380,14 @@ class ModelRunner:
                 hidden, weight = x, self._head_weight
                 sampler = executables.get((run_variant, rows))
                 with jax.transfer_guard_host_to_device("allow"):
+                    args = (hidden, weight, on_device.sampling)
+                    if run_variant.constrained:
+                        args += (stage.upload(padded_bitmask(token_bitmask, self.max_num_seqs, self._bitmask_width)),)
                     if sampler is not None:
-                        x = sampler(hidden, weight, on_device.sampling)
+                        x = sampler(*args)
                     else:
                         before = sample_packed_jit._cache_size()
-                        x = sample_packed_jit(hidden, weight, on_device.sampling, variant=run_variant, rows=rows,
-                                               head=head)
+                        x = sample_packed_jit(*args, variant=run_variant, rows=rows, head=head)
                         self._sampler_traces += sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)

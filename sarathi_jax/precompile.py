@@ -27,11 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from sarathi_jax.compile_cache import compiles_in_this_thread
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.parallel.stages import Stage
 from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerVariant
+from sarathi_jax.sampling_inputs import general_variant
 from sarathi_jax.sizing import bucket_for
 from sarathi_jax.step_inputs import BatchLayout, PackedStep
 
@@ -102,6 +104,7 @@ class ExecutableBuilder:
         sampler: Any,
         cache: ExecutableCache | None,
         table: ExecutableTable,
+        bitmask_width: int,
     ) -> None:
         self._stages = list(stages)
         self._on_stages = on_stages
@@ -115,6 +118,7 @@ class ExecutableBuilder:
         # (final-normed rows [S, embed], head weight, packed sampling): the sampler's arguments, the same for
         # every row count and bucket; taken from the first bucket built.
         self._sampler_args: tuple | None = None
+        self._bitmask_width = bitmask_width  # a constrained sampler's token bitmask: [max_num_seqs, this] int32
 
     def _build(self, entry: Entry, name: str, closure: Any, jitted: Any, args: tuple, kwargs: dict,
                devices: list, load_only: bool) -> Any:
@@ -174,9 +178,13 @@ class ExecutableBuilder:
         lowers with). With `load_only`, only if the executable cache holds it; False when it did not."""
         assert self._sampler_args is not None, "build a bucket first"
         static = {"variant": variant, "rows": rows, "head": self._head}
+        args = self._sampler_args
+        if variant.constrained:  # laid out as the packed sampling part is (replicated on a mesh)
+            sampling = args[2]
+            sharding = sampling.sharding if getattr(sampling, "committed", False) else None
+            args += (jax.ShapeDtypeStruct((self._s, self._bitmask_width), jnp.int32, sharding=sharding),)
         return self._build((variant, rows), "lm head and sampler", ("sampler", variant, rows, self._head),
-                           self._sampler, self._sampler_args, static, stage_devices(self._stages[-1]),
-                           load_only) is not None
+                           self._sampler, args, static, stage_devices(self._stages[-1]), load_only) is not None
 
 
 def run_builds(builds: Sequence[Callable[[], Any]], threads: int) -> None:
@@ -334,15 +342,20 @@ class ExecutableTable:
     def sampler_for(self, variant: SamplerVariant, rows: int, bucket_rows: int) -> tuple[SamplerVariant, int]:
         """The (variant, rows) a step runs, from `rows` (the `ladder` value that holds its sequences) up to its
         bucket's `bucket_rows`: the first built with `variant`, else with FULL_VARIANT (the same tokens, and
-        logprobs where asked for), which a ready bucket has for its `bucket_rows`."""
+        logprobs where asked for), which a ready bucket has for its `bucket_rows`. A constrained variant goes
+        up to the ladder's top (the sampler may run more rows than the bucket has: the rest are padding),
+        where warm-up builds it, falling back on FULL_CONSTRAINED (compiled on first use if not built yet)."""
         ready, ladder = self.variants, self.ladder
         if ready is None:  # not warmed up: the jitted sampler compiles what is asked for
             return variant, rows
+        general = general_variant(variant)
         for r in ladder[ladder.index(rows):]:
             if (variant, r) in ready:
                 return variant, r
-            if (FULL_VARIANT, r) in ready or r >= bucket_rows:
-                return FULL_VARIANT, r
+            if (general, r) in ready or (r >= bucket_rows and not variant.constrained):
+                return general, r
+        if variant.constrained:
+            return general, ladder[-1]
         raise AssertionError(f"{rows} rows are past the row ladder {ladder}")
 
     def only(self, buckets: Sequence[int], variants: Sequence[tuple[SamplerVariant, int]]) -> None:

@@ -16,7 +16,7 @@ is in the batch and whichever row it lands in (given the same logits).
 No data-dependent control flow: on a GPU every `lax.cond` / `while_loop` on a device predicate copies the
 predicate to the host, a sync in the middle of each engine step. Work is skipped statically instead:
   * `SamplerVariant` (sampled, filter, logprobs) is chosen on the host from the batch's rows by
-    `variant_of` (sarathi_jax/input_batch.py, which writes the `SamplingArrays` too) and passed as a static argument (`sample_jit`); each of the 8 `SAMPLER_VARIANTS` is a
+    `variant_of` (sarathi_jax/input_batch.py, which writes the `SamplingArrays` too) and passed as a static argument (`sample_jit`); each of the 10 `SAMPLER_VARIANTS` is a
     straight-line program. A variant without a capability is still exact for the rows that do not need it
     (greedy and padding rows of a sampled batch, unfiltered rows of a filtered batch, top-k-only rows with
     k <= 128 under the "top_k" filter), and the host's choice gives bitwise the same tokens and logprobs as
@@ -312,12 +312,29 @@ def _sample_rows(
     return jnp.where(jnp.isfinite(masked_max), tokens, greedy_tokens)
 
 
-def sample(logits: jax.Array, arrays: SamplingArrays, variant: SamplerVariant = FULL_VARIANT) -> SamplerOutput:
-    """Next token per row, its logprob and the top-MAX_LOGPROBS logprobs (of the raw logits).
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [R, V] with the tokens whose bit is 0 in bitmask int32 [R, ceil(V/32)] set to -inf (bit t % 32
+    of word t // 32 is token t; `structured_outputs.GrammarMatcher.fill_bitmask` writes the rows). An all-ones
+    row (-1 words) leaves its logits as they are."""
+    rows, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
+    bits = (words[:, :, None] >> shifts) & jnp.uint32(1)
+    allowed = bits.reshape(rows, -1)[:, :vocab].astype(jnp.bool_)
+    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, variant: SamplerVariant = FULL_VARIANT,
+           token_bitmask: jax.Array | None = None) -> SamplerOutput:
+    """Next token per row, its logprob and the top-MAX_LOGPROBS logprobs (of the raw logits, but for a
+    constrained variant's `token_bitmask`: applied first, as vLLM does, so a constrained row's logprobs are
+    over the tokens its grammar allows).
 
     Jittable with `variant` static (see `sample_jit`): straight-line array ops for every variant.
     """
     logits = logits.astype(jnp.float32)
+    if variant.constrained:
+        logits = apply_token_bitmask(logits, token_bitmask)
     s, v = logits.shape
     sampled = arrays.temperature >= SAMPLING_EPS  # greedy: [0, SAMPLING_EPS); padding (< 0): neither
 
@@ -356,14 +373,15 @@ def sample(logits: jax.Array, arrays: SamplingArrays, variant: SamplerVariant = 
 sample_jit = jax.jit(sample, static_argnames=("variant",))
 
 
-def sample_packed(hidden: jax.Array, head_weight: jax.Array, sampling: jax.Array, *, variant: SamplerVariant,
-                  rows: int, head: LMHead) -> SamplerOutput:
+def sample_packed(hidden: jax.Array, head_weight: jax.Array, sampling: jax.Array, token_bitmask: jax.Array | None = None,
+                  *, variant: SamplerVariant, rows: int, head: LMHead) -> SamplerOutput:
     """A step's sampler executable: the LM head on the first `rows` (R, `sample_rows`) of the last stage's final-normed rows [S, embed],
     then the sampler on those logits [R, vocab] with the first R rows of the sampling part (laid out for S =
     max_num_seqs rows). The token ids come back padded to [S]: the next step reads pending tokens from them
-    whatever its own bucket."""
+    whatever its own bucket. `token_bitmask` [S, ceil(V/32)]: constrained variants only (else None)."""
     s = sampling_max_num_seqs(sampling.shape[0])
-    out = sample(head.logits(hidden[:rows], head_weight), unpack_sampling(sampling, s, rows), variant)
+    mask = token_bitmask[:rows] if variant.constrained else None
+    out = sample(head.logits(hidden[:rows], head_weight), unpack_sampling(sampling, s, rows), variant, mask)
     return head.replicate(out._replace(token_ids=jnp.pad(out.token_ids, (0, s - rows))))
 
 

@@ -2,9 +2,9 @@
 that serves them (`SamplerVariant`), with the limits both are sized by.
 
 `sampling.sample` takes fixed-shape `SamplingArrays` (rows past the batch are padding) and a `SamplerVariant`
-(sampled, filter, logprobs): a static argument of `sampling.sample_jit`, so the device program holds no
-data-dependent control flow. Each of the 8 `SAMPLER_VARIANTS` is compiled at warm-up; `FULL_VARIANT` serves
-any batch. The host writes the arrays and picks the cheapest exact variant in `sarathi_jax.input_batch`
+(sampled, filter, logprobs, constrained): a static argument of `sampling.sample_jit`, so the device program
+holds no data-dependent control flow. Each of the 10 `SAMPLER_VARIANTS` is compiled at warm-up; `FULL_VARIANT`
+serves any batch without a structured-outputs constraint, `FULL_CONSTRAINED` any batch with one. The host writes the arrays and picks the cheapest exact variant in `sarathi_jax.input_batch`
 (`write_sampling_row`, `variant_of`; `make_sampling_arrays` and `sampler_variant` for a list of rows). Plain
 numpy: no device work happens here.
 """
@@ -71,6 +71,9 @@ class SamplerVariant:
     # "exact": any top-k and top-p (radix selects).
     filter: str = "exact"
     logprobs: bool = True  # some row asked for top-N logprobs; else the top arrays are zeros / -inf
+    # Some row has a structured-outputs constraint: the sampler takes a token bitmask [S, ceil(V/32)] too.
+    # Only two constrained variants exist (`constrained_variant`): no compile per schema or per mix.
+    constrained: bool = False
 
     def __post_init__(self) -> None:
         if self.filter not in SAMPLER_FILTERS:
@@ -79,11 +82,35 @@ class SamplerVariant:
             raise ValueError("SamplerVariant: a filter requires sampled (greedy rows are never filtered)")
 
 
-# Every valid variant; the last, FULL_VARIANT, serves any batch.
-SAMPLER_VARIANTS: tuple[SamplerVariant, ...] = tuple(
+FULL_VARIANT = SamplerVariant(sampled=True, filter="exact", logprobs=True)
+# The constrained variants: greedy without logprobs, and the general one, which serves any constrained batch.
+GREEDY_CONSTRAINED = SamplerVariant(sampled=False, filter="none", logprobs=False, constrained=True)
+FULL_CONSTRAINED = SamplerVariant(sampled=True, filter="exact", logprobs=True, constrained=True)
+# Every valid variant: the 8 unconstrained ones (FULL_VARIANT serves any unconstrained batch), then the 2
+# constrained ones.
+SAMPLER_VARIANTS: tuple[SamplerVariant, ...] = (*(
     SamplerVariant(sampled, filter_, logprobs)
     for sampled in (False, True)
     for filter_ in (SAMPLER_FILTERS if sampled else ("none",))
     for logprobs in (False, True)
-)
-FULL_VARIANT = SamplerVariant(sampled=True, filter="exact", logprobs=True)
+), GREEDY_CONSTRAINED, FULL_CONSTRAINED)
+
+
+def constrained_variant(variant: SamplerVariant) -> SamplerVariant:
+    """The constrained variant that serves a batch `variant` serves, plus a token bitmask."""
+    greedy = not variant.sampled and not variant.logprobs
+    return GREEDY_CONSTRAINED if greedy else FULL_CONSTRAINED
+
+
+def general_variant(variant: SamplerVariant) -> SamplerVariant:
+    """The variant that serves every batch `variant` serves: FULL_VARIANT, or FULL_CONSTRAINED."""
+    return FULL_CONSTRAINED if variant.constrained else FULL_VARIANT
+
+
+def padded_bitmask(token_bitmask: np.ndarray | None, max_num_seqs: int, width: int) -> np.ndarray:
+    """A constrained sampler's bitmask input int32 [max_num_seqs, width]: `token_bitmask`'s rows (None: none),
+    the rest all-ones (unconstrained). A new array per step: a step in flight may still read the last one."""
+    mask = np.full((max_num_seqs, width), -1, np.int32)
+    if token_bitmask is not None:
+        mask[: len(token_bitmask)] = token_bitmask
+    return mask

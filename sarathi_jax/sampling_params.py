@@ -7,9 +7,13 @@ what depends on the model and the engine (vocabulary, tokenizer, lengths). Both 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sarathi_jax.structured_outputs import StructuredOutputs
 
 # Fixed width of the device sampler's top-N logprobs output; requests may ask for at most this many.
 MAX_LOGPROBS = 20
@@ -59,6 +63,9 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (the token is kept in the output).
     ignore_eos: keep generating past EOS.
     logprobs: None for none; N >= 0 for the sampled token's log-probability and the top-N.
+    structured_outputs: constrain the output to a JSON schema, a regex, a choice or a grammar: a dict with
+      exactly one of `json`, `json_object`, `regex`, `choice`, `grammar` (`StructuredOutputs.parse`; kept
+      parsed, so the params stay hashable), or a `StructuredOutputs`. Needs a tokenizer.
     """
 
     temperature: float = 1.0
@@ -72,8 +79,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputs | Mapping[str, object] | None = field(
+        default=None, metadata={"cli": {"type": json.loads, "metavar": "JSON"}})  # a flag takes JSON text
 
     def __post_init__(self) -> None:
+        constraint = self.structured_outputs
+        if constraint is not None and not isinstance(constraint, StructuredOutputs):
+            try:
+                constraint = StructuredOutputs.parse(constraint)
+            except ValueError as e:  # the library's message, once prefixed by the field
+                raise AdmissionError("structured_outputs", str(e).removeprefix("structured_outputs: ")) from None
+            object.__setattr__(self, "structured_outputs", constraint)
         # Accept lists (or a single string) from callers, store tuples so the dataclass stays hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))

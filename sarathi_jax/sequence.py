@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from sarathi_jax.outputs import RequestMetrics
+from sarathi_jax.outputs import IterationRecord, RequestMetrics
 from sarathi_jax.sampling_params import SamplingParams
 
 
@@ -201,3 +201,17 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """No work to run (there may still be preempted sequences to report)."""
         return not self.chunks
+
+    def iteration_record(self, iteration: int, start: float, end: float, num_padded_tokens: int) -> IterationRecord:
+        """The record of this batch, run from `start` to `end` in `num_padded_tokens` (its bucket)."""
+        return IterationRecord(
+            iteration=iteration,
+            start_time=start,
+            duration=end - start,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
+            num_seqs=len(self.chunks),
+            chunk_sizes=tuple(c.num_new_tokens for c in self.chunks if not c.is_decode),
+            num_preemptions=len(self.preempted),
+            num_padded_tokens=num_padded_tokens,
+        )

@@ -123,7 +123,7 @@ class CostModelExecutor:
         self.clock = VirtualClock()
         self._device_free_at = 0.0  # when the batches submitted so far are done
 
-    def submit(self, chunks: Sequence_[ScheduledChunk], sampling_of: Any) -> _SimulatedStep:
+    def submit(self, chunks: Sequence_[ScheduledChunk], sampling_of: Any, token_bitmask: Any = None) -> _SimulatedStep:
         start = max(self.clock.now(), self._device_free_at)
         self._device_free_at = end = start + self.cost_model.iteration_time(SchedulerOutput.of(tuple(chunks)))
         tokens = [((c.start_position + c.num_new_tokens) * 7919) % self.vocab_size for c in chunks]

@@ -7,7 +7,9 @@ The grammar engine is llguidance (docs/design.md, "Structured outputs", says why
   can refuse bad input (ValueError, with the library's message) before the request reaches the engine.
 - `GrammarCompiler` (one per tokenizer) -> `GrammarMatcher` (one per request): the host side. The matcher fills
   its row of an int32 bitmask [rows, ceil(V/32)] for the next token and advances on each emitted token.
-- `apply_token_bitmask`: the device side, logits of disallowed tokens set to -inf.
+
+The device side, `sampling.apply_token_bitmask`, sets the logits of disallowed tokens to -inf. No JAX here:
+`SamplingParams` validates its constraint with `StructuredOutputs` (plain data, below the model runner).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-import jax
-import jax.numpy as jnp
 import llguidance
 import llguidance.numpy as llguidance_numpy
 import numpy as np
@@ -83,18 +83,24 @@ class StructuredOutputs:
         """The llguidance grammar text."""
         return _llguidance_grammar(self.kind, self.text)
 
+    def as_dict(self) -> dict[str, object]:
+        """The object `parse` takes back to this constraint (what a request body or gRPC field carries)."""
+        if self.kind == "json_object":
+            return {"json_object": True}
+        return {self.kind: json.loads(self.text) if self.kind in ("json", "choice") else self.text}
+
     @classmethod
     def parse(cls, value: Mapping[str, object]) -> StructuredOutputs:
         """The constraint of a request body's `structured_outputs` object: exactly one kind set (None, and
         json_object False, count as unset). A schema may be an object or its JSON text."""
         if not isinstance(value, Mapping):
-            raise ValueError(f"structured_outputs must be an object, not {type(value).__name__}")
+            raise ValueError(f"structured_outputs: must be an object, not {type(value).__name__}")
         unknown = sorted(set(value) - set(KINDS))
         if unknown:
             raise ValueError(f"structured_outputs: unknown keys {unknown}; expected one of {', '.join(KINDS)}")
         given = [k for k in KINDS if value.get(k) is not None and value.get(k) is not False]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
+            raise ValueError(f"structured_outputs: needs exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(given) if given else 'none'}")
         kind: ConstraintKind = given[0]
         item = value[kind]
@@ -130,12 +136,15 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
         self._matcher = matcher
-        self._compiler = compiler
+        self._compiler = self.compiler = compiler
         self._stopped_by: int | None = None  # the stop id that ended the output, once one has
+        self._refused_after_stop = False
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        if self._matcher.is_error():
+            return self._matcher.get_error()
+        return "a token after the output ended" if self._refused_after_stop else None
 
     def may_stop(self) -> bool:
         """Whether EOS / a stop id may be emitted now: only where the grammar may end."""
@@ -160,12 +169,20 @@ class GrammarMatcher:
         """Take one emitted token; False (and `error` set) if the grammar refuses it. A stop id (the
         compiler's or `stop_token_ids`) is taken where the grammar may end and finishes the output."""
         if self._stopped_by is not None or self._matcher.is_error():
+            self._refused_after_stop = self._stopped_by is not None
             return False
         if token in self._compiler.stop_token_ids or token in stop_token_ids:
             if self.may_stop():
                 self._stopped_by = token
                 return True
         return bool(self._matcher.consume_token(token))
+
+    def take(self, token: int, stop_token_ids: Iterable[int] = ()) -> str | None:
+        """`advance`, and the finish reason it gives the request: None (go on), "stop" (the output is
+        complete) or "error" (a token the grammar refuses, or its limits exceeded: `error` says why)."""
+        if not self.advance(token, stop_token_ids) or self._matcher.is_error():
+            return "error"
+        return "stop" if self.is_finished() else None
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` advances (for speculative decoding: drafts past the first rejected one).
@@ -237,13 +254,15 @@ class GrammarCompiler:
         return GrammarMatcher(self.compile(constraint).deep_copy(), self)
 
 
-@jax.jit
-def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
-    """logits [R, V] with the tokens whose bit is 0 in bitmask int32 [R, ceil(V/32)] set to -inf (bit t % 32
-    of word t // 32 is token t). An all-ones row (-1 words) leaves its logits as they are."""
-    rows, vocab = logits.shape
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
-    bits = (words[:, :, None] >> shifts) & jnp.uint32(1)
-    allowed = bits.reshape(rows, -1)[:, :vocab].astype(jnp.bool_)
-    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+def step_bitmask(rows: Sequence[tuple[GrammarMatcher | None, Sequence[int]] | None]) -> np.ndarray | None:
+    """A step's token bitmask [len(rows), ceil(V/32)]: row i filled by rows[i]'s matcher (with its request's own
+    stop ids), all-ones where rows[i] or its matcher is None; None when no row has a matcher."""
+    bitmask = None
+    for i, row in enumerate(rows):
+        if row is None or row[0] is None:
+            continue
+        if bitmask is None:
+            bitmask = row[0].compiler.allocate_bitmask(len(rows))
+        row[0].fill_bitmask(bitmask, i, row[1])
+    return bitmask

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from typing import Mapping, Sequence
 
@@ -19,6 +20,7 @@ import grpc
 
 from sarathi_jax.config_flags import ConfigFlags
 from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.structured_outputs import StructuredOutputs
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 
@@ -62,6 +64,9 @@ def make_request(prompt: str | Sequence[int] | Sequence[Mapping[str, str]], para
             if isinstance(value, str):
                 value = [value]
             getattr(req, name).extend(value)
+        elif name == "structured_outputs":  # a StructuredOutputs or its object, sent as JSON text
+            req.structured_outputs = value if isinstance(value, str) else json.dumps(
+                value.as_dict() if isinstance(value, StructuredOutputs) else value)
         else:
             setattr(req, name, value)
     return req

@@ -15,6 +15,7 @@ would answer UNKNOWN and log an error.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     """SamplingParams from the request's sampling fields (each SamplingParams field has a request field of the
     same name); unset fields keep SamplingParams' defaults.
 
-    Raises AdmissionError naming the bad field (SamplingParams' own validation).
+    `structured_outputs` is JSON text (a JSON object with one constraint kind). Raises AdmissionError naming
+    the bad field (SamplingParams' own validation).
     """
     kwargs: dict[str, Any] = {}
     for field in dataclasses.fields(SamplingParams):
@@ -57,6 +59,11 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
                 kwargs[field.name] = tuple(values)
         elif request.HasField(field.name):
             kwargs[field.name] = getattr(request, field.name)
+    if "structured_outputs" in kwargs:  # a JSON object in a string
+        try:
+            kwargs["structured_outputs"] = json.loads(kwargs["structured_outputs"])
+        except ValueError as e:
+            raise AdmissionError("structured_outputs", f"not a JSON object: {e}") from None
     return SamplingParams(**kwargs)
 
 

@@ -154,7 +154,13 @@ class _Api:
 
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest,
                      build: Callable[[Admission], AdmittedRequest], request: Request) -> Response:
-        state = self.session.admit(build)  # RequestError -> the exception handler
+        def admit(admission: Admission) -> AdmittedRequest:
+            try:
+                return build(admission)
+            except AdmissionError as e:  # a refused constraint names the body field that set it
+                raise body.named(e) from None
+
+        state = self.session.admit(admit)  # RequestError -> the exception handler
         renderer = _Renderer(self.session, body)
         if body.stream:
             return StreamingResponse(self._stream(state, renderer), media_type="text/event-stream",

@@ -111,6 +111,8 @@ def request_body(prompt: Any, params: Any, behaviour: ClientBehaviour = STREAMED
     """The HTTP body for (prompt, SamplingParams): the engine's fields are vLLM's names. A chat body carries the
     text prompt as one user message."""
     fields = {k: v for k, v in dataclasses.asdict(params).items() if v is not None and v != ()}
+    if params.structured_outputs is not None:  # vLLM's `structured_outputs` object
+        fields["structured_outputs"] = params.structured_outputs.as_dict()
     if behaviour.chat:
         fields["messages"] = [{"role": "user", "content": prompt}]
         if "logprobs" in fields:  # chat asks for them as a flag and a count

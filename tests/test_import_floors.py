@@ -27,6 +27,7 @@ Layers = tuple[tuple[str, tuple[str, ...]], ...]
 LAYERS: Layers = (
     ("kernels", ("pallas_kernels.*",)),
     ("kernel benchmark and tuner", ("pallas_kernels.bench", "pallas_kernels.bench_*", "pallas_kernels.tune")),
+    ("grammar engine (llguidance, no JAX)", ("sarathi_jax.structured_outputs",)),
     ("plain data: requests, sequences, KV blocks, model shapes", (
         "sarathi_jax.lazy_exports", "sarathi_jax.paths", "sarathi_jax.percentiles", "sarathi_jax.sampling_params", "sarathi_jax.outputs",
         "sarathi_jax.tokenizer", "sarathi_jax.chat_template", "sarathi_jax.sequence", "sarathi_jax.block_manager",
@@ -38,7 +39,7 @@ LAYERS: Layers = (
     ("model runner", (
         "sarathi_jax.sampling_inputs", "sarathi_jax.sampling", "sarathi_jax.step_inputs", "sarathi_jax.input_batch",
         "sarathi_jax.compile_cache", "sarathi_jax.executable_cache", "sarathi_jax.precompile",
-        "sarathi_jax.model_runner", "sarathi_jax.structured_outputs",
+        "sarathi_jax.model_runner",
     )),
     ("engine", ("sarathi_jax.admission", "sarathi_jax.engine_core", "sarathi_jax.engine_api", "sarathi_jax.engine",
                 "sarathi_jax.simulator", "sarathi_jax.cost_model", "sarathi_jax.arrival_loop")),

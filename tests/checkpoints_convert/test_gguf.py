@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from checkpoints_convert.__main__ import main
-from checkpoints_convert.gguf_source import convert_gguf
 from sarathi_jax import LLM, SamplingParams
 from sarathi_jax.admission import Admission
 from sarathi_jax.chat_template import ChatTemplate, ChatTemplateError
@@ -62,13 +61,6 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "Write a Python function that returns the square of a number."}],
     [{"role": "user", "content": "Which is heavier, a kilogram of feathers or a kilogram of steel?"}],
 ]
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2") / "orbax"
-    convert_gguf(smollm2_gguf, out, "float32", log=lambda _: None)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 
 from sarathi_jax.sampling import SamplerOutput, sample_jit
 from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant
-from sarathi_jax.sampling_inputs import SamplerVariant
+from sarathi_jax.sampling_inputs import SamplerVariant, padded_bitmask
 from sarathi_jax.sampling_params import SamplingParams
 
 # A few fixed shapes so that the whole file compiles each sampler variant only a handful of times.
@@ -21,11 +21,13 @@ N_DIST = 2048  # rows (= samples) for the distribution tests
 def run(
     logits: np.ndarray, rows: list, max_num_seqs: int | None = None, variant: SamplerVariant | None = None
 ) -> SamplerOutput:
-    """The jitted sampler on these rows, with the variant the host would pick unless one is given."""
+    """The jitted sampler on these rows, with the variant the host would pick unless one is given (a
+    constrained one gets an all-ones token bitmask: no row constrained)."""
     logits = np.asarray(logits, np.float32)
     arrays = make_sampling_arrays(rows, max_num_seqs or logits.shape[0])
     variant = sampler_variant(rows) if variant is None else variant
-    return jax.tree.map(np.asarray, sample_jit(jnp.asarray(logits), arrays, variant=variant))
+    bitmask = padded_bitmask(None, logits.shape[0], -(-logits.shape[1] // 32)) if variant.constrained else None
+    return jax.tree.map(np.asarray, sample_jit(jnp.asarray(logits), arrays, variant=variant, token_bitmask=bitmask))
 
 
 def row(seed: int = 0, step: int = 0, banned: tuple[int, ...] = (), **params) -> tuple:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 
@@ -34,6 +35,8 @@ def other_value(cls: type, name: str) -> object:
     default = field.default
     if "choices" in field.metadata:
         return next(c for c in reversed(field.metadata["choices"]) if c != default)
+    if name == "structured_outputs":  # a JSON object on the command line
+        return {"regex": "[a-z]+"}
     if kind is bool:
         return not default if default is not None else True
     if kind is int:  # multiples of 16: token budgets; 16 <= max_tokens 16 for min_tokens; <= 20 logprobs
@@ -58,6 +61,8 @@ def argv_for(flags: ConfigFlags, name: str, value: object) -> list[str]:
         return [part for item in value for part in (flag, item)]
     if isinstance(value, tuple):
         return [flag, ",".join(map(str, value))]
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
     return [flag, str(value)]
 
 

@@ -63,7 +63,7 @@ class ComparingExecutor:
         self.steps = 0
         self.buckets_seen: set[int] = set()
 
-    def submit(self, chunks, sampling_of):
+    def submit(self, chunks, sampling_of, token_bitmask=None):
         bucket = bucket_for(BUCKETS, sum(c.num_new_tokens for c in chunks))
         got, variant = self.batch.prepare(chunks, bucket, sampling_of)
         rows = []

@@ -19,12 +19,17 @@ from hypothesis import strategies as st
 from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant, write_sampling_row
 from sarathi_jax.sampling import sample, sample_jit
 from sarathi_jax.sampling_inputs import (
+    FULL_CONSTRAINED,
     FULL_VARIANT,
+    GREEDY_CONSTRAINED,
     MAX_BANNED,
     SAMPLER_FILTERS,
     SAMPLER_VARIANTS,
     TOP_K_CANDIDATES,
     SamplerVariant,
+    constrained_variant,
+    general_variant,
+    padded_bitmask,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from tests.sarathi_jax.sampling_oracle import S, V, WIDE_V, random_logits, row, run
@@ -54,7 +59,16 @@ def test_a_temperature_beyond_float32_is_clamped_without_warning() -> None:
 
 
 def test_variants_and_host_choice() -> None:
-    assert len(SAMPLER_VARIANTS) == len(set(SAMPLER_VARIANTS)) == 8 and SAMPLER_VARIANTS[-1] == FULL_VARIANT
+    assert len(SAMPLER_VARIANTS) == len(set(SAMPLER_VARIANTS)) == 10 and FULL_VARIANT in SAMPLER_VARIANTS
+    # The constrained ones: greedy and the general one, each serving what its unconstrained cousins serve.
+    assert [v for v in SAMPLER_VARIANTS if v.constrained] == [GREEDY_CONSTRAINED, FULL_CONSTRAINED]
+    assert {constrained_variant(v) for v in SAMPLER_VARIANTS} == {GREEDY_CONSTRAINED, FULL_CONSTRAINED}
+    assert constrained_variant(SamplerVariant(False, "none", False)) == GREEDY_CONSTRAINED
+    assert constrained_variant(SamplerVariant(False, "none", True)) == FULL_CONSTRAINED
+    assert {general_variant(v) for v in SAMPLER_VARIANTS} == {FULL_VARIANT, FULL_CONSTRAINED}
+    mask = padded_bitmask(np.zeros((2, 3), np.int32), 4, 3)
+    assert mask.shape == (4, 3) and (mask[:2] == 0).all() and (mask[2:] == -1).all()
+    assert (padded_bitmask(None, 2, 3) == -1).all()
     assert all(v.sampled or v.filter == "none" for v in SAMPLER_VARIANTS)
     assert {v.filter for v in SAMPLER_VARIANTS} == set(SAMPLER_FILTERS)
     with pytest.raises(ValueError, match="filter"):
@@ -150,10 +164,12 @@ def test_no_data_dependent_control_flow(variant: SamplerVariant) -> None:
     build would compile (lowered here without a GPU)."""
     logits = jnp.zeros((S, WIDE_V), jnp.float32)
     arrays = make_sampling_arrays([], S)
-    closed = jax.make_jaxpr(functools.partial(sample, variant=variant))(logits, arrays)
+    bitmask = padded_bitmask(None, S, -(-WIDE_V // 32)) if variant.constrained else None
+    closed = jax.make_jaxpr(functools.partial(sample, variant=variant))(logits, arrays, token_bitmask=bitmask)
     primitives = {eqn.primitive.name for jaxpr in all_jaxprs(closed.jaxpr) for eqn in jaxpr.eqns}
     assert not primitives & {"cond", "while", "scan"}, primitives
-    module = jax.export.export(sample_jit, platforms=["cuda"])(logits, arrays, variant=variant).mlir_module()
+    module = jax.export.export(sample_jit, platforms=["cuda"])(logits, arrays, variant=variant,
+                                                                token_bitmask=bitmask).mlir_module()
     ops = set(re.findall(r"stablehlo\.(\w+)", module))
     assert not ops & {"while", "case", "if"}, ops
     assert ("top_k" in primitives) == (variant.logprobs or variant.filter == "top_k")

@@ -74,10 +74,10 @@ class TrackingExecutor:
         self.in_flight: list[_Batch] = []
         self.sampled: dict[tuple[str, int], int] = {}  # (seq_id, token index) -> sampled token id
 
-    def submit(self, chunks, sampling_of) -> _TrackedStep:
+    def submit(self, chunks, sampling_of, token_bitmask=None) -> _TrackedStep:
         batch = _Batch(tuple(chunks))
         self.in_flight.append(batch)
-        return _TrackedStep(self, batch, self.inner.submit(chunks, sampling_of))
+        return _TrackedStep(self, batch, self.inner.submit(chunks, sampling_of, token_bitmask))
 
     def retired(self, batch: _Batch, sampled: Any) -> None:
         if batch.retired:
