@@ -12,7 +12,7 @@ import torch
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.engine import format_startup
 from sarathi_jax.precompile import BackgroundBuild
-from sarathi_jax.sampling import SAMPLER_VARIANTS
+from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS
 from tests.sarathi_jax.engine_helpers import run_staggered
 
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 129, 200, 300)  # ragged, crossing block and budget boundaries
@@ -103,7 +103,7 @@ def test_no_compilation_after_warmup(llama_dir, prompts):
     # bucket, which any step of up to 4 sequences samples (other variants fall back to FULL). Nothing else: one
     # model step per bucket.
     assert runner.row_ladder == ((4, 8) if runner.buckets[0] < 8 else (8,))
-    small = {(v, 4) for v in (SAMPLER_VARIANTS[0], SAMPLER_VARIANTS[-1])} if runner.buckets[0] < 8 else set()
+    small = {(v, 4) for v in (SAMPLER_VARIANTS[0], FULL_VARIANT)} if runner.buckets[0] < 8 else set()
     assert runner._table.variants == {(v, 8) for v in SAMPLER_VARIANTS} | small
     assert set(runner._table.executables) == runner._table.variants | {
         (0, runner._layout(bucket).batch_len) for bucket in runner.buckets}

@@ -52,8 +52,8 @@ def run_workload(engine: LLMEngine, prompts, arrive_every: int = 1) -> Run:
     submitted = []
     submit = engine.runner.submit
 
-    def spy(chunks, rows):
-        pending = submit(chunks, rows)
+    def spy(chunks, *args):
+        pending = submit(chunks, *args)
         submitted.append((chunks, pending))
         return pending
 
