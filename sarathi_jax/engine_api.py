@@ -1,19 +1,25 @@
 """The engine API that drivers program against: `Engine`, the typing.Protocol that `LLMEngine` and
 `SimulatedEngine` both meet (the bench, the driver loop and the servers' engine thread use nothing else), and
 the `Clock` an engine stamps its times with: wall time (`WallClock`) for `LLMEngine`, virtual seconds for
-`SimulatedEngine`. See docs/design.md, "Engine API". No JAX.
+`SimulatedEngine`, and below the core, the `Executor` that runs its batches (the model runner, or a cost model
+on a virtual clock) with the `StepHandle` and `SampledBatch` it returns. See docs/design.md, "Engine API". No JAX.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
+    import numpy as np
+
     from sarathi_jax.config import EngineConfig
     from sarathi_jax.outputs import IterationRecord, RequestOutput
-    from sarathi_jax.sampling_params import SamplingParams
+    from sarathi_jax.sampling_params import RequestSampling, SamplingParams
+    from sarathi_jax.sequence import ScheduledChunk, Sequence
 
 
 class Clock(Protocol):
@@ -94,4 +100,37 @@ class Engine(Protocol):
 
     def startup_stats(self) -> dict | None:
         """How start-up went (None: nothing to report, as for the simulator)."""
+        ...
+
+
+class SampledBatch(Protocol):
+    """Host arrays of one retired batch; row i is chunk i's. The logprob arrays are None if no row wants them."""
+
+    token_ids: Any  # int[>= num_chunks]
+    logprobs: Any  # float[>= num_chunks]
+    top_token_ids: Any  # int[>= num_chunks, N]
+    top_logprobs: Any  # float[>= num_chunks, N]
+
+
+class StepHandle(Protocol):
+    num_padded_tokens: int  # the token count the batch really runs at (its bucket)
+
+    def result(self) -> SampledBatch:
+        """Wait for the batch and return its sampled tokens on the host (cached)."""
+        ...
+
+
+class Executor(Protocol):
+    """Runs batches: the model runner on a device, or a cost model on a virtual clock."""
+
+    def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_of: Callable[[Sequence], RequestSampling],
+               token_bitmask: np.ndarray | None = None) -> StepHandle:
+        """Dispatch one batch without waiting for it. A chunk's tokens may include one pending token (the
+        last, `PENDING_TOKEN`), sampled by the batch submitted just before this one. `sampling_of(seq)` gives
+        a request's sampling settings; an executor asks for them when the sequence first enters a batch.
+        `token_bitmask` (int32 [len(chunks), ceil(V/32)]): the tokens each row may sample; None: any."""
+        ...
+
+    def now(self) -> float:
+        """The clock that stamps metrics: time.monotonic(), or the simulator's virtual seconds."""
         ...

@@ -30,53 +30,19 @@ a sequence in flight). In every mode a request's tokens depend only on its own t
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 
 from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
+from sarathi_jax.engine_api import Executor, SampledBatch, StepHandle
 from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
 from sarathi_jax.sampling_params import AdmissionError, RequestSampling, SamplingParams
 from sarathi_jax.scheduler import Scheduler
 from sarathi_jax.structured_outputs import GrammarMatcher, step_bitmask
 from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
-
-
-class SampledBatch(Protocol):
-    """Host arrays of one retired batch; row i is chunk i's. The logprob arrays are None if no row wants them."""
-
-    token_ids: Any  # int[>= num_chunks]
-    logprobs: Any  # float[>= num_chunks]
-    top_token_ids: Any  # int[>= num_chunks, N]
-    top_logprobs: Any  # float[>= num_chunks, N]
-
-
-class StepHandle(Protocol):
-    num_padded_tokens: int  # the token count the batch really runs at (its bucket)
-
-    def result(self) -> SampledBatch:
-        """Wait for the batch and return its sampled tokens on the host (cached)."""
-        ...
-
-
-class Executor(Protocol):
-    """Runs batches: the model runner on a device, or a cost model on a virtual clock."""
-
-    def submit(self, chunks: SequenceOf[ScheduledChunk], sampling_of: Callable[[Sequence], RequestSampling],
-               token_bitmask: np.ndarray | None = None) -> StepHandle:
-        """Dispatch one batch without waiting for it. A chunk's tokens may include one pending token (the
-        last, `PENDING_TOKEN`), sampled by the batch submitted just before this one. `sampling_of(seq)` gives
-        a request's sampling settings; an executor asks for them when the sequence first enters a batch.
-        `token_bitmask` (int32 [len(chunks), ceil(V/32)]): the tokens each row may sample; None: any."""
-        ...
-
-    def now(self) -> float:
-        """The clock that stamps metrics: time.monotonic(), or the simulator's virtual seconds."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ class _SimulatedStep:
 
 
 class CostModelExecutor:
-    """The `engine_core.Executor` of the simulator: a batch takes `cost_model.iteration_time` virtual seconds,
+    """The `engine_api.Executor` of the simulator: a batch takes `cost_model.iteration_time` virtual seconds,
     back to back on one virtual device, and samples a dummy token (a function of its position, below
     `vocab_size`)."""
 

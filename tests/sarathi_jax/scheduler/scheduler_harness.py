@@ -66,7 +66,7 @@ class _Batch:
 
 
 class TrackingExecutor:
-    """Wraps an `engine_core.Executor`: knows which batches are in flight (dispatched, result not fetched)
+    """Wraps an `engine_api.Executor`: knows which batches are in flight (dispatched, result not fetched)
     and which token each retired batch sampled for each (sequence, position)."""
 
     def __init__(self, inner: Any) -> None:
