@@ -34,6 +34,13 @@ KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
 # compiles or steps for long; this bound keeps hostile request bodies out of the parser altogether.
 MAX_CONSTRAINT_CHARS = 65_536
 
+# llguidance's JSON options for `json` and `json_object` constraints, unless a schema's top-level "x-guidance"
+# object sets them: one line, each separator followed by at most one space, no other whitespace (`{"a":1}` and
+# `{"a": 1, "b": [1, 2]}` both fit). llguidance's own default allows any run of whitespace wherever JSON does,
+# so a model that favours blank tokens (random weights, a real model in a loop) can spend all of max_tokens on
+# them. `"x-guidance": {"whitespace_flexible": true}` in a schema allows any whitespace again (pretty printing).
+JSON_DEFAULTS: dict[str, object] = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
+
 # Compiled grammars kept per compiler (least recently used dropped first).
 DEFAULT_CACHE_SIZE = 256
 
@@ -50,9 +57,10 @@ def _canonical_json(value: object) -> str:
 
 def _llguidance_grammar(kind: ConstraintKind, text: str) -> str:
     """The llguidance grammar of a constraint (raises ValueError on input the converters refuse)."""
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type":"object"}')
-    fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
+    if kind in ("json", "json_object"):
+        schema = text if kind == "json" else '{"type":"object"}'
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+    fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
     return llguidance.grammar_from(fmt, text)  # type: ignore[arg-type]
 
 

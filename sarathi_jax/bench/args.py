@@ -1,5 +1,6 @@
 """The bench's command line: options and their defaults, the checks on their combinations, and what they
-expand to (one engine configuration per scheduler x token budget x prefix caching)."""
+expand to (one engine configuration per scheduler x token budget x prefix caching, one run per
+--structured-share on each)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from typing import Any, Callable
 from sarathi_jax.bench.capacity import DEFAULT_MAX_SCHED_DELAY
 from sarathi_jax.bench.metrics import DEFAULT_STALL_FACTOR
 from sarathi_jax.bench.slo_mix import GoodputTarget, SloMix, parse_goodput_target, parse_slo_mix
+from sarathi_jax.bench.structured import (DEFAULT_CONSTRAINT, NAMED_CONSTRAINTS, parse_constraint, parse_shares,
+                                          share_label)
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
 from sarathi_jax.config import ACCELERATOR_PLATFORMS, EngineConfig
 from sarathi_jax.config_flags import ConfigFlags, DefaultsHelpFormatter
 from sarathi_jax.paths import cli_path
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
+from sarathi_jax.structured_outputs import StructuredOutputs
 
 CPU_DEFAULT_MODEL = "tiny-llama"
 ACCELERATOR_DEFAULT_MODEL = "llama-1b"  # a GPU-sized preset: tiny-llama would measure launch overhead only
@@ -126,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group requests into K-turn conversations: turn i re-sends turns 1..i-1 (prompts and "
                         "replies as long as their outputs) before its own prompt")
     w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--structured-share", default=None, metavar="FRACTIONS",
+                   help="comma-separated fractions of the requests whose output is constrained to "
+                        "--structured-outputs, one run per fraction on the same requests and arrivals (e.g. "
+                        "0,0.5,1); the constrained ones are drawn from --seed, a larger fraction's including a "
+                        "smaller one's. A constrained request ends when its output is complete or at its output "
+                        "length. Real engine only (not --simulate or --endpoint); the model needs a tokenizer")
+    w.add_argument("--structured-outputs", default=None, metavar="SPEC",
+                   help=f"the constraint of --structured-share: {' or '.join(NAMED_CONSTRAINTS)} (default "
+                        f"{DEFAULT_CONSTRAINT}: a nested JSON schema, bench/probes/grammar_cost.py's SCHEMA), a "
+                        "structured-outputs object as JSON text (e.g. '{\"regex\": \"[a-z]+( [a-z]+)*\"}', as "
+                        "SamplingParams.structured_outputs takes), or @PATH to a file holding one")
 
     s = p.add_argument_group("SLOs and capacity")
     s.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s) for goodput")
@@ -177,6 +192,14 @@ def check_args(args: argparse.Namespace) -> None:
                          "or a goodput target: --capacity-goodput FRACTION with --slo-mix")
     if args.cost_model and not args.simulate:
         raise BenchError("--cost-model is for the simulator: add --simulate")
+    shares = structured_shares_of(args)
+    constraint_of(args)
+    if args.structured_outputs is not None and shares is None:
+        raise BenchError("--structured-outputs is the constraint of --structured-share: add --structured-share")
+    if shares is not None and max(shares) > 0 and (args.simulate or args.endpoint):
+        raise BenchError("--structured-share constrains requests on the real engine only: the simulator has no "
+                         "tokenizer to compile a constraint with (nor a model of the mask's cost), and --endpoint "
+                         "does not send constraints")
     if args.prompts_file and (args.simulate or args.endpoint or args.capacity):
         raise BenchError("--prompts-file runs text prompts on the real engine: not with --simulate, --endpoint "
                          "or --capacity")
@@ -185,6 +208,20 @@ def check_args(args: argparse.Namespace) -> None:
 def slo_mix_of(args: argparse.Namespace) -> SloMix | None:
     try:
         return None if args.slo_mix is None else parse_slo_mix(args.slo_mix)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+
+
+def structured_shares_of(args: argparse.Namespace) -> list[float] | None:
+    try:
+        return None if args.structured_share is None else parse_shares(args.structured_share)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+
+
+def constraint_of(args: argparse.Namespace) -> StructuredOutputs:
+    try:
+        return parse_constraint(args.structured_outputs or DEFAULT_CONSTRAINT)
     except ValueError as e:
         raise BenchError(str(e)) from None
 
@@ -210,13 +247,19 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
     caching = _csv_list(args.prefix_caching, str, "--prefix-caching")
     if any(c not in ("off", "on") for c in caching):
         raise BenchError(f"--prefix-caching: expected off, on or off,on, got {args.prefix_caching!r}")
+    shares = structured_shares_of(args)
     configs = []
     for s_ in dict.fromkeys(schedulers):
         runs = [(f"{s_}-{b}", b) for b in dict.fromkeys(budgets)] if s_ in TOKEN_BUDGET_POLICIES else [(s_, max(budgets))]
         for label, b in runs:
             for c in dict.fromkeys(caching):
-                configs.append({"label": label + ("+prefix" if c == "on" else ""), "scheduler": s_,
-                                "token_budget": b, "prefix_caching": c == "on"})
+                config = {"label": label + ("+prefix" if c == "on" else ""), "scheduler": s_, "token_budget": b,
+                          "prefix_caching": c == "on"}
+                if shares is None:
+                    configs.append(config)
+                # One engine serves every share of a configuration (`runs.run_all` reuses it).
+                configs += [{**config, "label": config["label"] + share_label(f), "structured_share": f}
+                            for f in shares or ()]
     return configs
 
 

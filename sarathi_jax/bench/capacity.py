@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from sarathi_jax.bench.metrics import summarize
 from sarathi_jax.bench.slo_mix import GoodputTarget
 from sarathi_jax.bench.workload import Workload
 from sarathi_jax.engine_api import Engine
+
+if TYPE_CHECKING:
+    from sarathi_jax.structured_outputs import StructuredOutputs
 
 DEFAULT_MAX_SCHED_DELAY = 2.0
 BEYOND_THROUGHPUT_FACTOR = 1.25  # see CapacityResult.beyond_throughput
@@ -200,13 +203,14 @@ def find_capacity(
     on_probe: Callable[[Probe], None] | None = None,
     goodput_target: GoodputTarget | None = None,
     priorities: list[int] | None = None,
+    constraints: Sequence[StructuredOutputs | None] | None = None,
 ) -> CapacityResult:
     """Search the capacity of `engine` on `base`'s requests, its arrival pattern rescaled to each probed rate.
 
     `base` must have arrival times (not offline). The engine is reused across probes (request ids get a
     per-probe prefix). `start_qps` defaults to the base workload's own rate. `goodput_target`: a probe passes on
     goodput (summarize_kwargs must carry the requests' `request_slos`) instead of P99 TBT and scheduling delay.
-    `priorities`: each request's priority.
+    `priorities`: each request's priority; `constraints`: its structured-outputs constraint (None: none).
     """
     if (slo_tbt is None) == (goodput_target is None):
         raise ValueError("search on a TBT SLO (slo_tbt) or on goodput (goodput_target): one of them")
@@ -220,7 +224,7 @@ def find_capacity(
         stop = _early_stop(wl, slo_tbt, max_sched_delay) if early_stop and slo_tbt is not None else None
         res: RunResult = run_workload(
             engine, wl, prompts, label=f"{label} @ {qps:.3g} req/s", id_prefix=f"{label}-p{counter[0]}-",
-            progress=progress, early_stop=stop, priorities=priorities,
+            progress=progress, early_stop=stop, priorities=priorities, constraints=constraints,
         )
         res.summary = summarize(res.records, res.iterations, num_preemptions=res.num_preemptions,
                                 **(summarize_kwargs or {}))

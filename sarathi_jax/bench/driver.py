@@ -22,6 +22,7 @@ from sarathi_jax.bench.workload import Workload
 from sarathi_jax.engine_api import Engine
 from sarathi_jax.outputs import IterationRecord
 from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.structured_outputs import StructuredOutputs
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -52,21 +53,29 @@ class RunResult:
         return cls(**{**d, "records": [RequestRecord(**r) for r in d["records"]]})
 
 
-def sampling_params_for(output_len: int, temperature: float = 0.0, stop_at_eos: bool = False) -> SamplingParams:
-    """The trace's output length exactly (EOS ignored), or at most that with `stop_at_eos` (real text prompts)."""
-    return SamplingParams(temperature=temperature, ignore_eos=not stop_at_eos, max_tokens=int(output_len))
+def sampling_params_for(output_len: int, temperature: float = 0.0, stop_at_eos: bool = False,
+                        structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
+    """The trace's output length exactly (EOS ignored), or at most that with `stop_at_eos` (real text prompts);
+    a constrained request (`structured_outputs`) also ends where its output is complete."""
+    return SamplingParams(temperature=temperature, ignore_eos=not stop_at_eos, max_tokens=int(output_len),
+                          structured_outputs=structured_outputs)
 
 
 def workload_requests(
-    workload: Workload, prompts: Sequence[Sequence[int]], temperature: float = 0.0, stop_at_eos: bool = False
+    workload: Workload, prompts: Sequence[Sequence[int]], temperature: float = 0.0, stop_at_eos: bool = False,
+    constraints: Sequence[StructuredOutputs | None] | None = None,
 ) -> list[tuple[float, list[int], SamplingParams]]:
     """Request i of `workload` as (arrival, seconds after the run start; prompt token ids; sampling params):
-    what `run_workload` adds to an engine and `server.loadgen` sends to a server."""
+    what `run_workload` adds to an engine and `server.loadgen` sends to a server. `constraints`: request i's
+    structured-outputs constraint (None: all unconstrained; --structured-share)."""
     if len(prompts) != len(workload):
         raise ValueError(f"{len(prompts)} prompts for {len(workload)} requests")
+    constraints = [None] * len(workload) if constraints is None else constraints
+    if len(constraints) != len(workload):
+        raise ValueError(f"{len(constraints)} constraints for {len(workload)} requests")
     return [
         (float(workload.arrivals[i]), list(prompts[i]),
-         sampling_params_for(workload.output_lens[i], temperature, stop_at_eos))
+         sampling_params_for(workload.output_lens[i], temperature, stop_at_eos, constraints[i]))
         for i in range(len(workload))
     ]
 
@@ -110,6 +119,7 @@ def run_workload(
     early_stop_every: int = 8,
     max_idle_steps: int = 10000,
     priorities: Sequence[int] | None = None,
+    constraints: Sequence[StructuredOutputs | None] | None = None,
 ) -> RunResult:
     """Run `workload` (with these prompt token ids) on `engine` until every request has finished.
 
@@ -117,12 +127,13 @@ def run_workload(
     in the engine are aborted, those not yet added are recorded as never run, and the run ends.
     Request ids are `f"{id_prefix}{index}"`: use a fresh prefix when reusing an engine. `stop_at_eos`: requests
     end at EOS (real text prompts) instead of running to their trace output length. `priorities`: request i's
-    priority (None: all 0; the SLO classes of --slo-mix).
+    priority (None: all 0; the SLO classes of --slo-mix). `constraints`: request i's structured-outputs
+    constraint (None: none; --structured-share).
     """
     ids = [f"{id_prefix}{i}" for i in range(len(workload))]
     priorities = [0] * len(ids) if priorities is None else priorities
     arrivals = [Arrival(rid, arrival, prompt, params, int(prio)) for rid, (arrival, prompt, params), prio
-                in zip(ids, workload_requests(workload, prompts, temperature, stop_at_eos), priorities)]
+                in zip(ids, workload_requests(workload, prompts, temperature, stop_at_eos, constraints), priorities)]
     log_start = len(engine.iteration_log)
     engine.reset_pipeline_stats()  # count bubbles of this run only, not warm-up or earlier runs
     engine.reset_prefix_cache()  # every run (and capacity probe) starts cold: no hits on earlier runs' prompts

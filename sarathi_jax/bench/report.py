@@ -16,6 +16,7 @@ from sarathi_jax.bench.args import DEFAULT_PROMPT_LEN
 from sarathi_jax.bench.driver import RunResult
 from sarathi_jax.bench.metrics import fmt_seconds
 from sarathi_jax.bench.plots import write_plots  # matplotlib itself loads only when plotting
+from sarathi_jax.bench.structured import constrained_cell
 
 if TYPE_CHECKING:
     from sarathi_jax.bench.runs import BenchRuns
@@ -35,10 +36,13 @@ def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tup
     show_goodput = any(r.summary.get("goodput") for r in runs)
     show_classes = any(r.summary.get("slo_classes") for r in runs)
     show_prefix = any(prefix_hit_rate(r) is not None for r in runs)
+    show_constrained = any(r.summary.get("structured_outputs") for r in runs)
     header = ["run", "done", "P50 TTFT", "P99 TTFT", "P50 TBT", "P99 TBT", "P50 sched", "req/s", "out tok/s",
               "preempt", "stalls"]
     if show_prefix:
         header += ["prefill tok", "prefix hit"]
+    if show_constrained:
+        header.append("constrained")
     if show_goodput:
         header.append("goodput")
     if show_classes:
@@ -64,6 +68,8 @@ def table_rows(runs: Sequence[RunResult], capacities: dict | None = None) -> tup
         if show_prefix:
             rate = prefix_hit_rate(r)
             row += [str(s["iterations"].get("num_prefill_tokens", "-")), "-" if rate is None else f"{rate:.0%}"]
+        if show_constrained:
+            row.append(constrained_cell(s.get("structured_outputs")))
         if show_goodput:
             g = s.get("goodput") or {}
             row.append("-" if g.get("goodput") is None else f"{g['goodput']:.2f}/s ({g['good_fraction']:.0%})")

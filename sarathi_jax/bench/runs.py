@@ -16,14 +16,15 @@ from typing import Callable
 
 import numpy as np
 
-from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchError, default_model, engine_config_kwargs,
-                                   goodput_target_of, run_configs, slo_mix_of)
+from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchError, constraint_of, default_model,
+                                   engine_config_kwargs, goodput_target_of, run_configs, slo_mix_of)
 from sarathi_jax.bench.capacity import CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
 from sarathi_jax.bench.endpoint import EndpointError, run_endpoint
 from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import fmt_seconds, summarize
 from sarathi_jax.bench.slo_mix import SloMix, request_slos
+from sarathi_jax.bench.structured import constrained_cell, constrained_rows, constrained_summary, request_constraints
 from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_workload, trace_workload,
                                         with_shared_prefix)
 from sarathi_jax.config import EngineConfig
@@ -194,13 +195,21 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         runs.append(run)
         fitted = workload
         workload_info[run.label] = workload.summary()
+    engine: Engine | None = None
+    engine_kwargs: dict | None = None
     for cfg in configs if not args.endpoint else []:
         kwargs = engine_config_kwargs(args, cfg)
-        _log(quiet, f"[{cfg['label']}] building {'SimulatedEngine' if args.simulate else 'LLMEngine'} "
-                    f"({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ...")
-        t0 = time.monotonic()
-        engine = factory(kwargs)
-        _log(quiet, f"[{cfg['label']}] {_ready_line(engine, time.monotonic() - t0)}")
+        if kwargs != engine_kwargs:  # configurations that differ only in --structured-share share an engine
+            engine = engine_kwargs = None
+            gc.collect()  # the previous engine's memory goes before the next is built
+            _log(quiet, f"[{cfg['label']}] building {'SimulatedEngine' if args.simulate else 'LLMEngine'} "
+                        f"({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ...")
+            t0 = time.monotonic()
+            engine, engine_kwargs = factory(kwargs), kwargs
+            _log(quiet, f"[{cfg['label']}] {_ready_line(engine, time.monotonic() - t0)}")
+        else:
+            _log(quiet, f"[{cfg['label']}] on the engine of the run before (the same configuration)")
+        assert engine is not None
         max_len = engine.max_model_len or None
         if fitted is None or (max_len is not None and fitted_len is not None and max_len < fitted_len):
             if fitted is not None:
@@ -224,6 +233,9 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor,
                    **_slo_classes(mix, len(fitted), args.seed)}
         priorities = None if mix is None else [c.priority for c in mix.assign(len(fitted), args.seed)]
+        share = cfg.get("structured_share")
+        constrained = None if share is None else constrained_rows(len(fitted), share, args.seed)
+        constraints = None if constrained is None else request_constraints(constrained, constraint_of(args))
         desc = engine_description(engine, kwargs, args.simulate)
         if args.capacity:
             def on_probe(p, label=cfg["label"]):
@@ -236,7 +248,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
                 engine, fitted, prompts, slo_tbt=slo_tbt, max_sched_delay=args.max_sched_delay,
                 start_qps=args.capacity_start_qps, max_probes=args.capacity_probes, rel_tol=args.capacity_tol,
                 label=cfg["label"], progress=progress, summarize_kwargs=summ_kw, on_probe=on_probe,
-                goodput_target=goodput_target, priorities=priorities,
+                goodput_target=goodput_target, priorities=priorities, constraints=constraints,
             )
             capacities[cfg["label"]] = cap
             _log(quiet, f"[{cfg['label']}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
@@ -247,15 +259,18 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         else:
             run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
                                temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress,
-                               priorities=priorities)
+                               priorities=priorities, constraints=constraints)
             run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
             _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
                         f"in {run.wall_time:.1f} s wall")
+        if constrained is not None:
+            run.summary["structured_outputs"] = constrained_summary(run.records, constrained, share)
+            _log(quiet, f"[{cfg['label']}] constrained requests: {constrained_cell(run.summary['structured_outputs'])}")
         run.config = desc
         runs.append(run)
         workload_info[run.label] = fitted.summary()
-        del engine
-        gc.collect()
+    del engine
+    gc.collect()
 
     return BenchRuns(runs, capacities, fitted, workload_info, slo_tbt, decode_time)
 

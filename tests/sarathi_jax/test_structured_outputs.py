@@ -135,9 +135,11 @@ def allowed_ids(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.flatnonzero(allowed_bits(bitmask_row, vocab_size))
 
 
-def generate(setup: Setup, constraint: StructuredOutputs | None, seed: int) -> tuple[str, bool]:
+def generate(setup: Setup, constraint: StructuredOutputs | None, seed: int, prefer_blanks: bool = False
+             ) -> tuple[str, bool]:
     """(text, ended by a stop id) of a walk picking allowed tokens at random; constraint None: every token
-    allowed (the row stays all-ones). Every step checks that EOS is allowed exactly where the grammar may end."""
+    allowed (the row stays all-ones). Every step checks that EOS is allowed exactly where the grammar may end.
+    `prefer_blanks`: take a whitespace-only token whenever one is allowed (a model stuck on blanks)."""
     rng = np.random.default_rng(seed)
     compiler, eos = setup.compiler, setup.tokenizer.eos_token_ids
     matcher = compiler.matcher(constraint) if constraint is not None else None
@@ -151,7 +153,9 @@ def generate(setup: Setup, constraint: StructuredOutputs | None, seed: int) -> t
         assert not allowed[setup.tokenizer.vocab_size:].any(), "a padded id past the tokenizer is allowed"
         if matcher is not None:
             assert bool(allowed[list(eos)].any()) == matcher.may_stop()
-        if rng.random() < 0.9 and (visible := allowed & ~setup.blanks).any():
+        if prefer_blanks and (blank := allowed & setup.blanks).any():
+            allowed = blank
+        elif rng.random() < 0.9 and (visible := allowed & ~setup.blanks).any():
             allowed = visible
         closers = allowed & setup.closers
         token = int(rng.choice(np.flatnonzero(closers if closers.any() and rng.random() < 0.5 else allowed)))
@@ -206,6 +210,40 @@ def test_grammar_outputs_are_in_the_language(setup: Setup) -> None:
         assert re.fullmatch(GBNF_LANGUAGE, text), text
     for text in outputs(setup, {"grammar": LARK}):
         assert all(0 <= n < 1000 for n in json.loads(text)), text
+
+
+def accepts(setup: Setup, constraint: dict, text: str) -> bool:
+    """Whether the constraint takes `text` (as the tokenizer splits it) as a whole output."""
+    matcher = setup.compiler.matcher(StructuredOutputs.parse(constraint))
+    return all(matcher.advance(t) for t in setup.tokenizer.encode(text, add_special_tokens=False)) and matcher.may_stop()
+
+
+SMALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {}}},
+                "required": ["a", "b"]}
+
+
+def test_json_is_one_line_with_at_most_one_space_after_separators_by_default(setup: Setup) -> None:
+    for text in ('{"a":1,"b":[1,"x"]}', '{"a": 1, "b": [1, "x"]}', '{"a":1, "b":[]}'):
+        assert accepts(setup, {"json": SMALL_SCHEMA}, text), text
+    for text in ('{"a":  1,"b":[]}', '{"a" : 1,"b":[]}', '{\n  "a": 1,\n  "b": []\n}', '{"a":1,"b":[] }'):
+        assert not accepts(setup, {"json": SMALL_SCHEMA}, text), text
+    assert accepts(setup, {"json_object": True}, '{"k": [1, 2], "n":{"m":null}}')
+    assert not accepts(setup, {"json_object": True}, '{\n  "k": 1\n}')
+    # A schema's own "x-guidance" options win: any whitespace, as llguidance's default has it.
+    flexible = {**SMALL_SCHEMA, "x-guidance": {"whitespace_flexible": True}}
+    assert accepts(setup, {"json": flexible}, '{\n  "a" : 1,\n  "b": [ ]\n}')
+
+
+def test_a_walk_that_takes_blanks_whenever_it_may_still_ends_valid(setup: Setup) -> None:
+    """Whitespace runs are not allowed between JSON tokens by default, so a model that favours blank tokens
+    cannot spend its max_tokens on them there (with llguidance's default, any run, this walk never ends). The
+    schema bounds its strings: inside an unbounded string blanks are content, and no default bounds them."""
+    for seed in range(3):
+        text, ended = generate(setup, StructuredOutputs.parse({"json": NESTED_SCHEMA}), seed, prefer_blanks=True)
+        assert ended, f"seed {seed}: no end after {MAX_TOKENS} tokens: {text[:200]!r}"
+        jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+        between_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+        assert re.fullmatch(r"(?:[^\s]| (?=[^\s,:\]}]))*", between_strings), text
 
 
 def test_the_same_walk_without_the_mask_does_not_validate(smollm2: Setup) -> None:
@@ -282,12 +320,15 @@ def test_compiled_grammars_are_cached_by_canonical_text(tiny: Setup) -> None:
     reordered = StructuredOutputs.parse({"json": {"properties": {"a": {}}, "required": ["a"], "type": "object"}})
     assert reordered != first and tiny.compiler.compile(reordered) is not tiny.compiler.compile(first)
     one, two = tiny.compiler.matcher(first), tiny.compiler.matcher(first)
-    (brace,) = tiny.tokenizer.encode("{", add_special_tokens=False)
-    assert one.advance(brace)
-    fresh, advanced = tiny.compiler.allocate_bitmask(1), tiny.compiler.allocate_bitmask(1)
+    fresh, advanced, again = (tiny.compiler.allocate_bitmask(1) for _ in range(3))
     two.fill_bitmask(fresh, 0)
+    token = int(allowed_ids(fresh[0], 352)[0])
+    assert one.advance(token)
     one.fill_bitmask(advanced, 0)
-    assert brace in allowed_ids(fresh[0], 352) and brace not in allowed_ids(advanced[0], 352)
+    two.fill_bitmask(again, 0)
+    # Advancing one request's matcher leaves the other's (a copy of the same compiled grammar) where it was.
+    np.testing.assert_array_equal(again, fresh)
+    assert not np.array_equal(advanced, fresh)
 
 
 # ------------------------------------------------------------------------------------------------ bad input

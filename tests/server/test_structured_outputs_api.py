@@ -19,8 +19,7 @@ from server.proto.sarathi.v1 import generation_pb2 as pb
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "tags": {"type": "array", "items": {"enum": ["x", "yz"]},
                                                     "minItems": 1, "maxItems": 2}},
-          "required": ["id", "tags"], "additionalProperties": False,
-          "x-guidance": {"whitespace_flexible": False}}  # compact JSON: random weights would pad forever
+          "required": ["id", "tags"], "additionalProperties": False}
 REGEX = r"[a-z]{2,5} [0-9]{2}"
 
 
