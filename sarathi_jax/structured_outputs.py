@@ -113,14 +113,18 @@ class StructuredOutputs:
         kind: ConstraintKind = given[0]
         item = value[kind]
         if kind == "json":
-            if isinstance(item, str):
-                try:
-                    item = json.loads(item)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs: the json schema is not valid JSON: {e}") from e
-            if not isinstance(item, dict):
-                raise ValueError(f"structured_outputs: a json schema is an object, not {type(item).__name__}")
-            return cls(kind, _canonical_json(item))
+            try:
+                if isinstance(item, str):
+                    try:
+                        item = json.loads(item)
+                    except ValueError as e:
+                        raise ValueError(f"structured_outputs: the json schema is not valid JSON: {e}") from e
+                if not isinstance(item, dict):
+                    raise ValueError(f"structured_outputs: a json schema is an object, not {type(item).__name__}")
+                text = _canonical_json(item)
+            except RecursionError:  # Python's own limit; llguidance refuses far shallower schemas (128 levels)
+                raise ValueError("structured_outputs: the json schema is nested too deeply") from None
+            return cls(kind, text)
         if kind == "json_object":
             if item is not True:
                 raise ValueError("structured_outputs: json_object must be true")
@@ -151,7 +155,7 @@ class GrammarMatcher:
     @property
     def error(self) -> str | None:
         if self._matcher.is_error():
-            return self._matcher.get_error()
+            return _library_error(self._matcher.get_error())
         return "a token after the output ended" if self._refused_after_stop else None
 
     def may_stop(self) -> bool:
@@ -203,6 +207,15 @@ class GrammarMatcher:
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error() or 'too many'}")
 
 
+def _library_error(text: str) -> str:
+    """llguidance's error message without the parser-state dump it appends; its bare stop reason for a dead end
+    (no token allowed) in words."""
+    message = text.split("\n<state>", 1)[0].strip()
+    if message == "NoExtensionBias":
+        return "a dead end: no token of this tokenizer can continue the output (llguidance: NoExtensionBias)"
+    return message
+
+
 def _set_bits(row: np.ndarray, token_ids: Iterable[int]) -> None:
     for t in token_ids:
         if 0 <= t < 32 * row.shape[0]:
@@ -248,9 +261,13 @@ class GrammarCompiler:
                 return template
         template = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0)
         if template.is_error():
-            raise ValueError(f"structured_outputs: invalid {constraint.kind}: {template.get_error().strip()}")
-        # The first mask builds the lexer's start states; copies made afterwards share them.
+            raise ValueError(f"structured_outputs: invalid {constraint.kind}: {_library_error(template.get_error())}")
+        # The first mask builds the lexer's start states; copies made afterwards share them. It also finds a
+        # constraint no output can start (text this tokenizer cannot write): refused here, not at the first step.
         llguidance_numpy.fill_next_token_bitmask(template, self.allocate_bitmask(1), 0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs: the {constraint.kind} cannot be generated with this model's "
+                             f"tokenizer: {_library_error(template.get_error())}")
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > self._cache_size:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import time
 import uuid
@@ -52,6 +53,12 @@ def _usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
+def _candidates(lp: TokenLogprob) -> list[tuple[int, float]]:
+    """A token's top logprobs without the tokens a structured-outputs constraint ruled out (logprob -inf): they
+    were never candidates, and JSON has no -inf (a constrained row allowing fewer tokens than requested)."""
+    return [(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs) if v != -math.inf]
+
+
 class _Renderer:
     """Turns one request's engine outputs into OpenAI response objects (completion or chat flavour)."""
 
@@ -78,7 +85,7 @@ class _Renderer:
                 return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
             return {"content": [{**entry(lp.token_id, lp.logprob),
-                                 "top_logprobs": [entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+                                 "top_logprobs": [entry(i, v) for i, v in _candidates(lp)]}
                                 for lp in entries]}
         tokens = [self._token(lp.token_id) for lp in entries]
         offsets = []
@@ -86,8 +93,7 @@ class _Renderer:
             offsets.append(self.text_offset)
             self.text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
-                "top_logprobs": [{self._token(i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                                 for lp in entries],
+                "top_logprobs": [{self._token(i): v for i, v in _candidates(lp)} for lp in entries],
                 "text_offset": offsets}
 
     def choice(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],

@@ -10,6 +10,7 @@ SmolLM2-135M-Instruct (the converted GGUF of the session fixtures) checks JSON s
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -67,6 +68,68 @@ def test_random_weights_still_give_valid_outputs(llm: LLM, seed: int) -> None:
     for (kind, _, valid), out in zip(cases, outs):
         assert out.finish_reason == "stop" and out.error is None, (kind, out)
         assert valid(out.text), (kind, out.text)
+
+
+# Every kind of JSON schema constraint the issue lists, in the ASCII tokenizer's alphabet; strings and the
+# number's digits bounded, so random weights end well within max_tokens.
+RANDOM_WEIGHTS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,5}$"},
+        "status": {"enum": ["on", "off", "unknown"]},
+        "score": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.25},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1, "maxItems": 2},
+        "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{3}$"},
+                                                     "apt": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["zip"], "additionalProperties": False},
+        "flag": {"type": "boolean"},
+    },
+    "required": ["id", "name", "status", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+def test_random_weights_give_json_that_validates(llm: LLM) -> None:
+    """Nested objects, arrays with min/max items, enums, bounded numbers, required and optional keys and
+    patterned strings, sampled from random weights: every output parses and validates (`jsonschema`)."""
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=150,
+                             structured_outputs={"json": RANDOM_WEIGHTS_SCHEMA}) for seed in range(6)]
+    outs = llm.generate(["Hello world"] * len(params), params)
+    for out in outs:
+        assert out.finish_reason == "stop" and out.error is None, out
+        jsonschema.validate(json.loads(out.text), RANDOM_WEIGHTS_SCHEMA)
+    assert any(set(json.loads(o.text)) - set(RANDOM_WEIGHTS_SCHEMA["required"]) for o in outs)  # optional keys too
+
+
+def test_a_dead_end_finishes_with_a_clear_error(llm: LLM) -> None:
+    """ascii_llama's tokenizer cannot write "é": after "a" no token can continue "aé", so the request finishes
+    with an error of one line (and its KV blocks come back); a constraint whose output cannot even start is
+    refused at admission."""
+    before = llm.engine.stats()["num_free_blocks"]
+    [out] = llm.generate("Hello", SamplingParams(temperature=1.0, seed=0, max_tokens=8,
+                                                 structured_outputs={"regex": "aé"}))
+    assert out.finish_reason == "error" and out.text.startswith("a"), out
+    assert out.error == ("structured_outputs: a dead end: no token of this tokenizer can continue the output "
+                         "(llguidance: NoExtensionBias)")
+    assert llm.engine.stats()["num_free_blocks"] == before
+    with pytest.raises(AdmissionError, match="cannot be generated with this model's tokenizer: a dead end") as info:
+        llm.engine.admission.admit("Hello", SamplingParams(structured_outputs={"regex": "é+"}))
+    assert info.value.param == "structured_outputs"
+
+
+def test_logprobs_under_a_constraint_are_over_the_allowed_tokens(llm: LLM) -> None:
+    """The bitmask is applied before the logprobs: a choice of "x" or "y" allows two first tokens, whose
+    probabilities add up to 1; the other top entries are -inf (never candidates)."""
+    x, y = (llm.engine.admission.prompt_ids(c) for c in "xy")
+    [out] = llm.generate("Hello", SamplingParams(temperature=1.0, seed=1, max_tokens=4, logprobs=5,
+                                                 structured_outputs={"choice": ["x", "y"]}))
+    first = out.new_logprobs[0]
+    allowed = {t: v for t, v in zip(first.top_token_ids, first.top_logprobs) if v > -math.inf}
+    assert set(allowed) == {x[0], y[0]} and len(x) == len(y) == 1
+    assert sum(math.exp(v) for v in allowed.values()) == pytest.approx(1.0, abs=1e-5)
+    assert list(first.top_logprobs[2:]) == [-math.inf] * 3
+    assert first.token_id in allowed and first.logprob == pytest.approx(allowed[first.token_id])
 
 
 def test_max_tokens_mid_structure_finishes_with_length(llm: LLM) -> None:

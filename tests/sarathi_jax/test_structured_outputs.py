@@ -334,6 +334,13 @@ def test_compiled_grammars_are_cached_by_canonical_text(tiny: Setup) -> None:
 # ------------------------------------------------------------------------------------------------ bad input
 
 
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ({"json": {"type": "foo"}}, "Invalid type: foo"),
     ({"json": {"$ref": "#/definitions/nope"}}, "does not exist"),
@@ -351,6 +358,9 @@ def test_compiled_grammars_are_cached_by_canonical_text(tiny: Setup) -> None:
     ({}, "got none"),
     ({"guided_json": {}}, "unknown keys"),
     ({"regex": "a" * (MAX_CONSTRAINT_CHARS + 1)}, f"the limit is {MAX_CONSTRAINT_CHARS}"),
+    ({"json": {"enum": [f"value-{i}" for i in range(6000)]}}, f"the limit is {MAX_CONSTRAINT_CHARS}"),
+    ({"json": nested_schema(100)}, "recursion limit exceeded"),  # llguidance's limit
+    ({"json": nested_schema(500)}, "nested too deeply"),  # Python's, reached first
 ], ids=lambda v: str(v)[:40])
 def test_bad_constraints_raise_value_error_naming_the_problem(value: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

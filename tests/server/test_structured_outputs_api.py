@@ -5,6 +5,7 @@ the official `openai` client's `response_format` and vLLM's extras, streaming an
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import grpc
@@ -65,6 +66,25 @@ def test_openai_response_format_round_trip(server, client, stream: bool) -> None
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_under_a_constraint_list_only_the_allowed_tokens(server, client, stream: bool) -> None:
+    """A choice of "x" or "y" allows two first tokens: top_logprobs=5 lists those two (the others were never
+    candidates, and JSON has no -inf), their probabilities adding up to 1."""
+    kwargs = dict(model=server.model_name, messages=[{"role": "user", "content": "x or y?"}], max_tokens=4,
+                  temperature=1.0, seed=2, logprobs=True, top_logprobs=5, extra_body={"guided_choice": ["x", "y"]})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    top = content[0].top_logprobs
+    assert sorted(t.token for t in top) == ["x", "y"] and content[0].token in ("x", "y")
+    assert sum(math.exp(t.logprob) for t in top) == pytest.approx(1.0, abs=1e-5)
+    plain = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, logprobs=5,
+                                      extra_body={"guided_choice": ["x", "y"]})
+    assert sorted(plain.choices[0].logprobs.top_logprobs[0]) == ["x", "y"]
+
+
 def test_vllm_extras(server, client) -> None:
     common = dict(model=server.model_name, prompt="Hello world", max_tokens=30, temperature=1.0, seed=3)
     regex = client.completions.create(extra_body={"guided_regex": REGEX}, **common).choices[0]
@@ -85,6 +105,12 @@ def test_vllm_extras(server, client) -> None:
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one"),
+    ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_json", "only one"),
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"guided_grammar": "start: nope"}, "guided_grammar", "invalid grammar"),
+    ({"guided_regex": "é+"}, "guided_regex", "cannot be generated with this model's tokenizer"),
+    ({"guided_json": {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(5000)}}},
+     "guided_json", "the limit is 65536"),
 ])
 def test_bad_constraints_are_400_naming_the_field(server, client, extra: dict, param: str, word: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
@@ -106,6 +132,8 @@ def test_grpc_structured_outputs(stub) -> None:
     ("{not json", "not a JSON object"),
     (json.dumps({"regex": "a", "json_object": True}), "exactly one"),
     (json.dumps({"regex": "("}), "invalid regex"),
+    (json.dumps({"choice": []}), "non-empty list"),
+    (json.dumps({"json": {"type": "object", "properties": {f"k{i}": {} for i in range(9000)}}}), "the limit is 65536"),
 ])
 def test_grpc_bad_constraints_are_invalid_argument(stub, value: str, word: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
