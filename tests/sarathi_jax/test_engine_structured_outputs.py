@@ -132,6 +132,23 @@ def test_logprobs_under_a_constraint_are_over_the_allowed_tokens(llm: LLM) -> No
     assert first.token_id in allowed and first.logprob == pytest.approx(allowed[first.token_id])
 
 
+def test_no_compilation_per_constraint_after_warmup(ascii_llama: Path) -> None:
+    """Warm-up builds the constrained sampler variants; four kinds of constraint, greedy and sampled, with and
+    without logprobs, alone and in a full batch beside unconstrained rows, then compile nothing."""
+    llm = LLM(str(ascii_llama), token_budget=64, max_num_seqs=8, num_blocks=128, max_model_len=256)
+    assert llm.engine.wait_until_compiled(timeout=600)
+    compiled = llm.engine.runner.num_compilations
+    constraints = [{"regex": "[a-z]{2,5}"}, {"choice": ["red", "blue"]}, {"json": RANDOM_WEIGHTS_SCHEMA},
+                   {"grammar": 'start: "id=" /[0-9]{1,3}/'}]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c) for c in constraints]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=40, logprobs=2, structured_outputs=c)
+               for i, c in enumerate(constraints)]
+    llm.generate("Hello", params[2])
+    outs = llm.generate(["Hello world"] * 9, params + [SamplingParams(temperature=0.7, seed=9, max_tokens=20)])
+    assert all(out.finish_reason in ("stop", "length") and out.error is None for out in outs)
+    assert llm.engine.runner.num_compilations == compiled
+
+
 def test_max_tokens_mid_structure_finishes_with_length(llm: LLM) -> None:
     [out] = llm.generate("Hello", GREEDY.replace(max_tokens=4, structured_outputs={"regex": "[a-z]{30}"}))
     assert out.finish_reason == "length" and len(out.token_ids) == 4

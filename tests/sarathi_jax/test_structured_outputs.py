@@ -28,6 +28,7 @@ from sarathi_jax.structured_outputs import (
     GrammarCompiler,
     StructuredOutputs,
     bitmask_width,
+    step_bitmask,
 )
 from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -331,7 +332,26 @@ def test_compiled_grammars_are_cached_by_canonical_text(tiny: Setup) -> None:
     assert not np.array_equal(advanced, fresh)
 
 
+def test_a_step_has_a_bitmask_only_when_a_row_is_constrained(tiny: Setup) -> None:
+    assert step_bitmask([None, (None, ()), None]) is None  # the unconstrained sampler variants run: no mask
+    constraint = StructuredOutputs.parse({"regex": "ab+"})
+    bitmask = step_bitmask([None, (tiny.compiler.matcher(constraint), ()), (None, (5,))])
+    assert bitmask is not None and bitmask.shape == (3, bitmask_width(352)) and bitmask.dtype == np.int32
+    assert (bitmask[0] == -1).all() and (bitmask[2] == -1).all()  # all-ones rows: unchanged logits
+    alone = tiny.compiler.allocate_bitmask(1)
+    tiny.compiler.matcher(constraint).fill_bitmask(alone, 0)
+    np.testing.assert_array_equal(bitmask[1], alone[0])
+    assert 0 < len(allowed_ids(bitmask[1], 352)) < 10
+
+
 # ------------------------------------------------------------------------------------------------ bad input
+
+
+def short_id(value: object) -> str:
+    try:
+        return str(value)[:40]
+    except RecursionError:
+        return "deeply nested"
 
 
 def nested_schema(depth: int) -> dict:
@@ -361,7 +381,7 @@ def nested_schema(depth: int) -> dict:
     ({"json": {"enum": [f"value-{i}" for i in range(6000)]}}, f"the limit is {MAX_CONSTRAINT_CHARS}"),
     ({"json": nested_schema(100)}, "recursion limit exceeded"),  # llguidance's limit
     ({"json": nested_schema(500)}, "nested too deeply"),  # Python's, reached first
-], ids=lambda v: str(v)[:40])
+], ids=lambda v: short_id(v))
 def test_bad_constraints_raise_value_error_naming_the_problem(value: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StructuredOutputs.parse(value)

@@ -105,7 +105,7 @@ def test_vllm_extras(server, client) -> None:
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one"),
-    ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_json", "only one"),
+    ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_choice", "only one"),
     ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
     ({"guided_grammar": "start: nope"}, "guided_grammar", "invalid grammar"),
     ({"guided_regex": "é+"}, "guided_regex", "cannot be generated with this model's tokenizer"),
