@@ -85,6 +85,17 @@ def test_logprobs_under_a_constraint_list_only_the_allowed_tokens(server, client
     assert sorted(plain.choices[0].logprobs.top_logprobs[0]) == ["x", "y"]
 
 
+def test_openai_json_object_on_both_routes(server, client) -> None:
+    common = dict(model=server.model_name, max_tokens=40, temperature=1.0, seed=5,
+                  response_format={"type": "json_object"})
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "JSON?"}], **common).choices[0]
+    rf = common.pop("response_format")
+    plain = client.completions.create(prompt="Hello", extra_body={"response_format": rf}, **common).choices[0]
+    for text, finish in ((chat.message.content, chat.finish_reason), (plain.text, plain.finish_reason)):
+        assert finish == "length" or isinstance(json.loads(text), dict), (finish, text)
+        assert text.startswith("{"), text
+
+
 def test_vllm_extras(server, client) -> None:
     common = dict(model=server.model_name, prompt="Hello world", max_tokens=30, temperature=1.0, seed=3)
     regex = client.completions.create(extra_body={"guided_regex": REGEX}, **common).choices[0]
@@ -133,6 +144,8 @@ def test_grpc_structured_outputs(stub) -> None:
     (json.dumps({"regex": "a", "json_object": True}), "exactly one"),
     (json.dumps({"regex": "("}), "invalid regex"),
     (json.dumps({"choice": []}), "non-empty list"),
+    (json.dumps({"grammar": "start: nope"}), "invalid grammar"),
+    (json.dumps({"json": {"type": "object", "properties": {"a": {"type": "bogus"}}}}), "invalid json"),
     (json.dumps({"json": {"type": "object", "properties": {f"k{i}": {} for i in range(9000)}}}), "the limit is 65536"),
 ])
 def test_grpc_bad_constraints_are_invalid_argument(stub, value: str, word: str) -> None:
