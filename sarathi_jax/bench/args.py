@@ -193,9 +193,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.cost_model and not args.simulate:
         raise BenchError("--cost-model is for the simulator: add --simulate")
     shares = structured_shares_of(args)
-    constraint_of(args)
     if args.structured_outputs is not None and shares is None:
         raise BenchError("--structured-outputs is the constraint of --structured-share: add --structured-share")
+    if shares is not None:
+        constraint_of(args)
     if shares is not None and max(shares) > 0 and (args.simulate or args.endpoint):
         raise BenchError("--structured-share constrains requests on the real engine only: the simulator has no "
                          "tokenizer to compile a constraint with (nor a model of the mask's cost), and --endpoint "
