@@ -297,6 +297,13 @@ def lm_head_logits(h: jax.Array, weight: jax.Array, tied: bool, dtype: Any) -> j
     return logits.astype(jnp.float32)
 
 
+def lm_head_logits_vocab_major(h: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
+    """float32 logits `[vocab, R]` of `h [R, embed]` under a vocab-major weight `[vocab, embed]` (a tied
+    head's): `lm_head_logits(h, weight, True, dtype).T`, the weight as the dot's left operand."""
+    logits = jnp.einsum("ve,se->vs", weight, h, precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32)
+
+
 def stack_layer_params(params: Any, num_layers: int, first_layer: int = 0) -> Any:
     """Unrolled params (`layers_{i}` entries, i from `first_layer`) -> scanned params (one `layers` entry,
     stacked on axis 0)."""
