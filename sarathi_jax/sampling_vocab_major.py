@@ -7,7 +7,7 @@ repacks it (a copy of the whole head); `[vocab, R]` = weight `[vocab, embed]` x 
 where it is read in place. Greedy sampling only reduces over the vocabulary (banned ids, first index of the max,
 the chosen token's logprob), so it can work on that layout directly; transposing back to `[R, vocab]` would
 give the gain away (XLA then emits the dot in the other order). `sample_packed` takes this path where
-`LMHead.vocab_major_greedy` is set (a CPU, a tied head). Same tokens as `sample` on the transposed logits
+`LMHead.vocab_major_greedy` is set (on a CPU). Same tokens as `sample` on the transposed logits
 (first index on ties, all-banned rows -> 0, NaN rows -> the last id); logprobs equal to float32 rounding (the
 sums run along another axis).
 """

@@ -37,27 +37,24 @@ class LMHead:
     may all-gather the LM head), then gathered once, so the sampler works on replicated logits and returns
     replicated tokens. Hashable: a static argument of the jitted sampler."""
 
-    tied: bool  # the weight is the embedding [vocab, embed], else lm_head [embed, vocab]
     dtype: Any  # the model's (its matmul precision)
     vocab_sharding: NamedSharding | None = None  # TP with a vocab-parallel head: logits sharded on vocab
     replicated: NamedSharding | None = None  # TP: what the logits and the sampler's outputs are gathered to
     # Greedy-only samplers take the logits vocab-major, [vocab, R] (`logits_vocab_major`), with the weight
     # [vocab, embed] as the dot's left operand: XLA:CPU's YNNPACK packs a dot's right operand on every call,
     # so [R, embed] x [vocab, embed]^T repacks the whole head per step (1.3-1.7x slower at R <= 16; see
-    # docs/results-cpu.md §11). Set on a CPU for a tied head (its weight is the embedding, already vocab-major).
+    # docs/results-cpu.md §11). Set on a CPU.
     vocab_major_greedy: bool = False
 
     def logits(self, h: jax.Array, weight: jax.Array) -> jax.Array:
         """float32 logits [R, vocab] (replicated) of final-normed rows h [R, embed]."""
-        logits = lm_head_logits(h, weight, self.tied, self.dtype)
+        logits = lm_head_logits(h, weight, self.dtype)
         if self.vocab_sharding is not None:
             logits = jax.lax.with_sharding_constraint(logits, self.vocab_sharding)
         return self.replicate(logits)
 
     def logits_vocab_major(self, h: jax.Array, weight: jax.Array) -> jax.Array:
-        """float32 logits [vocab, R] (replicated) of final-normed rows h [R, embed]; needs `vocab_major_greedy`
-        (the weight [vocab, embed])."""
-        assert self.vocab_major_greedy and self.tied, "vocab-major logits need the weight [vocab, embed]"
+        """float32 logits [vocab, R] (replicated) of final-normed rows h [R, embed]: `logits(h, weight).T`."""
         logits = lm_head_logits_vocab_major(h, weight, self.dtype)
         if self.vocab_sharding is not None:
             spec = NamedSharding(self.vocab_sharding.mesh, PartitionSpec(TP_AXIS, None))
@@ -111,13 +108,12 @@ class Stage:
 
     def lm_head(self) -> LMHead:
         """The LM head as the sampler runs it on this (last) stage's devices: greedy-only samplers take
-        vocab-major logits on a CPU where the head's weight is vocab-major (tied; see `LMHead`)."""
+        vocab-major logits on a CPU (see `LMHead`)."""
         tp = self.mesh is not None and self.tensor_parallel_size > 1
         vocab = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS)) if tp and self.shard_vocab else None
-        tied = self.model.config.tie_word_embeddings
         device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
-        return LMHead(tied, jnp.dtype(self.model.dtype), vocab, self.replicated if tp else None,
-                      vocab_major_greedy=tied and device.platform == "cpu")
+        return LMHead(jnp.dtype(self.model.dtype), vocab, self.replicated if tp else None,
+                      vocab_major_greedy=device.platform == "cpu")
 
     @property
     def lm_head_weight(self) -> jax.Array:

@@ -76,9 +76,9 @@ def test_the_vocab_major_head_samples_the_tokens_of_the_row_major_head() -> None
     s, embed, vocab = 8, 32, 1000
     rng = np.random.default_rng(5)
     hidden = jnp.asarray(rng.normal(size=(s, embed)).astype(np.float32))
-    weight = jnp.asarray(rng.normal(size=(vocab, embed)).astype(np.float32))  # tied: [vocab, embed]
-    row_major = LMHead(tied=True, dtype=np.dtype(np.float32))
-    vocab_major = LMHead(tied=True, dtype=np.dtype(np.float32), vocab_major_greedy=True)
+    weight = jnp.asarray(rng.normal(size=(vocab, embed)).astype(np.float32))  # [vocab, embed], tied or not
+    row_major = LMHead(dtype=np.dtype(np.float32))
+    vocab_major = LMHead(dtype=np.dtype(np.float32), vocab_major_greedy=True)
     rows = [(SamplingParams(temperature=0.0, min_tokens=3), 0, 0, (7, 11)) for _ in range(5)]
     part = pack_sampling(make_sampling_arrays(rows, s))
     np.testing.assert_allclose(np.asarray(vocab_major.logits_vocab_major(hidden, weight)).T,
@@ -91,9 +91,3 @@ def test_the_vocab_major_head_samples_the_tokens_of_the_row_major_head() -> None
             np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(got.top_token_ids, want.top_token_ids)
             np.testing.assert_array_equal(got.top_logprobs, want.top_logprobs)
-
-
-def test_an_untied_head_never_takes_the_vocab_major_path() -> None:
-    with pytest.raises(AssertionError, match="vocab-major"):
-        LMHead(tied=False, dtype=np.dtype(np.float32), vocab_major_greedy=True).logits_vocab_major(
-            jnp.zeros((4, 8)), jnp.zeros((8, 16)))
