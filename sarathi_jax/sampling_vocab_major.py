@@ -7,7 +7,7 @@ repacks it (a copy of the whole head); `[vocab, R]` = weight `[vocab, embed]` x 
 where it is read in place. Greedy sampling only reduces over the vocabulary (banned ids, first index of the max,
 the chosen token's logprob), so it can work on that layout directly; transposing back to `[R, vocab]` would
 give the gain away (XLA then emits the dot in the other order). `sample_packed` takes this path where
-`LMHead.vocab_major_greedy` is set (on a CPU). Same tokens as `sample` on the transposed logits
+`LMHead.vocab_major_greedy` is set (on a CPU), for at most `MAX_ROWS` rows. Same tokens as `sample` on the transposed logits
 (first index on ties, all-banned rows -> 0, NaN rows -> the last id); logprobs equal to float32 rounding (the
 sums run along another axis).
 """
@@ -21,6 +21,11 @@ from sarathi_jax.sampling_inputs import SamplerVariant, SamplingArrays
 
 # The one variant this path serves.
 GREEDY_ONLY = SamplerVariant(sampled=False, filter="none", logprobs=False)
+
+# The most rows it serves: from 64 rows the dot is compute-bound enough that YNNPACK's packing no longer
+# dominates, and the [vocab, R] reductions were slower (`sampler_cost --head`: 0.65-0.8x at 64-128 rows,
+# 1.1-2.5x at 4-32, on a loaded 2-core machine; docs/results-cpu.md §11).
+MAX_ROWS = 32
 
 
 def greedy_vocab_major(logits_t: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, jax.Array]:

@@ -73,7 +73,7 @@ def test_all_banned_and_nan_rows_match_the_row_major_sampler() -> None:
 def test_the_vocab_major_head_samples_the_tokens_of_the_row_major_head() -> None:
     """The sampler executable with a vocab-major greedy head: tokens, logprobs and (empty) top logprobs of the
     [R, vocab] head, for a greedy-only batch; other variants ignore the flag."""
-    s, embed, vocab = 8, 32, 1000
+    s, embed, vocab = 64, 32, 1000
     rng = np.random.default_rng(5)
     hidden = jnp.asarray(rng.normal(size=(s, embed)).astype(np.float32))
     weight = jnp.asarray(rng.normal(size=(vocab, embed)).astype(np.float32))  # [vocab, embed], tied or not
@@ -83,7 +83,7 @@ def test_the_vocab_major_head_samples_the_tokens_of_the_row_major_head() -> None
     part = pack_sampling(make_sampling_arrays(rows, s))
     np.testing.assert_allclose(np.asarray(vocab_major.logits_vocab_major(hidden, weight)).T,
                                np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64).T, rtol=1e-5, atol=1e-4)
-    for r in (4, 8):
+    for r in (4, 8, 64):  # 64 > MAX_ROWS: the row-major path
         for variant in (GREEDY_ONLY, FULL_VARIANT):
             want = jax.device_get(sample_packed_jit(hidden, weight, part, variant=variant, rows=r, head=row_major))
             got = jax.device_get(sample_packed_jit(hidden, weight, part, variant=variant, rows=r, head=vocab_major))

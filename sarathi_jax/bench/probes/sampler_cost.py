@@ -16,10 +16,10 @@ values; `--baseline FILE` also times another implementation's `sample(logits, ar
 the variant its own `sampler_variant(rows)` picks if it has one (else its default); an older one's cost may
 depend on the values (top-k 50 peaked is the pre-radix top_k-candidates fast path, top-p 0.9 flat its bisection).
 
-`--head EMBED` times instead the sampler executable of greedy-only steps, the LM head included
-(`sample_packed_jit` on final-normed rows [R, EMBED] and a head weight [V, EMBED]), with the head's logits
-row-major [R, V] and vocab-major [V, R] (`LMHead.vocab_major_greedy`, the CPU default), for each R of `--head-rows`;
-the floor is the head weight's bytes over the bandwidth.
+`--head EMBED` times instead the LM head and the greedy-only sampler (final-normed rows [R, EMBED], a head
+weight [V, EMBED]) both ways, whatever R: logits row-major [R, V] then `sample`, and vocab-major [V, R] then
+`greedy_vocab_major` (what `sample_packed` runs on a CPU for R <= `sampling_vocab_major.MAX_ROWS`), for each R
+of `--head-rows`; the floor is the head weight's bytes over the bandwidth.
 
 Every case is compiled and run once untimed, then the timed repeats go round-robin over all cases so that load
 from other processes falls on all of them alike; the median and the best time are reported (on a shared
@@ -45,10 +45,9 @@ from pallas_kernels.timing import seconds_per_call
 from sarathi_jax.paths import cli_path
 from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant
 from sarathi_jax.parallel.stages import LMHead
-from sarathi_jax.sampling import sample_jit, sample_packed_jit
+from sarathi_jax.sampling import sample, sample_jit
 from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.sampling_vocab_major import GREEDY_ONLY
-from sarathi_jax.step_inputs import pack_sampling
+from sarathi_jax.sampling_vocab_major import GREEDY_ONLY, greedy_vocab_major
 
 COPY_MBYTES = 256  # the bandwidth probe's array: far larger than any cache
 
@@ -83,17 +82,18 @@ def load_baseline(path: str) -> ModuleType:
 def head_table(vocabs: list[int], embed: int, rows: list[int], repeats: int, bandwidth: float) -> str:
     """The greedy-only sampler executable with the LM head, row-major against vocab-major logits."""
     rng = np.random.default_rng(0)
-    heads = {"row-major": LMHead(np.dtype(np.float32)), "vocab-major": LMHead(np.dtype(np.float32), vocab_major_greedy=True)}
+    head = LMHead(np.dtype(np.float32))
+    heads = {"row-major": jax.jit(lambda h, w, a: sample(head.logits(h, w), a, GREEDY_ONLY)[:2]),
+             "vocab-major": jax.jit(lambda h, w, a: greedy_vocab_major(head.logits_vocab_major(h, w), a))}
     table = []
     for v in vocabs:
         weight = jnp.asarray((rng.standard_normal((v, embed)) * 0.05).astype(np.float32))
         calls: dict[tuple[int, str], Callable[[], Any]] = {}
         for r in rows:
             hidden = jnp.asarray(rng.standard_normal((r, embed)).astype(np.float32))
-            part = jnp.asarray(pack_sampling(make_sampling_arrays([(SamplingParams(temperature=0.0), 0, 0, ())] * r, r)))
-            for name, head in heads.items():
-                calls[(r, name)] = lambda hidden=hidden, part=part, head=head, r=r: sample_packed_jit(
-                    hidden, weight, part, variant=GREEDY_ONLY, rows=r, head=head)
+            arrays = jax.device_put(make_sampling_arrays([(SamplingParams(temperature=0.0), 0, 0, ())] * r, r))
+            for name, fn in heads.items():
+                calls[(r, name)] = lambda hidden=hidden, arrays=arrays, fn=fn: fn(hidden, weight, arrays)
         for call in calls.values():
             seconds_per_call(call)
         times: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
