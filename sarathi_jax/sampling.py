@@ -1,6 +1,5 @@
-"""Device sampler: one jitted, fixed-shape function from logits to next tokens and logprobs (its host-side
-inputs, `SamplingArrays` and the `SamplerVariant`, are defined in sarathi_jax/sampling_inputs.py and written
-in sarathi_jax/input_batch.py).
+"""Device sampler: one jitted, fixed-shape function from logits to next tokens and logprobs (host-side inputs,
+`SamplingArrays` and `SamplerVariant`: sarathi_jax/sampling_inputs.py, written in sarathi_jax/input_batch.py).
 
 `sample(logits f32[S, V], arrays, variant)` runs after the engine's jitted step; S rows (the step's `step_inputs.sample_rows`), one
 per scheduled sequence, the rest padding (temperature < 0: their outputs are meaningless and ignored).
@@ -47,10 +46,8 @@ S*V random numbers (~110 ms there). Instead
     logits inside the block sums and for the chosen block instead of being materialised as [S, V];
   * greedy argmax is two-level too (block maxima, then the first max inside the first block holding the row
     max): same first-index-on-ties result as np.argmax, several times faster on XLA:CPU than a variadic
-    argmax or a one-level `min(where(x == max, iota, V))`;
-  * the top-MAX_LOGPROBS `lax.top_k` only runs in variants with `logprobs`.
-`python -m sarathi_jax.bench.probes.sampler_cost` times every variant.
-"""
+    argmax or a one-level `min(where(x == max, iota, V))`; the top-MAX_LOGPROBS `lax.top_k` only runs in
+    variants with `logprobs`. `python -m sarathi_jax.bench.probes.sampler_cost` times every variant."""
 
 from __future__ import annotations
 
@@ -73,6 +70,7 @@ from sarathi_jax.sampling_inputs import (  # noqa: F401  (the host side, re-expo
     SamplingRow,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS
+from sarathi_jax.sampling_vocab_major import GREEDY_ONLY, MAX_ROWS as VOCAB_MAJOR_MAX_ROWS, greedy_vocab_major
 from sarathi_jax.step_inputs import sampling_max_num_seqs, unpack_sampling
 
 if TYPE_CHECKING:
@@ -377,11 +375,18 @@ def sample_packed(hidden: jax.Array, head_weight: jax.Array, sampling: jax.Array
                   *, variant: SamplerVariant, rows: int, head: LMHead) -> SamplerOutput:
     """A step's sampler executable: the LM head on the first `rows` (R, `sample_rows`) of the last stage's final-normed rows [S, embed],
     then the sampler on those logits [R, vocab] with the first R rows of the sampling part (laid out for S =
-    max_num_seqs rows). The token ids come back padded to [S]: the next step reads pending tokens from them
-    whatever its own bucket. `token_bitmask` [S, ceil(V/32)]: constrained variants only (else None)."""
+    max_num_seqs rows). The token ids come back padded to [S] (the next step reads pending tokens from them
+    whatever its own bucket). `token_bitmask` [S, ceil(V/32)]: constrained variants only. A greedy-only batch
+    of at most VOCAB_MAJOR_MAX_ROWS under `head.vocab_major_greedy` samples vocab-major logits [vocab, R] instead."""
     s = sampling_max_num_seqs(sampling.shape[0])
-    mask = token_bitmask[:rows] if variant.constrained else None
-    out = sample(head.logits(hidden[:rows], head_weight), unpack_sampling(sampling, s, rows), variant, mask)
+    arrays = unpack_sampling(sampling, s, rows)
+    if head.vocab_major_greedy and variant == GREEDY_ONLY and rows <= VOCAB_MAJOR_MAX_ROWS:
+        token_ids, logprobs = greedy_vocab_major(head.logits_vocab_major(hidden[:rows], head_weight), arrays)
+        out = SamplerOutput(token_ids, logprobs, jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+                            jnp.full((rows, MAX_LOGPROBS), -jnp.inf, jnp.float32))
+    else:
+        mask = token_bitmask[:rows] if variant.constrained else None
+        out = sample(head.logits(hidden[:rows], head_weight), arrays, variant, mask)
     return head.replicate(out._replace(token_ids=jnp.pad(out.token_ids, (0, s - rows))))
 
 

@@ -33,7 +33,7 @@ runs 4 weight matmuls (fused q/k/v, dense, and the two of the MLP, which has no 
     layers/mlp/dense_h_to_4h/kernel                  [embed, mlp]   (+ bias [mlp])
     layers/mlp/dense_4h_to_h/kernel                  [mlp, embed]   (+ bias [embed])
     ln_f/{scale,bias}                                [embed]
-    lm_head                                          [embed, vocab] (absent when tied, the Falcon default)
+    lm_head                                          [vocab, embed] (absent when tied, the Falcon default)
 """
 
 from __future__ import annotations
@@ -208,4 +208,4 @@ def hf_param_plan(config: ModelConfig) -> Iterator[ParamSource]:
     yield P(("ln_f", "scale"), "transformer.ln_f.weight", (embed,), (embed,))
     yield P(("ln_f", "bias"), "transformer.ln_f.bias", (embed,), (embed,))
     if not c.tie_word_embeddings:
-        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)
+        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (vocab, embed))

@@ -277,23 +277,30 @@ class PagedDecoderLM(nn.Module):
         if c.tie_word_embeddings:
             weight = embedding
         else:
-            weight = self.param("lm_head", weight_init(("embed", "vocab")), (c.hidden_size, c.vocab_size), self.dtype)
-        out = lm_head_logits(h, weight, c.tie_word_embeddings, self.dtype) if apply_lm_head else h
+            weight = self.param("lm_head", weight_init(("vocab", "embed")), (c.vocab_size, c.hidden_size), self.dtype)
+        out = lm_head_logits(h, weight, self.dtype) if apply_lm_head else h
         # Padding rows are zeros (their samples are never read).
         return jnp.pad(out, ((0, logits_indices.shape[0] - num_rows), (0, 0))), kv_cache  # [S, vocab or embed]
 
     def lm_head_weight(self, params: Any) -> jax.Array:
-        """The LM head's weight in `params`: the embedding `[vocab, embed]` when tied, else `lm_head`
-        `[embed, vocab]` (what `lm_head_logits` takes)."""
+        """The LM head's weight `[vocab, embed]` in `params`: the embedding when tied, else `lm_head` (what
+        `lm_head_logits` takes)."""
         return params[self.embedding_name if self.config.tie_word_embeddings else "lm_head"]
 
 
-def lm_head_logits(h: jax.Array, weight: jax.Array, tied: bool, dtype: Any) -> jax.Array:
+def lm_head_logits(h: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
     """float32 logits `[R, vocab]` of final-normed rows `h [R, embed]`: the LM head of `PagedDecoderLM`, also
     run outside the model step (the runner's sampler, `sarathi_jax.parallel.stages.LMHead`). `weight` is
-    `PagedDecoderLM.lm_head_weight`; `dtype` the model's (its matmul precision)."""
-    spec = "se,ve->sv" if tied else "se,ev->sv"
-    logits = jnp.einsum(spec, h, weight, precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
+    `PagedDecoderLM.lm_head_weight` `[vocab, embed]` (tied or not: one layout, HF's); `dtype` the model's (its
+    matmul precision)."""
+    logits = jnp.einsum("se,ve->sv", h, weight, precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32)
+
+
+def lm_head_logits_vocab_major(h: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
+    """float32 logits `[vocab, R]` of `h [R, embed]`: `lm_head_logits(h, weight, dtype).T`, the weight
+    `[vocab, embed]` as the dot's left operand."""
+    logits = jnp.einsum("ve,se->vs", weight, h, precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
     return logits.astype(jnp.float32)
 
 

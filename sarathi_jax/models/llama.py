@@ -20,7 +20,7 @@ another (`gate_up_proj`), see `fusion.py`:
     layers/post_attention_layernorm/scale [layers, embed]
     layers/mlp/gate_up_proj/kernel   [layers, embed, 2, mlp];  layers/mlp/down_proj/kernel [layers, mlp, embed]
     norm/scale                       [embed]
-    lm_head                          [embed, vocab]                       (absent when tied)
+    lm_head                          [vocab, embed]                       (absent when tied)
 
 Checkpoints keep HF's separate `q_proj`, `k_proj`, `v_proj` (`[layers, embed, heads or kv_heads, head_dim]`) and
 `gate_proj`, `up_proj` (`[layers, embed, mlp]`): the checkpoint layout, which `hf_param_plan` maps and
@@ -132,4 +132,4 @@ def hf_param_plan(config: ModelConfig) -> Iterator[ParamSource]:
     P = ParamSource
     yield P(("norm", "scale"), "model.norm.weight", (embed,), (embed,))
     if not c.tie_word_embeddings:
-        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (embed, vocab), transpose=True)
+        yield P(("lm_head",), "lm_head.weight", (vocab, embed), (vocab, embed))

@@ -47,8 +47,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 ORBAX_PARAMS_DIR = "params"
 CHECKPOINT_MARKER = "sarathi_checkpoint.json"  # written last: its presence means the folder is complete
 CHECKPOINT_FORMAT = "sarathi-jax-orbax"
-# v2: decoder layers stacked on a leading axis (`layers/...`, the scanned model); v1 had `layers_{i}/...`.
-CHECKPOINT_FORMAT_VERSION = 2
+# v3: an untied LM head is stored [vocab, embed] (HF's layout; v2 stored it [embed, vocab]). v2: decoder layers
+# stacked on a leading axis (`layers/...`, the scanned model); v1 had `layers_{i}/...`.
+CHECKPOINT_FORMAT_VERSION = 3
 
 
 class CheckpointError(ValueError):
@@ -237,6 +238,14 @@ def read_checkpoint_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{os.fspath(path)!r} was converted by an older sarathi-jax (checkpoint format v1: one parameter "
             f"tree per layer); this version stacks the layers (format v{CHECKPOINT_FORMAT_VERSION}). Convert it "
             "again from the Hugging Face folder: `python -m checkpoints_convert --hf HF_DIR --out DIR --force`"
+        )
+    if marker.get("format") == CHECKPOINT_FORMAT and marker.get("format_version") == 2:
+        if "lm_head" not in marker.get("params", {}):
+            return marker  # a tied head: v2 and v3 hold the same arrays
+        raise CheckpointError(
+            f"{os.fspath(path)!r} was converted by an older sarathi-jax (checkpoint format v2: the LM head stored "
+            f"[embed, vocab]); this version stores it [vocab, embed] (format v{CHECKPOINT_FORMAT_VERSION}). Convert "
+            "it again: `python -m checkpoints_convert --hf HF_DIR --out DIR --force` (or `--gguf FILE`)"
         )
     if marker.get("format") != CHECKPOINT_FORMAT or marker.get("format_version") != CHECKPOINT_FORMAT_VERSION:
         raise CheckpointError(

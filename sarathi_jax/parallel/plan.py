@@ -72,9 +72,10 @@ EMBEDDING_AXES = PartitionSpec("vocab", "embed")
 
 
 def embedding_param_name(config: ModelConfig) -> str:
-    """The top-level name of the input embedding (the parameter with logical axes ("vocab", "embed"))."""
+    """The top-level name of the input embedding (the parameter with logical axes ("vocab", "embed") that is
+    not the untied LM head, which has the same axes)."""
     axes = param_logical_axes(config)
-    return next(name for name, spec in axes.items() if spec == EMBEDDING_AXES)
+    return next(name for name, spec in axes.items() if spec == EMBEDDING_AXES and name != "lm_head")
 
 
 # Top-level name of the stacked decoder-layer parameters (leading layers axis; see sarathi_jax.models.llama).

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sarathi_jax.models import get_model
-from sarathi_jax.models.layers import lm_head_logits
+from sarathi_jax.models.layers import lm_head_logits, lm_head_logits_vocab_major
 from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
 from sarathi_jax.parallel.sharding import init_stage_kv_cache, place_params, shard_attention
 
@@ -37,16 +37,28 @@ class LMHead:
     may all-gather the LM head), then gathered once, so the sampler works on replicated logits and returns
     replicated tokens. Hashable: a static argument of the jitted sampler."""
 
-    tied: bool  # the weight is the embedding [vocab, embed], else lm_head [embed, vocab]
     dtype: Any  # the model's (its matmul precision)
     vocab_sharding: NamedSharding | None = None  # TP with a vocab-parallel head: logits sharded on vocab
     replicated: NamedSharding | None = None  # TP: what the logits and the sampler's outputs are gathered to
+    # Greedy-only samplers take the logits vocab-major, [vocab, R] (`logits_vocab_major`), with the weight
+    # [vocab, embed] as the dot's left operand: XLA:CPU's YNNPACK packs a dot's right operand on every call,
+    # so [R, embed] x [vocab, embed]^T repacks the whole head per step (1.3-1.7x slower at R <= 16; see
+    # docs/results-cpu.md §11). Set on a CPU.
+    vocab_major_greedy: bool = False
 
     def logits(self, h: jax.Array, weight: jax.Array) -> jax.Array:
         """float32 logits [R, vocab] (replicated) of final-normed rows h [R, embed]."""
-        logits = lm_head_logits(h, weight, self.tied, self.dtype)
+        logits = lm_head_logits(h, weight, self.dtype)
         if self.vocab_sharding is not None:
             logits = jax.lax.with_sharding_constraint(logits, self.vocab_sharding)
+        return self.replicate(logits)
+
+    def logits_vocab_major(self, h: jax.Array, weight: jax.Array) -> jax.Array:
+        """float32 logits [vocab, R] (replicated) of final-normed rows h [R, embed]: `logits(h, weight).T`."""
+        logits = lm_head_logits_vocab_major(h, weight, self.dtype)
+        if self.vocab_sharding is not None:
+            spec = NamedSharding(self.vocab_sharding.mesh, PartitionSpec(TP_AXIS, None))
+            logits = jax.lax.with_sharding_constraint(logits, spec)
         return self.replicate(logits)
 
     def replicate(self, tree: Any) -> Any:
@@ -95,11 +107,13 @@ class Stage:
         return jax.device_put(x, self.replicated)
 
     def lm_head(self) -> LMHead:
-        """The LM head as the sampler runs it on this (last) stage's devices."""
+        """The LM head as the sampler runs it on this (last) stage's devices: greedy-only samplers take
+        vocab-major logits on a CPU (see `LMHead`)."""
         tp = self.mesh is not None and self.tensor_parallel_size > 1
         vocab = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS)) if tp and self.shard_vocab else None
-        return LMHead(self.model.config.tie_word_embeddings, jnp.dtype(self.model.dtype), vocab,
-                      self.replicated if tp else None)
+        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        return LMHead(jnp.dtype(self.model.dtype), vocab, self.replicated if tp else None,
+                      vocab_major_greedy=device.platform == "cpu")
 
     @property
     def lm_head_weight(self) -> jax.Array:

@@ -274,6 +274,25 @@ def test_old_per_layer_format_is_refused_with_how_to_reconvert(converted, tmp_pa
         load_model(copy)
 
 
+@pytest.mark.parametrize("name", ["falcon-7b", "llama"])
+def test_format_v2_loads_when_tied_and_is_refused_with_how_to_reconvert_when_untied(converted, tmp_path, name):
+    """Format v2 stored an untied LM head [embed, vocab]; v3 stores it [vocab, embed]. A v2 folder of a tied
+    model holds the same arrays as v3 and loads; an untied one is refused with the command that re-converts it."""
+    copy = tmp_path / "v2"
+    shutil.copytree(converted(name), copy)
+    marker = json.loads((copy / CHECKPOINT_MARKER).read_text())
+    tied = "lm_head" not in marker["params"]
+    assert tied == (name == "falcon-7b")  # the fixtures: tied Falcon-7B, untied Llama
+    marker["format_version"] = 2
+    (copy / CHECKPOINT_MARKER).write_text(json.dumps(marker))
+    if tied:
+        model_config, params = load_model(copy)[:2]
+        assert "lm_head" not in params
+    else:
+        with pytest.raises(CheckpointError, match=r"format v2.*\[vocab, embed\].*--force"):
+            load_model(copy)
+
+
 def test_existing_output_is_refused_unless_force(converted, hf_dir, tmp_path):
     out = converted("falcon-7b")
     with pytest.raises(ConversionError, match="already holds a checkpoint; pass --force"):

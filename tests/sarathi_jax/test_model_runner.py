@@ -131,8 +131,8 @@ def test_a_small_bucket_samples_its_rows_as_the_full_sampler_does():
     s, embed, vocab = 8, 16, 300
     rng = np.random.default_rng(4)
     hidden = jax.numpy.asarray(rng.normal(size=(s, embed)).astype(np.float32))
-    weight = jax.numpy.asarray(rng.normal(size=(vocab, embed)).astype(np.float32))  # tied: [vocab, embed]
-    head = LMHead(tied=True, dtype=np.dtype(np.float32))
+    weight = jax.numpy.asarray(rng.normal(size=(vocab, embed)).astype(np.float32))  # [vocab, embed], tied or not
+    head = LMHead(dtype=np.dtype(np.float32))
     rows = [(SamplingParams(temperature=0.0, logprobs=2), 0, 0, ()),
             (SamplingParams(temperature=0.8, top_p=0.9, seed=3), 3, 5, ()),
             (SamplingParams(temperature=1.1, top_k=7, min_p=0.01, seed=11), 11, 2, (4, 9))]

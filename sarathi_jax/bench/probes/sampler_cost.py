@@ -16,6 +16,11 @@ values; `--baseline FILE` also times another implementation's `sample(logits, ar
 the variant its own `sampler_variant(rows)` picks if it has one (else its default); an older one's cost may
 depend on the values (top-k 50 peaked is the pre-radix top_k-candidates fast path, top-p 0.9 flat its bisection).
 
+`--head EMBED` times instead the LM head and the greedy-only sampler (final-normed rows [R, EMBED], a head
+weight [V, EMBED]) both ways, whatever R: logits row-major [R, V] then `sample`, and vocab-major [V, R] then
+`greedy_vocab_major` (what `sample_packed` runs on a CPU for R <= `sampling_vocab_major.MAX_ROWS`), for each R
+of `--head-rows`; the floor is the head weight's bytes over the bandwidth.
+
 Every case is compiled and run once untimed, then the timed repeats go round-robin over all cases so that load
 from other processes falls on all of them alike; the median and the best time are reported (on a shared
 machine the best run is the least disturbed one), and best / floor.
@@ -38,9 +43,11 @@ import numpy as np
 from pallas_kernels.machine_rates import memory_bandwidth
 from pallas_kernels.timing import seconds_per_call
 from sarathi_jax.paths import cli_path
-from sarathi_jax.sampling import sample_jit
 from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant
+from sarathi_jax.parallel.stages import LMHead
+from sarathi_jax.sampling import sample, sample_jit
 from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.sampling_vocab_major import GREEDY_ONLY, greedy_vocab_major
 
 COPY_MBYTES = 256  # the bandwidth probe's array: far larger than any cache
 
@@ -72,6 +79,36 @@ def load_baseline(path: str) -> ModuleType:
     return module
 
 
+def head_table(vocabs: list[int], embed: int, rows: list[int], repeats: int, bandwidth: float) -> str:
+    """The greedy-only sampler executable with the LM head, row-major against vocab-major logits."""
+    rng = np.random.default_rng(0)
+    head = LMHead(np.dtype(np.float32))
+    heads = {"row-major": jax.jit(lambda h, w, a: sample(head.logits(h, w), a, GREEDY_ONLY)[:2]),
+             "vocab-major": jax.jit(lambda h, w, a: greedy_vocab_major(head.logits_vocab_major(h, w), a))}
+    table = []
+    for v in vocabs:
+        weight = jnp.asarray((rng.standard_normal((v, embed)) * 0.05).astype(np.float32))
+        calls: dict[tuple[int, str], Callable[[], Any]] = {}
+        for r in rows:
+            hidden = jnp.asarray(rng.standard_normal((r, embed)).astype(np.float32))
+            arrays = jax.device_put(make_sampling_arrays([(SamplingParams(temperature=0.0), 0, 0, ())] * r, r))
+            for name, fn in heads.items():
+                calls[(r, name)] = lambda hidden=hidden, arrays=arrays, fn=fn: fn(hidden, weight, arrays)
+        for call in calls.values():
+            seconds_per_call(call)
+        times: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
+        for _ in range(repeats):
+            for key, call in calls.items():
+                times[key].append(seconds_per_call(call))
+        floor = v * embed * 4 / bandwidth
+        for r in rows:
+            best = {name: min(times[(r, name)]) for name in heads}
+            table.append([f"{r}x{v}x{embed}", *(f"{statistics.median(times[(r, n)]) * 1e3:.2f} / {best[n] * 1e3:.2f}" for n in heads),
+                          f"{best['row-major'] / best['vocab-major']:.2f}", f"{floor * 1e3:.2f}"])
+    return format_table(["R x V x embed", "row-major median / best ms", "vocab-major median / best ms",
+                         "speed-up (best)", "floor ms"], table)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=128, help="S: sampler rows (max_num_seqs)")
@@ -79,7 +116,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per case")
     parser.add_argument("--baseline", type=cli_path,
                         help="a Python file whose `sample(logits, arrays)` is timed alongside")
+    parser.add_argument("--head", type=int, metavar="EMBED", help="time the greedy LM head + sampler instead")
+    parser.add_argument("--head-rows", default="4,16,64", help="with --head: comma-separated row counts R")
     args = parser.parse_args(argv)
+    if args.head is not None:
+        bandwidth = memory_bandwidth(COPY_MBYTES, args.repeats).copy_bytes_per_s
+        print(f"device: {jax.devices()[0].device_kind}, memory bandwidth (jitted copy, best): {bandwidth / 1e9:.1f} GB/s")
+        print(head_table([int(x) for x in args.vocab.split(",")], args.head,
+                         [int(x) for x in args.head_rows.split(",")], args.repeats, bandwidth))
+        return
 
     baseline_module = load_baseline(args.baseline) if args.baseline else None
     baseline_variant = getattr(baseline_module, "sampler_variant", None)

@@ -27,7 +27,8 @@ def test_a_stage_without_a_mesh_is_the_default_device():
     host = (np.arange(3, dtype=np.int32), np.ones(2, np.int32))
     assert stage.upload(host) is host  # the jitted step copies host arrays up as it dispatches
     assert stage.jit_shardings() == {}
-    assert stage.lm_head() == LMHead(tied=True, dtype=np.dtype(np.float32))  # nothing to gather
+    # nothing to gather; on a CPU greedy-only samplers take vocab-major logits
+    assert stage.lm_head() == LMHead(dtype=np.dtype(np.float32), vocab_major_greedy=True)
 
 
 def test_a_tensor_parallel_stage_replicates_its_inputs_and_gathers_its_logits():

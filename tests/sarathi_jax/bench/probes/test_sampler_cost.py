@@ -76,3 +76,17 @@ def test_a_tiny_run_reports_every_case_and_its_variant(tmp_path, monkeypatch, ca
 def test_bad_arguments_exit():
     with pytest.raises(SystemExit):
         sampler_cost.main(["--rows", "many"])
+
+
+def test_a_tiny_head_run_reports_both_layouts_per_row_count(monkeypatch, capsys):
+    monkeypatch.setattr(sampler_cost, "memory_bandwidth",
+                        lambda mbytes, repeats: Bandwidth(read_bytes_per_s=3e9, copy_bytes_per_s=1e9,
+                                                          array_mbytes=mbytes))
+    sampler_cost.main(["--head", "16", "--head-rows", "4,8", "--vocab", "300", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    header, rows = lines[1], lines[3:]
+    assert "row-major" in header and "vocab-major" in header and header.rstrip().endswith("floor ms")
+    assert [row.split()[0] for row in rows] == ["4x300x16", "8x300x16"]
+    for row in rows:
+        assert row.split()[-1] == f"{300 * 16 * 4 / 1e9 * 1e3:.2f}"  # the head weight's bytes over the bandwidth
+        assert float(row.split()[-2]) > 0  # the speed-up column: row-major best over vocab-major best

@@ -1,0 +1,45 @@
+"""The greedy-only sampler on vocab-major logits `[vocab, R]`: what `sampling.sample` computes for the
+`GREEDY_ONLY` variant (no sampled row, no logprobs, no constraint), with every reduction over axis 0.
+
+Why a second layout: on a CPU the LM head is the largest matmul of a decode step, and XLA:CPU's YNNPACK packs a
+dot's right operand on every call. Logits `[R, vocab]` put the head's weight on the right, so each step
+repacks it (a copy of the whole head); `[vocab, R]` = weight `[vocab, embed]` x rows^T puts it on the left,
+where it is read in place. Greedy sampling only reduces over the vocabulary (banned ids, first index of the max,
+the chosen token's logprob), so it can work on that layout directly; transposing back to `[R, vocab]` would
+give the gain away (XLA then emits the dot in the other order). `sample_packed` takes this path where
+`LMHead.vocab_major_greedy` is set (on a CPU), for at most `MAX_ROWS` rows. Same tokens as `sample` on the transposed logits
+(first index on ties, all-banned rows -> 0, NaN rows -> the last id); logprobs equal to float32 rounding (the
+sums run along another axis).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sarathi_jax.sampling_inputs import SamplerVariant, SamplingArrays
+
+# The one variant this path serves.
+GREEDY_ONLY = SamplerVariant(sampled=False, filter="none", logprobs=False)
+
+# The most rows it serves: from 64 rows the dot is compute-bound enough that YNNPACK's packing no longer
+# dominates, and the [vocab, R] reductions were slower (`sampler_cost --head`: 0.65-0.8x at 64-128 rows,
+# 1.1-2.5x at 4-32, on a loaded 2-core machine; docs/results-cpu.md §11).
+MAX_ROWS = 32
+
+
+def greedy_vocab_major(logits_t: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """(token ids i32[R], their logprobs f32[R]) of vocab-major float32 logits `[vocab, R]`: the argmax of
+    each column with its banned ids (`arrays.banned_token_ids [R, MAX_BANNED]`, -1 padded) set to -inf, and
+    log_softmax(raw column)[token]."""
+    v = logits_t.shape[0]
+    cols = jax.lax.broadcasted_iota(jnp.int32, arrays.banned_token_ids.shape, 0)
+    banned_ids = jnp.where(arrays.banned_token_ids < 0, v, arrays.banned_token_ids)  # -1 pads -> dropped
+    masked = logits_t.at[banned_ids, cols].set(-jnp.inf, mode="drop")
+    column_max = jnp.max(masked, axis=0)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, masked.shape, 0)
+    # First index of the max; a NaN column matches nowhere and takes the last id, as `sample` does.
+    token_ids = jnp.minimum(jnp.min(jnp.where(masked == column_max[None, :], vocab_ids, v), axis=0), v - 1)
+    lse = jax.nn.logsumexp(logits_t, axis=0)
+    token_logprobs = jnp.take_along_axis(logits_t, token_ids[None, :], axis=0)[0] - lse
+    return token_ids.astype(jnp.int32), token_logprobs
