@@ -70,9 +70,11 @@ class Engine(Protocol):
     def iteration_log(self) -> list[IterationRecord]: ...
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, *, slo_ttft_s: float | None = None,
+                    slo_tbt_s: float | None = None) -> None:
         """Admit and queue a request: AdmissionError (a ValueError naming the field) when it is refused.
-        `priority`: lower is served first under scheduling_policy="priority"."""
+        `priority`: lower is served first under scheduling_policy="priority"; `slo_ttft_s`, `slo_tbt_s`: its SLO
+        targets (outputs.RequestMetrics says what they mean and reports whether they were met)."""
         ...
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:

@@ -223,7 +223,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
                         f" -> TBT SLO {args.slo_tbt_multiple:g}x = {fmt_seconds(slo_tbt)}")
         summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor,
                    **_slo_classes(mix, len(fitted), args.seed)}
-        priorities = None if mix is None else [c.priority for c in mix.assign(len(fitted), args.seed)]
+        classes = None if mix is None else mix.assign(len(fitted), args.seed)  # priority and SLO targets
         desc = engine_description(engine, kwargs, args.simulate)
         if args.capacity:
             def on_probe(p, label=cfg["label"]):
@@ -236,7 +236,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
                 engine, fitted, prompts, slo_tbt=slo_tbt, max_sched_delay=args.max_sched_delay,
                 start_qps=args.capacity_start_qps, max_probes=args.capacity_probes, rel_tol=args.capacity_tol,
                 label=cfg["label"], progress=progress, summarize_kwargs=summ_kw, on_probe=on_probe,
-                goodput_target=goodput_target, priorities=priorities,
+                goodput_target=goodput_target, request_classes=classes,
             )
             capacities[cfg["label"]] = cap
             _log(quiet, f"[{cfg['label']}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
@@ -247,7 +247,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         else:
             run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
                                temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress,
-                               priorities=priorities)
+                               request_classes=classes)
             run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
             _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
                         f"in {run.wall_time:.1f} s wall")
