@@ -68,6 +68,13 @@ class CostModel:
         """The token count a batch runs at: this model has no buckets, so no padding."""
         return num_tokens
 
+    def mixed_batch_time(self, decode_positions: Sequence_[int], prefill_start: int, prefill_tokens: int) -> float:
+        """Seconds for decodes at `decode_positions` and one prefill chunk (the token budgets' predictor,
+        `scheduler.budget.IterationPredictor`): the same terms as `iteration_time`."""
+        units = sum(p + 1 for p in decode_positions) + prefill_tokens * (prefill_start + prefill_tokens)
+        return (self.overhead_s + self.prefill_token_s * prefill_tokens
+                + self.decode_token_s * len(decode_positions) + self.attention_s * units)
+
     def iteration_time(self, output: SchedulerOutput) -> float:
         attention_units = sum(c.num_new_tokens * (c.start_position + c.num_new_tokens) for c in output.chunks)
         return (
@@ -161,6 +168,7 @@ class SimulatedEngine(CoreFrontEnd):
         self.scheduler = make_scheduler(scheduler_config, self.block_manager)
         self.max_model_len = scheduler_config.max_model_len
         self.config = None  # no EngineConfig: `bench.engines.make_simulated_engine` sizes one like it
+        self.budget_setup = None  # token_budget.BudgetSetup: set by `bench.engines.make_simulated_engine`
         self.model_config = None
         self.tokenizer = None
         self.admission = Admission(vocab_size=vocab_size, max_model_len=self.max_model_len,
