@@ -99,6 +99,8 @@ def engine_description(engine: Engine, kwargs: dict, simulate: bool) -> dict:
     if startup is not None:
         d["startup"] = startup
     d["num_total_blocks"] = engine.stats()["num_total_blocks"]
+    if engine.budget_setup is not None:
+        d["token_budget_setup"] = {**engine.budget_setup.as_dict(), "words": engine.budget_setup.describe()}
     return d
 
 
@@ -132,8 +134,9 @@ def _ready_line(engine: Engine, seconds: float) -> str:
     if startup is not None:  # LLMEngine: the start-up in parts
         from sarathi_jax.engine import format_startup
 
-        return format_startup(startup)
-    return f"engine ready in {seconds:.1f} s"
+        return format_startup(startup)  # its token budget words included
+    setup = engine.budget_setup
+    return f"engine ready in {seconds:.1f} s" + (f"; {setup.describe()}" if setup is not None else "")
 
 
 def _log(quiet: bool, msg: str) -> None:
