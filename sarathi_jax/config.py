@@ -88,9 +88,9 @@ class EngineConfig:
         max_num_batched_tokens or max_model_len) (sarathi_jax/sizing.py).
         None: 512, or max_num_seqs rounded up to a multiple of 16 when that is larger.
         "auto" (needs slo_tbt_s): the largest multiple of 16 up to max_token_budget whose reference iteration a
-        cost model calibrated on this device predicts within 0.9 x slo_tbt_s; "dynamic" (sarathi only, needs
+        cost model calibrated on this device predicts within slo_margin (0.9) x slo_tbt_s; "dynamic" (sarathi only, needs
         slo_tbt_s): max_token_budget is compiled, and each iteration's budget is the largest whose predicted
-        time stays within 0.9 x the tightest slo_tbt_s among the running requests (sarathi_jax/scheduler/budget.py,
+        time stays within slo_margin x the tightest slo_tbt_s among the running requests (sarathi_jax/scheduler/budget.py,
         sarathi_jax/token_budget.py). The engine's `config` holds the resolved integer (for "dynamic": the
         compiled maximum).
     max_num_seqs: most sequences in one iteration. None: min(128, the batch token limit: token_budget, or
@@ -135,6 +135,8 @@ class EngineConfig:
     priority_max_wait_s: the aging bound of the priority policy, in seconds; None: no aging.
     slo_tbt_s: the TBT target (seconds) of token_budget "auto" and "dynamic"; under "dynamic" also the target of
         requests that carry no slo_tbt_s of their own.
+    slo_margin: "auto" and "dynamic" keep the predicted iteration time within slo_margin x slo_tbt_s, in (0, 1]:
+        the room left for what the cost model misses (its fit's error, the host's time per iteration, noise).
     max_token_budget: "auto"'s largest candidate and "dynamic"'s compiled maximum (a multiple of 16);
         None: 2048.
     cost_profile: a saved cost model (`BucketCostModel` JSON, e.g. from `python -m sarathi_jax.bench.step_cost
@@ -173,6 +175,7 @@ class EngineConfig:
     scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES})
     priority_max_wait_s: float | None = 60.0
     slo_tbt_s: float | None = None
+    slo_margin: float = 0.9
     max_token_budget: int | None = None
     cost_profile: str | None = None
 
@@ -226,6 +229,9 @@ class EngineConfig:
         if slo is not None and (not isinstance(slo, (int, float)) or isinstance(slo, bool) or not math.isfinite(slo)
                                 or slo <= 0):
             raise ValueError(f"slo_tbt_s must be a finite number of seconds > 0, got {slo!r}")
+        margin = self.slo_margin
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 < margin <= 1:
+            raise ValueError(f"slo_margin must be in (0, 1], got {margin!r}")
         top = self.max_token_budget
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 16 or top % 16):
             raise ValueError(f"max_token_budget must be a positive multiple of 16, got {top!r}")

@@ -30,7 +30,6 @@ from sarathi_jax.config import EngineConfig
 from sarathi_jax.cost_model import BucketCostModel, Chunk
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler.budget import (
-    DEFAULT_MARGIN,
     REFERENCE_CONTEXT,
     REFERENCE_DECODES,
     BudgetChoice,
@@ -62,8 +61,9 @@ class BudgetSetup:
         if self.mode == "fixed":
             return f"token budget {self.budget}"
         if self.mode == "dynamic":
+            assert self.policy is not None
             return (f"token budget dynamic (at most {self.budget}; each iteration's predicted time <= "
-                    f"{DEFAULT_MARGIN:g} x the tightest running TBT target, default {_ms(self.target_s)}; "
+                    f"{self.policy.margin:g} x the tightest running TBT target, default {_ms(self.target_s)}; "
                     f"cost model {self.cost_model_source})")
         c = self.choice
         assert c is not None
@@ -99,10 +99,11 @@ def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: 
         predictor = predictor.with_buckets(range(TILE, top + 1, TILE) if mode == "auto" or not compiled_buckets
                                            else compiled_buckets)
     if mode == "auto":
-        choice = pick_auto_budget(predictor, config.slo_tbt_s, max_budget=top, max_num_seqs=config.max_num_seqs)
+        choice = pick_auto_budget(predictor, config.slo_tbt_s, max_budget=top, max_num_seqs=config.max_num_seqs,
+                                  margin=config.slo_margin)
         return (dataclasses.replace(config, token_budget=choice.budget),
                 BudgetSetup("auto", choice.budget, choice, config.slo_tbt_s, source))
-    policy = SloTokenBudget(predictor, max_budget=top, default_slo_tbt_s=config.slo_tbt_s)
+    policy = SloTokenBudget(predictor, max_budget=top, default_slo_tbt_s=config.slo_tbt_s, margin=config.slo_margin)
     return (dataclasses.replace(config, token_budget=top),
             BudgetSetup("dynamic", top, None, config.slo_tbt_s, source, policy))
 

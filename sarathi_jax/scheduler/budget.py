@@ -4,8 +4,8 @@ start-up) and `SloTokenBudget` (token_budget="dynamic": a budget per iteration).
 Both ask an `IterationPredictor` (a cost model calibrated on the device: `sarathi_jax.cost_model.BucketCostModel`,
 or the simulator's `CostModel`) how long a batch of running decodes plus one prefill chunk takes, and take the
 largest multiple of `TILE` tokens whose predicted time is at most `margin` x the target. The margin
-(`DEFAULT_MARGIN`, 0.9) leaves 10% for what the prediction misses: the fit's error and the host's own time per
-iteration. A budget never goes below the decodes it must hold, so running decodes always fit (stall-free): when
+(`EngineConfig.slo_margin`, default `DEFAULT_MARGIN` = 0.9) leaves room for what the prediction misses: the
+fit's error, the host's own time per iteration, noise. A budget never goes below the decodes it must hold, so running decodes always fit (stall-free): when
 even they alone are predicted over the target, the budget is just big enough for them.
 
 "auto" predicts a reference iteration of B tokens (`reference_batch`): min(REFERENCE_DECODES, max_num_seqs,

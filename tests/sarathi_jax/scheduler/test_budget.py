@@ -5,6 +5,7 @@ configurations are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -69,9 +70,12 @@ def test_auto_with_a_bucket_cost_model_predicts_each_candidate_as_its_own_top_bu
     resolved, setup = token_budget.resolve(config, model, "test")
     assert resolved.token_budget == setup.budget == 336 and setup.mode == "auto"
     assert "token budget auto 336" in setup.describe() and "<= 0.9 x TBT target 50 ms" in setup.describe()
+    looser = dataclasses.replace(config, slo_margin=1.0)  # 0.01 + 1e-4 x B <= 0.05  <=>  B <= 400
+    assert token_budget.resolve(looser, model, "test")[0].token_budget == 400
     dynamic, setup = token_budget.resolve(EngineConfig(token_budget="dynamic", slo_tbt_s=0.05, max_token_budget=1024,
                                                        max_num_seqs=8), model, "test", (16, 512, 1024))
     assert dynamic.token_budget == 1024 and setup.policy is not None and setup.policy.max_budget == 1024
+    assert setup.policy.margin == 0.9 and "<= 0.9 x the tightest running TBT target" in setup.describe()
 
 
 @given(st.lists(st.floats(0, 1), min_size=1, max_size=40), st.floats(0, 40))
@@ -93,6 +97,8 @@ def test_largest_budget_is_the_last_candidate_that_fits(steps, limit):
     ({"token_budget": "auto", "slo_tbt_s": -0.1}, "slo_tbt_s must be a finite number of seconds > 0"),
     ({"token_budget": "auto", "slo_tbt_s": 0}, "slo_tbt_s must be a finite number of seconds > 0"),
     ({"slo_tbt_s": float("nan")}, "slo_tbt_s must be a finite number"),
+    ({"token_budget": "auto", "slo_tbt_s": 0.1, "slo_margin": 0}, "slo_margin must be in (0, 1]"),
+    ({"token_budget": "dynamic", "slo_tbt_s": 0.1, "slo_margin": 1.5}, "slo_margin must be in (0, 1]"),
     ({"token_budget": "fastest"}, "token_budget must be a positive integer, 'auto' or 'dynamic'"),
     ({"token_budget": "dynamic", "slo_tbt_s": 0.1, "scheduler": "simple_chunking"}, "sarathi policy's"),
     ({"token_budget": "auto", "slo_tbt_s": 0.1, "scheduler": "vllm"}, "batches by a token budget"),
