@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_kernel_status, get_attention_fn
+from sarathi_jax import token_budget
 from sarathi_jax.admission import Admission, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
@@ -38,7 +39,6 @@ from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.scheduler import make_scheduler
-from sarathi_jax import token_budget
 from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, platform_buckets, size_engine
 from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -109,7 +109,8 @@ class LLMEngine(CoreFrontEnd):
                     if cost_model is None:  # calibrated after warm-up, on the runner compiled for the ceiling
                         config = top
                     else:
-                        config, self.budget_setup = token_budget.resolve(config, cost_model, cost_source, buckets)
+                        config, self.budget_setup = token_budget.resolve(  # "auto": the engine is sized for its pick
+                            config, cost_model, cost_source, buckets if requested_budget == "dynamic" else None)
                 else:
                     self.budget_setup = token_budget.BudgetSetup("fixed", requested_budget)
                 self.config = config
@@ -186,8 +187,9 @@ class LLMEngine(CoreFrontEnd):
 
     def _calibrate_budget(self, requested: EngineConfig, cost_path) -> None:
         """Time a few steps of every bucket (all built first), fit the cost model, cache it, and resolve the
-        requested "auto"/"dynamic" budget with it; "auto" then runs the scheduler at the budget picked (the
-        larger buckets stay compiled, unused)."""
+        requested "auto"/"dynamic" budget with it, padding to the buckets compiled; "auto" then runs the
+        scheduler at the budget picked (the larger buckets stay compiled, unused; a later start that finds the
+        cached model compiles for the pick alone, and may pick larger: its top bucket is the budget itself)."""
         self.runner.wait_for_executables()
         model = token_budget.calibrate(self.runner, self.block_manager, self.scheduler_config.max_num_seqs,
                                        self.max_model_len, source={"model": requested.model, "dtype": requested.dtype})

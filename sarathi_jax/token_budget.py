@@ -87,17 +87,17 @@ def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: 
             compiled_buckets: SequenceOf[int] | None = None) -> tuple[EngineConfig, BudgetSetup]:
     """`config` with token_budget an integer, and how it was set. "auto" and "dynamic" need `predictor`.
 
-    A `BucketCostModel` pads a batch to buckets: "auto" predicts each candidate B as the top bucket of an engine
-    compiled for B (every multiple of TILE a bucket, the fit interpolating between measured ones); "dynamic"
-    pads to `compiled_buckets`, those of the engine compiled for max_token_budget."""
+    A `BucketCostModel` pads a batch to buckets: to `compiled_buckets`, those of an engine already compiled
+    (after a start-up calibration) or of the one "dynamic" compiles for max_token_budget; None ("auto" before
+    the engine is sized): each candidate B is the top bucket of an engine compiled for B (every multiple of TILE
+    a bucket, the fit interpolating between measured ones)."""
     mode = config.token_budget
     if isinstance(mode, int):
         return config, BudgetSetup("fixed", mode)
     assert predictor is not None and config.slo_tbt_s is not None, "auto/dynamic need a cost model and slo_tbt_s"
     top = config.budget_ceiling
     if isinstance(predictor, BucketCostModel):
-        predictor = predictor.with_buckets(range(TILE, top + 1, TILE) if mode == "auto" or not compiled_buckets
-                                           else compiled_buckets)
+        predictor = predictor.with_buckets(compiled_buckets or range(TILE, top + 1, TILE))
     if mode == "auto":
         choice = pick_auto_budget(predictor, config.slo_tbt_s, max_budget=top, max_num_seqs=config.max_num_seqs,
                                   margin=config.slo_margin)

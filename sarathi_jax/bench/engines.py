@@ -46,7 +46,9 @@ def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None
     predictor = cost_model or CostModel()
     top_buckets = token_buckets(config.budget_ceiling)
     source = (predictor.source.get("path") or "--cost-model") if isinstance(predictor, BucketCostModel) else "the simulator's default"
-    config, setup = token_budget.resolve(config, predictor, source, top_buckets)
+    # "auto": the engine is sized for its pick; "dynamic": it pads to the ladder compiled for max_token_budget.
+    config, setup = token_budget.resolve(config, predictor, source,
+                                         top_buckets if config.token_budget == "dynamic" else None)
     sizing = size_engine(config, mc)
     if isinstance(cost_model, BucketCostModel):
         cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))
