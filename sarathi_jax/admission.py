@@ -14,7 +14,8 @@ The rules, each written once:
   with a tokenizer and an EOS id, compiled here (`GrammarCompiler`, built once from the tokenizer and cached
   by the constraint's text), so the engine thread never compiles: the request gets its `GrammarMatcher`;
 - a request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX], the range of a signed 32-bit integer
-  (`check_priority`);
+  (`check_priority`); its SLO targets `slo_ttft_s` and `slo_tbt_s`: None or a finite number of seconds > 0
+  (`check_slo`);
 - what keeps a hostile input from costing more than it may: text must be valid Unicode (encodable as
   UTF-8: JSON can carry lone surrogates, which the tokenizer cannot take), and a prompt too long to fit
   max_model_len is refused before it is tokenised or converted (token ids: more than max_model_len of them;
@@ -28,6 +29,7 @@ serve, the model name).
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 from collections.abc import Mapping, Sequence
@@ -57,6 +59,8 @@ class AdmittedRequest:
     banned_until_min_tokens: tuple[int, ...]
     priority: int = 0
     grammar: GrammarMatcher | None = field(default=None, compare=False)
+    slo_ttft_s: float | None = None  # the request's own SLO targets (outputs.RequestMetrics: what they mean)
+    slo_tbt_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -173,20 +177,27 @@ class Admission:
 
     # ----------------------------------------------------------------------------------- requests
 
-    def admit(self, prompt: Prompt, params: SamplingParams | None = None, priority: Any = 0) -> AdmittedRequest:
+    def admit(self, prompt: Prompt, params: SamplingParams | None = None, priority: Any = 0, *,
+              slo_ttft_s: Any = None, slo_tbt_s: Any = None) -> AdmittedRequest:
         """Validate a request with a plain prompt; raises AdmissionError naming the field."""
         priority = check_priority(priority)  # first: a refused request costs no tokenising
-        return self.check(self.prompt_ids(prompt), params, priority)
+        check_slo("slo_ttft_s", slo_ttft_s), check_slo("slo_tbt_s", slo_tbt_s)
+        return self.check(self.prompt_ids(prompt), params, priority, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s)
 
     def admit_chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
-                   priority: Any = 0, **template_kwargs: Any) -> AdmittedRequest:
+                   priority: Any = 0, *, slo_ttft_s: Any = None, slo_tbt_s: Any = None,
+                   **template_kwargs: Any) -> AdmittedRequest:
         priority = check_priority(priority)
-        return self.check(self.chat_prompt_ids(messages, **template_kwargs), params, priority)
+        check_slo("slo_ttft_s", slo_ttft_s), check_slo("slo_tbt_s", slo_tbt_s)
+        return self.check(self.chat_prompt_ids(messages, **template_kwargs), params, priority,
+                          slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s)
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams | None, priority: Any = 0) -> AdmittedRequest:
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams | None, priority: Any = 0, *,
+              slo_ttft_s: Any = None, slo_tbt_s: Any = None) -> AdmittedRequest:
         """The rules on a prompt (ids as `prompt_ids` or `chat_prompt_ids` return them: inside the vocabulary)
-        together with its sampling parameters and priority."""
+        together with its sampling parameters, priority and SLO targets."""
         priority = check_priority(priority)
+        slo_ttft_s, slo_tbt_s = check_slo("slo_ttft_s", slo_ttft_s), check_slo("slo_tbt_s", slo_tbt_s)
         params = params or SamplingParams()
         n, m = len(prompt_ids), params.max_tokens
         if m > self.room(prompt_ids):
@@ -213,7 +224,7 @@ class Admission:
                                  f"with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
         constraint = params.structured_outputs
         grammar = None if constraint is None else self.grammar_matcher(constraint)
-        return AdmittedRequest(tuple(prompt_ids), params, banned, priority, grammar)
+        return AdmittedRequest(tuple(prompt_ids), params, banned, priority, grammar, slo_ttft_s, slo_tbt_s)
 
     def grammar_matcher(self, constraint: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher of a constraint, compiled (or taken from the compiler's cache) now."""
@@ -260,4 +271,16 @@ def check_priority(priority: Any) -> int:
     return int(priority)
 
 
-__all__ = ["Admission", "AdmissionError", "AdmittedRequest", "KVCapacity", "check_priority", "Prompt"]
+def check_slo(param: str, seconds: Any) -> float | None:
+    """An SLO target as a float: None (no target) or a finite number of seconds > 0 (not a bool); else
+    AdmissionError(param)."""
+    if seconds is None:
+        return None
+    if not isinstance(seconds, numbers.Real) or isinstance(seconds, bool):
+        raise AdmissionError(param, f"must be a number of seconds, got {type(seconds).__name__}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise AdmissionError(param, f"must be a finite number of seconds > 0, got {seconds}")
+    return float(seconds)
+
+
+__all__ = ["Admission", "AdmissionError", "AdmittedRequest", "KVCapacity", "check_priority", "check_slo", "Prompt"]

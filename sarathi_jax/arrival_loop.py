@@ -28,6 +28,8 @@ class Arrival:
     prompt: Prompt
     params: SamplingParams
     priority: int = 0  # lower is served first under scheduling_policy="priority"
+    slo_ttft_s: float | None = None  # the request's own SLO targets (outputs.RequestMetrics)
+    slo_tbt_s: float | None = None
 
 
 @dataclass
@@ -86,7 +88,7 @@ def drive(
             a = arrivals[i]
             try:
                 engine.add_request(a.request_id, a.prompt, a.params, arrival_time=t0 + a.offset,
-                                   priority=a.priority)
+                                   priority=a.priority, slo_ttft_s=a.slo_ttft_s, slo_tbt_s=a.slo_tbt_s)
             except ValueError as e:
                 if raise_refused:
                     raise

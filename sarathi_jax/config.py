@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +20,13 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # the fixed KV budget on devices that do not r
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default; lowered to what JAX's allocator may hand out
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NUM_SEQS = 128  # the most; lowered to the batch token limit when that is smaller
+TOKEN_BUDGET_MODES = ("auto", "dynamic")  # token budgets from the TBT target slo_tbt_s (scheduler/budget.py)
+DEFAULT_MAX_TOKEN_BUDGET = 2048  # "auto"'s largest candidate and "dynamic"'s compiled maximum
+
+
+def token_budget_arg(text: str) -> int | str:
+    """A command line's token budget: an integer, "auto" or "dynamic"."""
+    return text if text in TOKEN_BUDGET_MODES else int(text)
 
 
 def resolve_attention_backend(name: str, platform: str, *, cpu_kernel_status: str | None) -> str:
@@ -79,6 +87,12 @@ class EngineConfig:
         others put whole prompts into a batch, so their largest bucket is max(token_budget,
         max_num_batched_tokens or max_model_len) (sarathi_jax/sizing.py).
         None: 512, or max_num_seqs rounded up to a multiple of 16 when that is larger.
+        "auto" (needs slo_tbt_s): the largest multiple of 16 up to max_token_budget whose reference iteration a
+        cost model calibrated on this device predicts within slo_margin (0.9) x slo_tbt_s; "dynamic" (sarathi only, needs
+        slo_tbt_s): max_token_budget is compiled, and each iteration's budget is the largest whose predicted
+        time stays within slo_margin x the tightest slo_tbt_s among the running requests (sarathi_jax/scheduler/budget.py,
+        sarathi_jax/token_budget.py). The engine's `config` holds the resolved integer (for "dynamic": the
+        compiled maximum).
     max_num_seqs: most sequences in one iteration. None: min(128, the batch token limit: token_budget, or
         an explicit max_num_batched_tokens under the whole-prompt policies). Explicit values that contradict
         each other are refused.
@@ -119,6 +133,15 @@ class EngineConfig:
         has waited priority_max_wait_s since its arrival is served as the most urgent priority (aging; see
         sarathi_jax/scheduler/ordering.py).
     priority_max_wait_s: the aging bound of the priority policy, in seconds; None: no aging.
+    slo_tbt_s: the TBT target (seconds) of token_budget "auto" and "dynamic"; under "dynamic" also the target of
+        requests that carry no slo_tbt_s of their own.
+    slo_margin: "auto" and "dynamic" keep the predicted iteration time within slo_margin x slo_tbt_s, in (0, 1]:
+        the room left for what the cost model misses (its fit's error, the host's time per iteration, noise).
+    max_token_budget: "auto"'s largest candidate and "dynamic"'s compiled maximum (a multiple of 16);
+        None: 2048.
+    cost_profile: a saved cost model (`BucketCostModel` JSON, e.g. from `python -m sarathi_jax.bench.step_cost
+        --mode calibrate --cost-model-out PATH`) for "auto" and "dynamic"; None: calibrated at start-up with a
+        few timed steps through the model runner, and cached beside the compilation cache.
     background_compile: the engine is ready once the largest bucket's step and the general sampler are built;
         the other buckets and sampler variants are then built on background threads while it serves (until
         one is built, a batch runs padded to a larger bucket, with the same tokens). False: everything is
@@ -128,7 +151,8 @@ class EngineConfig:
 
     model: str = "tiny-llama"
     dtype: str = field(default="auto", metadata={"choices": DTYPES})  # metadata: the command line's choices
-    token_budget: int | None = None  # resolved in __post_init__: an int afterwards
+    # resolved in __post_init__ (an int, or "auto"/"dynamic", which the engine resolves to an int)
+    token_budget: int | str | None = field(default=None, metadata={"cli": {"type": token_budget_arg}})
     max_num_seqs: int | None = None  # resolved in __post_init__: an int afterwards
     block_size: int = 16
     num_blocks: int | None = None
@@ -150,6 +174,10 @@ class EngineConfig:
     background_compile: bool = True
     scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES})
     priority_max_wait_s: float | None = 60.0
+    slo_tbt_s: float | None = None
+    slo_margin: float = 0.9
+    max_token_budget: int | None = None
+    cost_profile: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -158,15 +186,16 @@ class EngineConfig:
             object.__setattr__(self, "model", absolute_path(self.model))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self._check_budget_mode()
         self._resolve_batch_limits()
-        for name in ("token_budget", "max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("async_scheduling", "enable_prefix_caching", "background_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.token_budget % 16:
+        if isinstance(self.token_budget, int) and self.token_budget % 16:
             raise ValueError(f"token_budget must be a multiple of 16 (a matmul tile of rows), got {self.token_budget}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
@@ -189,6 +218,44 @@ class EngineConfig:
         check_scheduling_policy(self.scheduling_policy, self.priority_max_wait_s)
         self._check_batch_limits()
 
+    def _check_budget_mode(self) -> None:
+        """token_budget's kind, slo_tbt_s, max_token_budget and cost_profile; "auto" and "dynamic" need a TBT
+        target."""
+        budget = self.token_budget
+        if budget is not None and budget not in TOKEN_BUDGET_MODES and (
+                not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ValueError(f"token_budget must be a positive integer, 'auto' or 'dynamic', got {budget!r}")
+        slo = self.slo_tbt_s
+        if slo is not None and (not isinstance(slo, (int, float)) or isinstance(slo, bool) or not math.isfinite(slo)
+                                or slo <= 0):
+            raise ValueError(f"slo_tbt_s must be a finite number of seconds > 0, got {slo!r}")
+        margin = self.slo_margin
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 < margin <= 1:
+            raise ValueError(f"slo_margin must be in (0, 1], got {margin!r}")
+        top = self.max_token_budget
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 16 or top % 16):
+            raise ValueError(f"max_token_budget must be a positive multiple of 16, got {top!r}")
+        if self.token_budget in TOKEN_BUDGET_MODES:
+            if slo is None:
+                raise ValueError(f"token_budget={self.token_budget!r} needs slo_tbt_s, the TBT target (seconds) "
+                                 "it picks the budget for")
+            if self.scheduler not in TOKEN_BUDGET_POLICIES:
+                raise ValueError(f"token_budget={self.token_budget!r} needs a policy that batches by a token budget "
+                                 f"({', '.join(TOKEN_BUDGET_POLICIES)}), got {self.scheduler!r}")
+            if self.token_budget == "dynamic" and self.scheduler != "sarathi":
+                raise ValueError(f"token_budget='dynamic' is the sarathi policy's (decodes first), got "
+                                 f"{self.scheduler!r}")
+        if self.cost_profile is not None and not isinstance(self.cost_profile, (str, os.PathLike)):
+            raise ValueError(f"cost_profile must be a path, got {self.cost_profile!r}")
+
+    @property
+    def budget_ceiling(self) -> int:
+        """The largest token budget this configuration may run: token_budget, or under "auto"/"dynamic"
+        max_token_budget (its default when None)."""
+        if isinstance(self.token_budget, int):
+            return self.token_budget
+        return self.max_token_budget or DEFAULT_MAX_TOKEN_BUDGET
+
     def _resolve_batch_limits(self) -> None:
         """Fill token_budget and max_num_seqs when not given, so that a default never contradicts an explicit
         value (the frozen dataclass holds the resolved ints; `dataclasses.replace` then passes them on as
@@ -198,19 +265,19 @@ class EngineConfig:
             if isinstance(self.max_num_seqs, int) and self.max_num_seqs > budget:
                 budget = -(-self.max_num_seqs // 16) * 16  # every running sequence needs a decode slot
             object.__setattr__(self, "token_budget", budget)
-        if self.max_num_seqs is None and isinstance(self.token_budget, int):
+        if self.max_num_seqs is None and (isinstance(self.token_budget, int) or self.token_budget in TOKEN_BUDGET_MODES):
             object.__setattr__(self, "max_num_seqs", min(DEFAULT_MAX_NUM_SEQS, self._batch_token_limit()))
 
     def _batch_token_limit(self) -> int:
         """A lower bound on the scheduler's per-batch token limit, known before max_model_len is."""
         if self.scheduler in WHOLE_PROMPT_POLICIES and isinstance(self.max_num_batched_tokens, int):
             return self.max_num_batched_tokens
-        return self.token_budget
+        return self.budget_ceiling
 
     def _check_batch_limits(self) -> None:
         # The scheduler refuses the same (SchedulerConfig); saying so here fails before any weights load.
         if self.scheduler in TOKEN_BUDGET_POLICIES:
-            limit_name, limit = "token_budget", self.token_budget
+            limit_name, limit = "token_budget", self.budget_ceiling
         elif self.scheduler in WHOLE_PROMPT_POLICIES and isinstance(self.max_num_batched_tokens, int):
             limit_name, limit = "max_num_batched_tokens", self.max_num_batched_tokens
         else:

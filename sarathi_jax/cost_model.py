@@ -127,6 +127,14 @@ class BucketCostModel:
         bucket, dec, pre = self.features(chunks)
         return self.base(bucket) + self.decode_kv_s * dec + self.prefill_pair_s * pre
 
+    def mixed_batch_time(self, decode_positions: Sequence[int], prefill_start: int, prefill_tokens: int) -> float:
+        """Seconds for decodes at `decode_positions` and one prefill chunk (the token budgets' predictor,
+        `scheduler.budget.IterationPredictor`)."""
+        chunks = [Chunk(p, 1) for p in decode_positions]
+        if prefill_tokens > 0:
+            chunks.append(Chunk(prefill_start, prefill_tokens, prefill_start + prefill_tokens + 1))
+        return self.chunks_time(chunks)
+
     def iteration_time(self, output: Any) -> float:
         """Seconds for a `SchedulerOutput` (the simulator's cost-model interface)."""
         chunks = [Chunk(c.start_position, c.num_new_tokens, None if c.needs_sample else c.seq.num_tokens)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_kernel_status, get_attention_fn
+from sarathi_jax import token_budget
 from sarathi_jax.admission import Admission, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
@@ -38,7 +39,7 @@ from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.scheduler import make_scheduler
-from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, size_engine
+from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, platform_buckets, size_engine
 from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -64,6 +65,7 @@ class LLMEngine(CoreFrontEnd):
         attention_backend = resolve_attention_backend(requested_backend, platform, cpu_kernel_status=kernel_status)
         scan_layers = resolve_scan_layers(config.scan_layers, platform)
         requested_dtype = config.dtype
+        requested_budget = config.token_budget
         self.config = config = dataclasses.replace(
             config, attention_backend=attention_backend, compilation_cache_dir=cache_dir, scan_layers=scan_layers,
             dtype=resolve_dtype(requested_dtype, platform),
@@ -97,7 +99,22 @@ class LLMEngine(CoreFrontEnd):
                         config, kv_cache_bytes=None if kv_budget.gpu_memory_utilization else kv_budget.kv_cache_bytes,
                         gpu_memory_utilization=kv_budget.gpu_memory_utilization,
                     )
-                sizing = size_engine(config, mc, kv_budget.kv_cache_bytes if kv_budget else None)
+                kv_bytes = kv_budget.kv_cache_bytes if kv_budget else None
+                cost_path, cost_model, cost_source = None, None, None
+                if isinstance(requested_budget, str):  # "auto" / "dynamic": resolve before sizing when a cost
+                    top = dataclasses.replace(config, token_budget=config.budget_ceiling)  # model is at hand
+                    buckets = platform_buckets(size_engine(top, mc, kv_bytes).max_step_tokens, platform)
+                    cost_path = token_budget.cache_path(cache_dir, config, jax.devices()[0].device_kind, buckets)
+                    cost_model, cost_source = token_budget.saved_cost_model(config, cost_path)
+                    if cost_model is None:  # calibrated after warm-up, on the runner compiled for the ceiling
+                        config = top
+                    else:
+                        config, self.budget_setup = token_budget.resolve(  # "auto": the engine is sized for its pick
+                            config, cost_model, cost_source, buckets if requested_budget == "dynamic" else None)
+                else:
+                    self.budget_setup = token_budget.BudgetSetup("fixed", requested_budget)
+                self.config = config
+                sizing = size_engine(config, mc, kv_bytes)
                 num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
                 self.scheduler_config = sizing.scheduler_config
                 self.block_manager = BlockManager(
@@ -112,6 +129,10 @@ class LLMEngine(CoreFrontEnd):
             with timer.phase("warmup"):
                 if warmup:
                     self.runner.warmup(background=config.background_compile)
+                if isinstance(requested_budget, str) and cost_model is None:
+                    self._calibrate_budget(dataclasses.replace(config, token_budget=requested_budget), cost_path)
+                    config = self.config
+        token_budget.install(self.budget_setup, self.scheduler)
         self.core = EngineCore(
             self.scheduler,
             self.runner,
@@ -144,6 +165,8 @@ class LLMEngine(CoreFrontEnd):
             "device": jax.devices()[0].device_kind,
             "num_devices": num_devices,
             "attention_backend": attention_backend,
+            "token_budget": self.budget_setup.as_dict(),
+            "token_budget_words": self.budget_setup.describe(),
             "attention_backend_setting": requested_backend,
             "dtype": config.dtype,
             "dtype_setting": requested_dtype,
@@ -161,6 +184,20 @@ class LLMEngine(CoreFrontEnd):
             "executables_loaded": loaded,
             "background_executables": self.runner.background.num_builds if self.runner.background else 0,
         }
+
+    def _calibrate_budget(self, requested: EngineConfig, cost_path) -> None:
+        """Time a few steps of every bucket (all built first), fit the cost model, cache it, and resolve the
+        requested "auto"/"dynamic" budget with it, padding to the buckets compiled; "auto" then runs the
+        scheduler at the budget picked (the larger buckets stay compiled, unused; a later start that finds the
+        cached model compiles for the pick alone, and may pick larger: its top bucket is the budget itself)."""
+        self.runner.wait_for_executables()
+        model = token_budget.calibrate(self.runner, self.block_manager, self.scheduler_config.max_num_seqs,
+                                       self.max_model_len, source={"model": requested.model, "dtype": requested.dtype})
+        source = token_budget.save_cost_model(model, cost_path)
+        self.config, self.budget_setup = token_budget.resolve(requested, model, source, self.runner.buckets)
+        if self.budget_setup.budget != self.scheduler_config.token_budget:
+            self.scheduler_config = dataclasses.replace(self.scheduler_config, token_budget=self.budget_setup.budget)
+            self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
 
     def _kv_budget(self, config: EngineConfig, platform: str):
         """`sizing.kv_cache_budget` with this process's devices: their memory statistics (None on CPU) and
@@ -252,7 +289,8 @@ def format_startup(stats: dict) -> str:
             f"compile {s['compile_s']:.1f} s, {warm}; {cache}) on {s['platform']} "
             f"[{s['device']} x{s['num_devices']}], {backend} attention, "
             f"{'scanned' if s.get('scan_layers', True) else 'unrolled'} layers, "
-            f"{s['dtype']}{' (auto)' if s['dtype_setting'] == 'auto' else ''}, {_kv_words(s)}")
+            f"{s['dtype']}{' (auto)' if s['dtype_setting'] == 'auto' else ''}, {_kv_words(s)}"
+            + (f"; {s['token_budget_words']}" if s.get("token_budget_words") else ""))
 
 
 def _kv_words(s: dict) -> str:

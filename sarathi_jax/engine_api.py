@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from sarathi_jax.outputs import IterationRecord, RequestOutput
     from sarathi_jax.sampling_params import RequestSampling, SamplingParams
     from sarathi_jax.sequence import ScheduledChunk, Sequence
+    from sarathi_jax.token_budget import BudgetSetup
 
 
 class Clock(Protocol):
@@ -69,10 +70,18 @@ class Engine(Protocol):
     @property
     def iteration_log(self) -> list[IterationRecord]: ...
 
+    @property
+    def budget_setup(self) -> BudgetSetup | None:
+        """How the token budget was set (fixed, or "auto"/"dynamic" from a cost model); None: a simulator
+        built from a SchedulerConfig by hand."""
+        ...
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, *, slo_ttft_s: float | None = None,
+                    slo_tbt_s: float | None = None) -> None:
         """Admit and queue a request: AdmissionError (a ValueError naming the field) when it is refused.
-        `priority`: lower is served first under scheduling_policy="priority"."""
+        `priority`: lower is served first under scheduling_policy="priority"; `slo_ttft_s`, `slo_tbt_s`: its SLO
+        targets (outputs.RequestMetrics says what they mean and reports whether they were met)."""
         ...
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:

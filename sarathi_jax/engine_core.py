@@ -134,7 +134,7 @@ class EngineCore:
         """Queue an admitted request under a new id (nothing is re-checked: the scheduler asserts the lengths)."""
         ids, params = list(request.prompt_token_ids), request.params
         arrival = self.executor.now() if arrival_time is None else arrival_time
-        seq = Sequence(request_id, ids, params, arrival, request.priority)
+        seq = Sequence(request_id, ids, params, arrival, request.priority, request.slo_ttft_s, request.slo_tbt_s)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
         text = self.tokenizer is not None
         self.add(RequestState(seq, seed, request.banned_until_min_tokens,
@@ -320,11 +320,14 @@ class CoreFrontEnd:
     admission: Admission
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Validate and queue a request (`priority`: lower is served first under scheduling_policy="priority").
-        Raises AdmissionError (a ValueError) naming the bad field; the engine is unchanged then."""
+                    arrival_time: float | None = None, priority: int = 0, *, slo_ttft_s: float | None = None,
+                    slo_tbt_s: float | None = None) -> None:
+        """Validate and queue a request (`priority`: lower is served first under scheduling_policy="priority";
+        `slo_ttft_s`, `slo_tbt_s`: its SLO targets, see outputs.RequestMetrics). Raises AdmissionError (a
+        ValueError) naming the bad field; the engine is unchanged then."""
         self.check_new_id(request_id)
-        self.add_admitted(request_id, self.admission.admit(prompt, params, priority), arrival_time)
+        admitted = self.admission.admit(prompt, params, priority, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s)
+        self.add_admitted(request_id, admitted, arrival_time)
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queue a request that `self.admission` admitted, under a new id. Nothing is re-checked (the scheduler

@@ -58,9 +58,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        *,
+        slo_ttft_s: float | Sequence[float | None] | None = None,
+        slo_tbt_s: float | Sequence[float | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; returns one output per prompt, in order. `priority`: one per prompt
-        (lower is served first under scheduling_policy="priority"); None: all 0.
+        (lower is served first under scheduling_policy="priority"); None: all 0. `slo_ttft_s`, `slo_tbt_s`:
+        SLO targets in seconds, one for all prompts or one per prompt (None: none); each output's `metrics`
+        says whether its request met them (`slo_met`).
 
         Each returned output covers the whole request: `new_token_ids`, `text_delta` and `new_logprobs`
         hold everything generated. Bad input raises ValueError before anything runs.
@@ -75,13 +80,14 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts")
+        ttfts, tbts = _per_prompt("slo_ttft_s", slo_ttft_s, len(prompts)), _per_prompt("slo_tbt_s", slo_tbt_s, len(prompts))
 
         request_ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priority):
+            for prompt, p, prio, ttft, tbt in zip(prompts, params, priority, ttfts, tbts):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, p, priority=prio)
+                self.engine.add_request(request_id, prompt, p, priority=prio, slo_ttft_s=ttft, slo_tbt_s=tbt)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
@@ -105,3 +111,13 @@ class LLM:
                         new_logprobs=tuple(logprobs[out.request_id]),
                     )
         return [finals[rid] for rid in request_ids]
+
+
+def _per_prompt(name: str, value: object, num_prompts: int) -> list:
+    """One value per prompt: a sequence of them as is (its length checked), anything else for every prompt
+    (admission judges the values)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_prompts:
+            raise ValueError(f"{name}: got {len(value)} values for {num_prompts} prompts")
+        return list(value)
+    return [value] * num_prompts

@@ -61,7 +61,11 @@ class RequestLatencies:
 
 @dataclass
 class RequestMetrics(RequestLatencies):
-    """Wall-clock timestamps (time.monotonic seconds, or the simulator's virtual clock) of one request."""
+    """Wall-clock timestamps (time.monotonic seconds, or the simulator's virtual clock) of one request, and the
+    request's own SLO targets (None: none) with whether it met them so far.
+
+    slo_ttft_s: TTFT <= slo_ttft_s. slo_tbt_s: a deadline on every token after the first, counted from the token
+    before it (every TBT <= slo_tbt_s, the bench's goodput rule; not a P99 of the request's TBTs)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -69,6 +73,35 @@ class RequestMetrics(RequestLatencies):
     token_times: list[float] = field(default_factory=list)  # one per generated token, first included
     finished_time: float | None = None
     num_preemptions: int = 0
+    slo_ttft_s: float | None = None
+    slo_tbt_s: float | None = None
+
+    @property
+    def slo_ttft_met(self) -> bool | None:
+        """TTFT within slo_ttft_s; None without a target, or before the first token unless the target passed."""
+        if self.slo_ttft_s is None:
+            return None
+        if self.first_token_time is None:
+            return False if self.finished_time is not None else None
+        return self.first_token_time - self.arrival_time <= self.slo_ttft_s
+
+    @property
+    def slo_tbt_met(self) -> bool | None:
+        """Every TBT so far within slo_tbt_s; None without a target."""
+        if self.slo_tbt_s is None:
+            return None
+        times, limit = self.token_times, self.slo_tbt_s
+        return all(b - a <= limit for a, b in zip(times, times[1:]))
+
+    @property
+    def slo_met(self) -> bool | None:
+        """Every target it has met: True or False; None when it has none, or it is undecided yet (no first
+        token). A finished request without a first token misses a TTFT target."""
+        if self.slo_ttft_s is None and self.slo_tbt_s is None:
+            return None
+        met = [m for m, target in ((self.slo_ttft_met, self.slo_ttft_s), (self.slo_tbt_met, self.slo_tbt_s))
+               if target is not None]
+        return False if False in met else (None if None in met else True)
 
 
 @dataclass(slots=True)

@@ -41,6 +41,8 @@ class Sequence:
     def __init__(
         self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float,
         priority: int = 0,
+        slo_ttft_s: float | None = None,
+        slo_tbt_s: float | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.priority = priority  # lower is served first under scheduling_policy="priority" (scheduler/ordering.py)
@@ -59,7 +61,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # The request's SLO targets live with its timestamps (outputs report whether they were met); the
+        # dynamic token budget reads slo_tbt_s of running requests (scheduler/budget.py).
+        self.metrics = RequestMetrics(arrival_time=arrival_time, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s)
         # Prompt + output (+ placeholders) in one list so `token_ids` costs nothing (the runner slices it).
         self._token_ids = list(self.prompt_token_ids)
         self._num_pending = 0

@@ -68,6 +68,13 @@ class CostModel:
         """The token count a batch runs at: this model has no buckets, so no padding."""
         return num_tokens
 
+    def mixed_batch_time(self, decode_positions: Sequence_[int], prefill_start: int, prefill_tokens: int) -> float:
+        """Seconds for decodes at `decode_positions` and one prefill chunk (the token budgets' predictor,
+        `scheduler.budget.IterationPredictor`): the same terms as `iteration_time`."""
+        units = sum(p + 1 for p in decode_positions) + prefill_tokens * (prefill_start + prefill_tokens)
+        return (self.overhead_s + self.prefill_token_s * prefill_tokens
+                + self.decode_token_s * len(decode_positions) + self.attention_s * units)
+
     def iteration_time(self, output: SchedulerOutput) -> float:
         attention_units = sum(c.num_new_tokens * (c.start_position + c.num_new_tokens) for c in output.chunks)
         return (
@@ -161,6 +168,7 @@ class SimulatedEngine(CoreFrontEnd):
         self.scheduler = make_scheduler(scheduler_config, self.block_manager)
         self.max_model_len = scheduler_config.max_model_len
         self.config = None  # no EngineConfig: `bench.engines.make_simulated_engine` sizes one like it
+        self.budget_setup = None  # token_budget.BudgetSetup: set by `bench.engines.make_simulated_engine`
         self.model_config = None
         self.tokenizer = None
         self.admission = Admission(vocab_size=vocab_size, max_model_len=self.max_model_len,
@@ -183,12 +191,16 @@ class SimulatedEngine(CoreFrontEnd):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        *,
+        slo_ttft_s: float | None = None,
+        slo_tbt_s: float | None = None,
     ) -> None:
         """`prompt` is token ids or just a length (`dummy_prompt`; a length < 1 is an empty prompt).
         Raises AdmissionError (a ValueError) naming the bad field, as `LLMEngine.add_request` does."""
         if isinstance(prompt, int):
             prompt = self.dummy_prompt(prompt)
-        super().add_request(request_id, prompt, params, arrival_time, priority)
+        super().add_request(request_id, prompt, params, arrival_time, priority, slo_ttft_s=slo_ttft_s,
+                            slo_tbt_s=slo_tbt_s)
 
     def stats(self) -> dict:
         return {**self.core.stats(), "clock": self.clock.now()}
@@ -215,6 +227,8 @@ class SimRequest:
     num_prompt_tokens: int
     max_tokens: int
     priority: int = 0  # lower is served first under scheduling_policy="priority"
+    slo_ttft_s: float | None = None  # the request's own SLO targets (outputs.RequestMetrics)
+    slo_tbt_s: float | None = None
 
 
 @dataclass
@@ -256,7 +270,8 @@ def simulate(
     refuses (one that could never fit) raises its AdmissionError."""
     engine = SimulatedEngine(scheduler_config, num_blocks, block_size, cost_model)
     arrivals = [Arrival(r.request_id, r.arrival_time, engine.dummy_prompt(r.num_prompt_tokens),
-                        SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), r.priority)
+                        SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), r.priority, r.slo_ttft_s,
+                        r.slo_tbt_s)
                 for r in sorted(requests, key=lambda r: r.arrival_time)]
     final = drive(engine, arrivals, raise_refused=True, max_steps=max_steps).finished
     makespan = max((o.metrics.finished_time or 0.0 for o in final.values()), default=0.0)

@@ -76,10 +76,12 @@ def admission_from_proto(request: pb.GenerateRequest) -> Callable[[Admission], A
             raise AdmissionError("prompt", "must be set (text, token_ids or messages)")  # the oneof: protocol shape
         params = sampling_params_from_proto(request)
         priority = request.priority  # 0 when unset: the default
+        slo = {name: getattr(request, name) if request.HasField(name) else None for name in ("slo_ttft_s", "slo_tbt_s")}
         if which == "messages":
             return admission.admit_chat([{"role": m.role, "content": m.content} for m in request.messages.messages],
-                                        params, priority)
-        return admission.admit(request.text if which == "text" else list(request.token_ids.ids), params, priority)
+                                        params, priority, **slo)
+        return admission.admit(request.text if which == "text" else list(request.token_ids.ids), params, priority,
+                               **slo)
 
     return build
 

@@ -143,7 +143,7 @@ class _Api:
         def build(admission: Admission) -> AdmittedRequest:
             self._check_body(body)
             params = body.sampling_params(body.logprobs, body.max_tokens)
-            return admission.admit(body.single_prompt(), params, body.priority)
+            return admission.admit(body.single_prompt(), params, body.priority, **body.slo_targets())
 
         return await self._serve(body, build, request)
 
@@ -154,7 +154,8 @@ class _Api:
             max_tokens = body.requested_max_tokens()
             if max_tokens is None:  # OpenAI's default for chat: as much as the context leaves
                 max_tokens = admission.room(ids)
-            return admission.check(ids, body.sampling_params(body.requested_logprobs(), max_tokens), body.priority)
+            return admission.check(ids, body.sampling_params(body.requested_logprobs(), max_tokens), body.priority,
+                                   **body.slo_targets())
 
         return await self._serve(body, build, request)
 

@@ -7,6 +7,8 @@ is a valid float. Fields this engine cannot honour (`n > 1`, `best_of > 1`,
 vLLM's extra sampling fields are accepted as vLLM accepts them: `top_k`, `min_p`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`, `return_token_ids` (each choice then carries its new `token_ids`), and
 `priority` (an integer; lower is served first when the server schedules by priority).
+This engine's own extras: `slo_ttft_s` and `slo_tbt_s` (a request's SLO targets in seconds, > 0; admission
+checks them; the dynamic token budget honours slo_tbt_s).
 Structured outputs (`SamplingParams.structured_outputs`), on both endpoints: OpenAI's `response_format`
 (`{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`, or
 `"text"`: none), and vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and
@@ -49,6 +51,8 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     return_token_ids: bool = False
     priority: int = 0  # vLLM's: lower is served first under --scheduling-policy priority (range: admission's)
+    slo_ttft_s: float | None = None  # this engine's: the request's SLO targets (range: admission's)
+    slo_tbt_s: float | None = None
     # structured outputs: OpenAI's, then vLLM's
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -72,6 +76,10 @@ class _SamplingFields(_Body):
                                   ignore_eos=self.ignore_eos, structured_outputs=self.constraint()[1], **kwargs)
         except AdmissionError as e:
             raise self.named(e) from None
+
+    def slo_targets(self) -> dict[str, float | None]:
+        """The request's SLO targets, as admission's keywords."""
+        return {"slo_ttft_s": self.slo_ttft_s, "slo_tbt_s": self.slo_tbt_s}
 
     def named(self, error: AdmissionError) -> AdmissionError:
         """`error`, or if it is about the structured-outputs constraint, the same naming the body field that

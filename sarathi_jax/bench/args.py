@@ -13,7 +13,7 @@ from sarathi_jax.bench.slo_mix import GoodputTarget, SloMix, parse_goodput_targe
 from sarathi_jax.bench.structured import (DEFAULT_CONSTRAINT, NAMED_CONSTRAINTS, parse_constraint, parse_shares,
                                           share_label)
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
-from sarathi_jax.config import ACCELERATOR_PLATFORMS, EngineConfig
+from sarathi_jax.config import ACCELERATOR_PLATFORMS, DEFAULT_TOKEN_BUDGET, EngineConfig, token_budget_arg
 from sarathi_jax.config_flags import ConfigFlags, DefaultsHelpFormatter
 from sarathi_jax.paths import cli_path
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scheduler", default=DEFAULT_SCHEDULERS,
                    help=f"comma-separated policies from {', '.join(SCHEDULER_POLICIES)}")
     g.add_argument("--token-budget", default=DEFAULT_TOKEN_BUDGETS,
-                   help="comma-separated token budgets; policies that never split prompts "
-                        f"({', '.join(WHOLE_PROMPT_POLICIES)}) run once, with the largest")
+                   help="comma-separated token budgets: integers, 'auto' or 'dynamic' (both need --slo-tbt-s, the "
+                        "TBT target they are picked for; see EngineConfig.token_budget); policies that never split "
+                        f"prompts ({', '.join(WHOLE_PROMPT_POLICIES)}) run once, with the largest integer")
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                    help="EngineConfig.max_num_seqs (0: the engine's default, min(128, the token budget))")
     g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
@@ -241,7 +242,8 @@ def default_model(platform: str) -> str:
 
 def run_configs(args: argparse.Namespace) -> list[dict]:
     schedulers = _csv_list(args.scheduler, str, "--scheduler")
-    budgets = _csv_list(args.token_budget, int, "--token-budget")
+    budgets = _csv_list(args.token_budget, token_budget_arg, "--token-budget")
+    fixed = [b for b in budgets if isinstance(b, int)]
     for s_ in schedulers:
         if s_ not in SCHEDULER_POLICIES:
             raise BenchError(f"--scheduler: unknown policy {s_!r}; choose from {', '.join(SCHEDULER_POLICIES)}")
@@ -251,7 +253,8 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
     shares = structured_shares_of(args)
     configs = []
     for s_ in dict.fromkeys(schedulers):
-        runs = [(f"{s_}-{b}", b) for b in dict.fromkeys(budgets)] if s_ in TOKEN_BUDGET_POLICIES else [(s_, max(budgets))]
+        runs = ([(f"{s_}-{b}", b) for b in dict.fromkeys(budgets)] if s_ in TOKEN_BUDGET_POLICIES
+                else [(s_, max(fixed, default=DEFAULT_TOKEN_BUDGET))])
         for label, b in runs:
             for c in dict.fromkeys(caching):
                 config = {"label": label + ("+prefix" if c == "on" else ""), "scheduler": s_, "token_budget": b,

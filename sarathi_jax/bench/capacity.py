@@ -19,7 +19,7 @@ import numpy as np
 from sarathi_jax.arrival_loop import RunState
 from sarathi_jax.bench.driver import RunResult, run_workload
 from sarathi_jax.bench.metrics import summarize
-from sarathi_jax.bench.slo_mix import GoodputTarget
+from sarathi_jax.bench.slo_mix import GoodputTarget, SloClass
 from sarathi_jax.bench.workload import Workload
 from sarathi_jax.engine_api import Engine
 
@@ -202,7 +202,7 @@ def find_capacity(
     summarize_kwargs: dict | None = None,
     on_probe: Callable[[Probe], None] | None = None,
     goodput_target: GoodputTarget | None = None,
-    priorities: list[int] | None = None,
+    request_classes: Sequence[SloClass] | None = None,
     constraints: Sequence[StructuredOutputs | None] | None = None,
 ) -> CapacityResult:
     """Search the capacity of `engine` on `base`'s requests, its arrival pattern rescaled to each probed rate.
@@ -210,7 +210,8 @@ def find_capacity(
     `base` must have arrival times (not offline). The engine is reused across probes (request ids get a
     per-probe prefix). `start_qps` defaults to the base workload's own rate. `goodput_target`: a probe passes on
     goodput (summarize_kwargs must carry the requests' `request_slos`) instead of P99 TBT and scheduling delay.
-    `priorities`: each request's priority; `constraints`: its structured-outputs constraint (None: none).
+    `request_classes`: each request's SLO class (its priority and SLO targets are sent with it); `constraints`:
+    its structured-outputs constraint (None: none).
     """
     if (slo_tbt is None) == (goodput_target is None):
         raise ValueError("search on a TBT SLO (slo_tbt) or on goodput (goodput_target): one of them")
@@ -224,7 +225,7 @@ def find_capacity(
         stop = _early_stop(wl, slo_tbt, max_sched_delay) if early_stop and slo_tbt is not None else None
         res: RunResult = run_workload(
             engine, wl, prompts, label=f"{label} @ {qps:.3g} req/s", id_prefix=f"{label}-p{counter[0]}-",
-            progress=progress, early_stop=stop, priorities=priorities, constraints=constraints,
+            progress=progress, early_stop=stop, request_classes=request_classes, constraints=constraints,
         )
         res.summary = summarize(res.records, res.iterations, num_preemptions=res.num_preemptions,
                                 **(summarize_kwargs or {}))

@@ -18,6 +18,7 @@ import numpy as np
 
 from sarathi_jax.arrival_loop import Arrival, RunState, drive
 from sarathi_jax.bench.metrics import RequestRecord
+from sarathi_jax.bench.slo_mix import NO_CLASS, SloClass
 from sarathi_jax.bench.workload import Workload
 from sarathi_jax.engine_api import Engine
 from sarathi_jax.outputs import IterationRecord
@@ -118,7 +119,7 @@ def run_workload(
     early_stop: Callable[[RunState], bool] | None = None,
     early_stop_every: int = 8,
     max_idle_steps: int = 10000,
-    priorities: Sequence[int] | None = None,
+    request_classes: Sequence[SloClass] | None = None,
     constraints: Sequence[StructuredOutputs | None] | None = None,
 ) -> RunResult:
     """Run `workload` (with these prompt token ids) on `engine` until every request has finished.
@@ -126,14 +127,14 @@ def run_workload(
     `early_stop(state)` is checked every `early_stop_every` steps; when it returns True the requests still
     in the engine are aborted, those not yet added are recorded as never run, and the run ends.
     Request ids are `f"{id_prefix}{index}"`: use a fresh prefix when reusing an engine. `stop_at_eos`: requests
-    end at EOS (real text prompts) instead of running to their trace output length. `priorities`: request i's
-    priority (None: all 0; the SLO classes of --slo-mix). `constraints`: request i's structured-outputs
-    constraint (None: none; --structured-share).
+    end at EOS (real text prompts) instead of running to their trace output length. `request_classes`: request i's
+    SLO class (--slo-mix), whose priority and SLO targets it is sent with (None: priority 0, no targets).
+    `constraints`: request i's structured-outputs constraint (None: none; --structured-share).
     """
     ids = [f"{id_prefix}{i}" for i in range(len(workload))]
-    priorities = [0] * len(ids) if priorities is None else priorities
-    arrivals = [Arrival(rid, arrival, prompt, params, int(prio)) for rid, (arrival, prompt, params), prio
-                in zip(ids, workload_requests(workload, prompts, temperature, stop_at_eos, constraints), priorities)]
+    classes = [NO_CLASS] * len(ids) if request_classes is None else request_classes
+    arrivals = [Arrival(rid, arrival, prompt, params, c.priority, c.ttft, c.tbt) for rid, (arrival, prompt, params), c
+                in zip(ids, workload_requests(workload, prompts, temperature, stop_at_eos, constraints), classes)]
     log_start = len(engine.iteration_log)
     engine.reset_pipeline_stats()  # count bubbles of this run only, not warm-up or earlier runs
     engine.reset_prefix_cache()  # every run (and capacity probe) starts cold: no hits on earlier runs' prompts

@@ -62,7 +62,9 @@ def plot_capacity(capacities: dict, path: str) -> str:
     ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
     ax.set_ylabel("capacity (req/s)")
     any_c = next(iter(capacities.values()), None)
-    if any_c is not None:
+    if any_c is not None and any_c.slo_tbt is None:  # searched on goodput (--capacity-goodput)
+        ax.set_title("capacity on goodput (requests within their own SLOs)", fontsize=10)
+    elif any_c is not None:
         ax.set_title(f"capacity at P99 TBT <= {any_c.slo_tbt * 1e3:.1f} ms\n"
                      f"and median scheduling delay <= {any_c.max_sched_delay:g} s", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)

@@ -285,6 +285,10 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
             print(f"[{run.label}] pipeline: bubble fraction {p['bubble_fraction']:.2f} over {p['num_stages']} stages, "
                   f"max micro-batches in flight {p['max_in_flight']}")
     for run in runs:
+        setup = (run.config or {}).get("token_budget_setup")
+        if setup and setup["mode"] != "fixed":  # "auto"/"dynamic": the choice, its prediction, the measured P99 TBT
+            print(f"[{run.label}] {setup['words']}; measured P99 TBT {fmt_seconds(run.summary['tbt']['p99'])}")
+    for run in runs:
         if args.prompts_file and run.first_completion is not None:
             print(f"[{run.label}] first completion: {run.first_completion!r}")
     print(f"stalls: TBTs above {args.stall_factor:g}x the run's median TBT"

@@ -100,6 +100,8 @@ def engine_description(engine: Engine, kwargs: dict, simulate: bool) -> dict:
     if startup is not None:
         d["startup"] = startup
     d["num_total_blocks"] = engine.stats()["num_total_blocks"]
+    if engine.budget_setup is not None:
+        d["token_budget_setup"] = {**engine.budget_setup.as_dict(), "words": engine.budget_setup.describe()}
     return d
 
 
@@ -133,8 +135,9 @@ def _ready_line(engine: Engine, seconds: float) -> str:
     if startup is not None:  # LLMEngine: the start-up in parts
         from sarathi_jax.engine import format_startup
 
-        return format_startup(startup)
-    return f"engine ready in {seconds:.1f} s"
+        return format_startup(startup)  # its token budget words included
+    setup = engine.budget_setup
+    return f"engine ready in {seconds:.1f} s" + (f"; {setup.describe()}" if setup is not None else "")
 
 
 def _log(quiet: bool, msg: str) -> None:
@@ -232,7 +235,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
                         f" -> TBT SLO {args.slo_tbt_multiple:g}x = {fmt_seconds(slo_tbt)}")
         summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor,
                    **_slo_classes(mix, len(fitted), args.seed)}
-        priorities = None if mix is None else [c.priority for c in mix.assign(len(fitted), args.seed)]
+        classes = None if mix is None else mix.assign(len(fitted), args.seed)  # priority and SLO targets
         share = cfg.get("structured_share")
         constrained = None if share is None else constrained_rows(len(fitted), share, args.seed)
         constraints = None if constrained is None else request_constraints(constrained, constraint_of(args))
@@ -248,7 +251,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
                 engine, fitted, prompts, slo_tbt=slo_tbt, max_sched_delay=args.max_sched_delay,
                 start_qps=args.capacity_start_qps, max_probes=args.capacity_probes, rel_tol=args.capacity_tol,
                 label=cfg["label"], progress=progress, summarize_kwargs=summ_kw, on_probe=on_probe,
-                goodput_target=goodput_target, priorities=priorities, constraints=constraints,
+                goodput_target=goodput_target, request_classes=classes, constraints=constraints,
             )
             capacities[cfg["label"]] = cap
             _log(quiet, f"[{cfg['label']}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
@@ -259,7 +262,7 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         else:
             run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
                                temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress,
-                               priorities=priorities, constraints=constraints)
+                               request_classes=classes, constraints=constraints)
             run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
             _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
                         f"in {run.wall_time:.1f} s wall")

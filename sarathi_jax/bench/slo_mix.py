@@ -7,6 +7,8 @@ to the first token), `tbt` (seconds between consecutive tokens: a deadline on ev
 before it, as the bench's goodput has always meant; not a P99), at least one of them, and optionally `priority`
 (an integer: the request priority sent with the class's requests, lower served first when the engine runs with
 --scheduling-policy priority; default 0). A request is good when it completes within both of its targets.
+The runs send each request with its class's priority and targets (`slo_ttft_s`, `slo_tbt_s`), so the engine
+sees them (token_budget "dynamic" keeps iterations within the tightest running slo_tbt_s).
 Plain Python.
 """
 
@@ -33,6 +35,9 @@ class SloClass:
     ttft: float | None = None
     tbt: float | None = None
     priority: int = 0
+
+
+NO_CLASS = SloClass("none", 1.0)  # a request sent without a class: priority 0, no SLO targets
 
 
 @dataclass(frozen=True)

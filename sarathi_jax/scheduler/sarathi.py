@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sarathi_jax.scheduler.base import Batch, Scheduler
+from sarathi_jax.scheduler.budget import BudgetPolicy
 
 
 class SarathiScheduler(Scheduler):
@@ -19,10 +20,15 @@ class SarathiScheduler(Scheduler):
     admission = "chunk"
     uses_token_budget = True
     chunks_prompts = True
+    # token_budget="dynamic": asked each iteration for its token limit, at most token_budget (the compiled
+    # maximum) and at least the ready decodes (scheduler/budget.py); None: token_budget every iteration.
+    budget_policy: BudgetPolicy | None = None
 
     def _schedule(self) -> Batch:
-        batch = self._new_batch()
         decodes, prefills = self._ready_running()  # one snapshot for both passes: neither admits anything
+        policy = self.budget_policy
+        batch = self._new_batch(None if policy is None else
+                                min(policy.token_limit(self._running, decodes, prefills), self.batch_token_limit))
         self._schedule_decodes(batch, decodes)
         self._schedule_running_prefills(batch, prefills, chunked=True)
         self._admit(batch, chunked=True)

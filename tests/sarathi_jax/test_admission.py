@@ -83,3 +83,21 @@ def test_bad_priority_is_refused_naming_the_field(admission, bad):
 def test_priority_in_the_int32_range_is_admitted(admission, good):
     assert admission.admit([3, 4], None, good).priority == good
     assert admission.admit("hello world").priority == 0
+
+
+@pytest.mark.parametrize("param", ["slo_ttft_s", "slo_tbt_s"])
+@pytest.mark.parametrize("bad", [0, -0.5, float("nan"), float("inf"), True, "1", [1.0]])
+def test_bad_slo_target_is_refused_naming_the_field(admission, param, bad):
+    for call, first in ((admission.admit, [3, 4]), (admission.admit_chat, [{"role": "user", "content": "hello"}])):
+        with pytest.raises(AdmissionError) as info:
+            call(first, None, 0, **{param: bad})
+        assert info.value.param == param and str(info.value).startswith(f"{param}: ")
+    with pytest.raises(AdmissionError, match=f"^{param}: "):
+        admission.check([3, 4], None, **{param: bad})
+
+
+def test_slo_targets_are_admitted_as_floats(admission):
+    req = admission.admit([3, 4], None, slo_ttft_s=2, slo_tbt_s=0.05)
+    assert (req.slo_ttft_s, req.slo_tbt_s) == (2.0, 0.05) and isinstance(req.slo_ttft_s, float)
+    req = admission.admit("hello world")
+    assert (req.slo_ttft_s, req.slo_tbt_s) == (None, None)

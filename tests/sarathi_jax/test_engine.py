@@ -233,3 +233,50 @@ def test_bad_request_gets_value_error_and_others_complete(llama_dir, prompts, pr
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def _profile(tmp_path) -> str:
+    """A saved cost model with a known answer: 10 ms + 0.1 ms per token of the bucket."""
+    from sarathi_jax.cost_model import BucketCostModel
+
+    path = tmp_path / "profile.json"
+    path.write_text(__import__("json").dumps(BucketCostModel({16: 0.0116, 256: 0.0356}, 0.0, 0.0).to_dict()))
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["auto", "dynamic"])
+def test_greedy_matches_hf_under_slo_token_budgets(llama_dir, prompts, hf_greedy, tmp_path, mode):
+    """token_budget "auto" (0.01 + 1e-4 x B <= 0.9 x 20 ms: B = 80, the top bucket of its engine) and "dynamic"
+    (compiled for 256, whose buckets put B = 80 in the 96 bucket: 64-token batches while requests decode) from
+    a saved profile: HF's tokens either way."""
+    engine = make_engine(llama_dir, token_budget=mode, slo_tbt_s=0.02, max_token_budget=256,
+                         cost_profile=_profile(tmp_path))
+    assert engine.config.token_budget == (80 if mode == "auto" else 256)
+    assert engine.startup_stats()["token_budget"]["mode"] == mode
+    assert f"token budget {mode}" in format_startup(engine.startup_stats())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    finished = run_staggered(engine, prompts, params)
+    for i, expected in enumerate(hf_greedy):
+        assert finished[f"r{i}"] == expected, f"prompt {i} (length {PROMPT_LENGTHS[i]}) diverged"
+    sizes = [(r.num_prefill_tokens + r.num_decode_tokens, r.num_decode_tokens) for r in engine.iteration_log]
+    limit = 80 if mode == "auto" else 64
+    assert max(total for total, decodes in sizes if decodes) == limit  # the target holds while requests decode
+    assert any(decodes and total > decodes for total, decodes in sizes)  # chunks ran beside decodes
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_auto_budget_calibrates_at_start_up_and_caches_the_cost_model(llama_dir, prompts, hf_greedy, tmp_path):
+    """No profile: timed steps through the runner, a fitted model cached beside the compilation cache, which
+    a second engine loads instead of calibrating."""
+    kw = dict(token_budget="auto", slo_tbt_s=10.0, max_token_budget=64, compilation_cache_dir=str(tmp_path))
+    engine = make_engine(llama_dir, **kw)
+    setup = engine.startup_stats()["token_budget"]
+    assert setup["cost_model_source"].startswith("calibrated at start-up, cached ")
+    assert engine.config.token_budget == 64 and setup["meets"]  # 10 s: everything fits
+    cached = list((tmp_path / "sarathi-cost-models").glob("*.json"))
+    assert len(cached) == 1
+    again = make_engine(llama_dir, **kw)
+    assert again.startup_stats()["token_budget"]["cost_model_source"] == f"cached {cached[0]}"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    finished = run_staggered(again, prompts[:4], params)
+    assert [finished[f"r{i}"] for i in range(4)] == hf_greedy[:4]

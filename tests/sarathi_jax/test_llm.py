@@ -150,3 +150,19 @@ def test_generate_takes_one_priority_per_prompt(llm):
         llm.generate([[5, 6, 7], [8, 9]], params, priority=[0, 0.5])
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks
+
+
+def test_generate_takes_slo_targets_and_reports_whether_met(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    plain = llm.generate([[5, 6, 7], [8, 9]], params)
+    outs = llm.generate([[5, 6, 7], [8, 9]], params, slo_ttft_s=[3600.0, 1e-9], slo_tbt_s=3600.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [(o.metrics.slo_ttft_s, o.metrics.slo_tbt_s) for o in outs] == [(3600.0, 3600.0), (1e-9, 3600.0)]
+    assert [o.metrics.slo_met for o in outs] == [True, False]  # no engine answers in a nanosecond
+    assert plain[0].metrics.slo_met is None
+    with pytest.raises(ValueError, match="slo_tbt_s: got 1 values for 2 prompts"):
+        llm.generate([[5, 6, 7], [8, 9]], params, slo_tbt_s=[0.1])
+    with pytest.raises(ValueError, match="^slo_ttft_s: must be a finite number of seconds > 0"):
+        llm.generate([[5, 6, 7], [8, 9]], params, slo_ttft_s=[1.0, -1.0])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks

@@ -160,3 +160,29 @@ def test_simulator_ages_waiting_requests_on_its_virtual_clock():
     strict, aged = run(None), run(1.0)
     assert strict.first_scheduled_time > 5.0  # behind all 60 (3 iterations of 0.1 s each)
     assert 1.0 <= aged.first_scheduled_time <= 1.0 + 0.3 + 1e-9
+
+
+def test_request_slo_targets_are_reported_met_or_missed():
+    """Targets set at add_request reach the output's metrics; a prefill joining a decode's iteration makes its
+    TBT miss a target a decode-only iteration meets."""
+    eng = SimulatedEngine(_cfg(), num_blocks=64, block_size=16,
+                          cost_model=CostModel(overhead_s=1.0, prefill_token_s=0.1, decode_token_s=0.0, attention_s=0.0))
+    eng.add_request("a", 10, SamplingParams(max_tokens=6, ignore_eos=True), slo_ttft_s=5.0, slo_tbt_s=1.05)
+    eng.add_request("plain", 4, SamplingParams(max_tokens=2, ignore_eos=True))
+    final, added = {}, False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == "a" and len(out.token_ids) >= 3 and not added:
+                eng.add_request("c", 30, SamplingParams(max_tokens=2, ignore_eos=True), slo_ttft_s=100.0)
+                added = True
+            if out.finished:
+                final[out.request_id] = out.metrics
+    a = final["a"]
+    assert (a.slo_ttft_s, a.slo_tbt_s) == (5.0, 1.05)
+    assert a.ttft <= 5.0 and a.slo_ttft_met is True
+    assert max(a.tbts) > 1.05 and a.slo_tbt_met is False and a.slo_met is False  # c's prefill: 1 + 3 s
+    assert final["c"].slo_met is True and final["c"].slo_tbt_met is None
+    assert final["plain"].slo_met is None
+    with pytest.raises(AdmissionError, match="slo_tbt_s: must be a finite number of seconds > 0"):
+        eng.add_request("bad", 4, slo_tbt_s=-1.0)
+    assert "bad" not in eng.core and not eng.has_unfinished_requests()

@@ -167,6 +167,9 @@ INVALID_CASES = [
     ("temperature-nan", [1, 2], {"temperature": float("nan")}, "temperature"),
     ("top_p-big", [1, 2], {"top_p": 1.5}, "top_p"),
     ("request_id-empty", [1, 2], {"request_id": ""}, "request_id"),
+    ("slo_ttft_s-zero", [1, 2], {"slo_ttft_s": 0.0}, "slo_ttft_s"),
+    ("slo_tbt_s-negative", [1, 2], {"slo_tbt_s": -0.5}, "slo_tbt_s"),
+    ("slo_tbt_s-nan", [1, 2], {"slo_tbt_s": float("nan")}, "slo_tbt_s"),
 ]
 
 

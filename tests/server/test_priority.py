@@ -78,3 +78,32 @@ def test_http_priority_is_served_first(server, path):
 
     order = _run_behind_low_priority(server, send)
     assert order[0] == "urgent" and len(order) == NUM_LOW + 1, order
+
+
+def _queued_targets(server, send) -> tuple:
+    """Pause the engine, `send()` one request from a thread, read the queued sequence's SLO targets, resume."""
+    server.pause_engine()
+    try:
+        thread = threading.Thread(target=send)
+        thread.start()
+        wait_until(lambda: server.engine.stats()["num_waiting"] == 1, what="the request queued")
+        [seq] = server.engine.scheduler.waiting
+        targets = (seq.metrics.slo_ttft_s, seq.metrics.slo_tbt_s)
+    finally:
+        server.resume_engine()
+    thread.join(120)
+    return targets
+
+
+def test_slo_targets_reach_the_engine_over_grpc_and_http(server):
+    channel, stub = stub_for(server.target)
+    try:
+        request = make_request([3, 4, 5], **greedy(max_tokens=2), slo_ttft_s=2.5, slo_tbt_s=0.25)
+        assert _queued_targets(server, lambda: stub.Complete(request, timeout=120)) == (2.5, 0.25)
+        plain = make_request([3, 4, 5], **greedy(max_tokens=2))
+        assert _queued_targets(server, lambda: stub.Complete(plain, timeout=120)) == (None, None)
+    finally:
+        channel.close()
+    base = f"http://127.0.0.1:{server.http_port}"
+    body = {"prompt": [3, 4, 5], "max_tokens": 2, "temperature": 0.0, "slo_tbt_s": 0.5}
+    assert _queued_targets(server, lambda: httpx2.post(base + "/v1/completions", json=body, timeout=120)) == (None, 0.5)

@@ -146,3 +146,28 @@ def test_capacity_search_on_goodput(tmp_path):
     assert all(p["passed"] == (p["good_fraction"] >= 0.9) for p in probes)
     assert any(p["passed"] for p in probes) and not all(p["passed"] for p in probes)
     assert cap["capacity_qps"] == max(p["qps"] for p in probes if p["passed"])
+
+
+
+def test_runs_send_each_request_with_its_class_targets():
+    """run_workload adds request i with its class's priority and SLO targets, so the engine sees them."""
+    from sarathi_jax.bench.driver import run_workload
+    from sarathi_jax.bench.workload import synthetic_workload
+    from sarathi_jax.scheduler import SchedulerConfig
+    from sarathi_jax.simulator import SimulatedEngine
+
+    class Spy(SimulatedEngine):
+        seen: dict = {}
+
+        def add_request(self, request_id, prompt, params=None, arrival_time=None, priority=0, **slo):
+            self.seen[request_id] = (priority, slo)
+            super().add_request(request_id, prompt, params, arrival_time, priority, **slo)
+
+    mix = parse_slo_mix(SPEC)
+    wl = synthetic_workload(12, qps=50.0, prompt_len="32", output_len="4", seed=3)
+    classes = mix.assign(len(wl), 3)
+    engine = Spy(SchedulerConfig(token_budget=64, max_num_seqs=8, max_model_len=256), num_blocks=128)
+    run_workload(engine, wl, wl.prompts(1000, 3), id_prefix="r", request_classes=classes)
+    assert {c.name for c in classes} == {"interactive", "batch"}
+    assert [engine.seen[f"r{i}"] for i in range(len(wl))] == [
+        (c.priority, {"slo_ttft_s": c.ttft, "slo_tbt_s": c.tbt}) for c in classes]
