@@ -122,7 +122,7 @@ class InputBatch:
             token_ids = seq.token_ids
             if num == 1:
                 tokens.append(token_ids[start])
-            elif drafts:
+            else:
                 tokens += token_ids[start : start + num - len(drafts)]
                 tokens += drafts
             if num_pending and start + num > len(token_ids) - num_pending:
