@@ -177,7 +177,8 @@ class Scheduler:
             for queue in (self._waiting, self._running):
                 self._order.sort(queue)
         batch = self._schedule()
-        drafts = self.speculation.extend(self, batch) if self.speculation is not None else {}  # after the policy
+        drafts = (self.speculation.extend(batch, self.block_manager, self.config.max_num_seqs, bool(self._preempted))
+                  if self.speculation is not None else {})  # after the policy, in the room it left
         chunks = tuple([ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill, drafts.get(seq.seq_id, ()))
                         for seq, n, prefill in batch.items])
         self._in_flight |= batch.seq_ids
@@ -233,8 +234,6 @@ class Scheduler:
     def waiting(self) -> tuple[Sequence, ...]:
         """Queued sequences in admission order."""
         return tuple(self._waiting)
-
-    preempted_this_step = property(lambda self: bool(self._preempted), doc="memory pressure: no draft tokens")
 
     def is_in_flight(self, seq: Sequence) -> bool:
         return seq.seq_id in self._in_flight

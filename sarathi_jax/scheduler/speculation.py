@@ -12,16 +12,24 @@ never be emitted) and by the step's sampling rows (each draft needs one: chunks 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.ngram_proposer import propose_ngram
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.speculative import SpeculativeConfig, speculates
 
-if TYPE_CHECKING:
-    from sarathi_jax.scheduler.base import Batch, Scheduler
-
 Proposer = Callable[[Seq, int], Sequence[int]]  # (sequence, most tokens) -> draft tokens
+
+
+class DraftableBatch(Protocol):
+    """What `extend` reads and grows of a batch being built (`scheduler.base.Batch`)."""
+
+    items: list[list]  # [seq, num_new_tokens, is_prefill]
+    num_tokens: int
+
+    @property
+    def room(self) -> int: ...
 
 
 def ngram_proposer(config: SpeculativeConfig) -> Proposer:
@@ -39,13 +47,14 @@ class Speculation:
     def of(cls, config: SpeculativeConfig) -> Speculation:
         return cls(config.num_speculative_tokens, ngram_proposer(config))
 
-    def extend(self, scheduler: Scheduler, batch: Batch) -> dict[str, tuple[int, ...]]:
-        """Add draft tokens to `batch`'s decodes (their items grow by k); returns each one's drafts by id."""
+    def extend(self, batch: DraftableBatch, bm: BlockManager, max_num_seqs: int, preempted: bool
+               ) -> dict[str, tuple[int, ...]]:
+        """Add draft tokens to `batch`'s decodes (their items grow by k), taking blocks from `bm` above its
+        watermark; returns each one's drafts by sequence id. None when this schedule `preempted` anything."""
         drafts: dict[str, tuple[int, ...]] = {}
-        if scheduler.preempted_this_step:
+        if preempted:
             return drafts
-        bm, bs = scheduler.block_manager, scheduler.block_manager.block_size
-        rows_left = scheduler.config.max_num_seqs - len(batch.items)
+        bs, rows_left = bm.block_size, max_num_seqs - len(batch.items)
         for item in batch.items:
             seq, n, is_prefill = item
             room = min(self.num_speculative_tokens, batch.room, rows_left,
