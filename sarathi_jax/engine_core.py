@@ -254,8 +254,7 @@ class EngineCore:
             if seq.status is SequenceStatus.FINISHED:
                 break
         self.speculation_stats.add(seq.metrics, chunk.num_draft_tokens, len(rows) - 1, j + 1)
-        if seq.status is not SequenceStatus.FINISHED:  # register blocks the accepted drafts completed, trim
-            self.scheduler.block_manager.cache_full_blocks(seq)
+        if seq.status is not SequenceStatus.FINISHED:  # (blocks the accepted drafts filled register next step)
             self.scheduler.block_manager.trim(seq, seq.num_tokens)
 
     def _token_bitmask(self, chunks: SequenceOf[ScheduledChunk]) -> np.ndarray | None:

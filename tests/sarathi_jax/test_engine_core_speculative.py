@@ -122,17 +122,19 @@ def test_every_draft_accepted_when_the_model_continues_the_prompt(async_scheduli
 def test_rejected_drafts_give_the_model_tokens_and_their_blocks_back():
     # The model's cycle runs the other way round from its prompt's: every draft is rejected.
     succ = {t: CYCLE[(i - 1) % len(CYCLE)] for i, t in enumerate(CYCLE)}
-    core, admission, _ = make_core(succ, block_size=2)
+    core, admission, _ = make_core(succ, block_size=2, async_scheduling=False)  # retired when step() returns
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     core.add_request("a", admission.admit(PROMPT, params))
-    bm, seen = core.scheduler.block_manager, []
+    bm, seen, checked = core.scheduler.block_manager, [], 0
     while core.has_unfinished_requests():
         for out in core.step():
             seen.append(out)
-        seq = core.scheduler.running[0] if core.scheduler.running else None
-        if seq is not None and not core.num_in_flight:
+        if core.scheduler.running:
             # Between steps, a sequence holds blocks for its known tokens, none for rejected drafts.
-            assert len(seq.block_table) == bm.blocks_for_tokens(seq.num_tokens)
+            seq = core.scheduler.running[0]
+            assert bm.blocks_for_tokens(seq.num_computed_tokens) <= len(seq.block_table) <= bm.blocks_for_tokens(seq.num_tokens)
+            checked += 1
+    assert checked >= 3
     assert list(seen[-1].token_ids) == expected(PROMPT, 8, succ)
     stats = core.stats()
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
