@@ -266,3 +266,44 @@ def test_chunk_with_drafts_is_validated():
         ScheduledChunk(seq, 2, 1, True, (4, 5))  # drafts must follow the sequence's last token
     with pytest.raises(ValueError):
         ScheduledChunk(seq, 3, 2, False, (4, 5))  # only a decode carries drafts
+
+
+# ----------------------------------------------------------------------------------------------- verification rows
+
+
+def test_verify_rows_in_the_packed_step():
+    from sarathi_jax.input_batch import InputBatch
+    from sarathi_jax.step_inputs import BatchLayout, sampling_views
+
+    s, block, buckets = 8, 4, (8, 16)
+    bm = BlockManager(16, block_size=block)
+    under_min = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=(4,), min_tokens=3)
+    a = Sequence("a", [11, 12, 13, 14, 15], under_min, 0.0)
+    b = Sequence("b", [21, 22], GREEDY, 0.0)
+    for seq, out in ((a, 16), (b, 23)):
+        bm.allocate(seq, seq.num_tokens + 4)
+        seq.num_computed_tokens = seq.num_tokens
+        seq.append_token(out)
+    chunks = [ScheduledChunk(a, 4, 5, True, (31, 32, 33)), ScheduledChunk(b, 1, 2, True)]
+    banned = {"a": (4,), "b": ()}
+    batch = InputBatch(s, 8, block, buckets)
+    packed, _ = batch.prepare(chunks, 8, lambda seq: (seq.sampling_params, 7, banned[seq.seq_id]))
+    v = BatchLayout(8, s, 8).host_views(packed.batch)
+    assert v["token_ids"][:5].tolist() == [16, 31, 32, 33, 23]
+    assert v["positions"][:5].tolist() == [5, 6, 7, 8, 2]
+    # Chunk rows read their last token; a's verification rows 2..4 read its tokens 0..2.
+    assert v["logits_indices"][:5].tolist() == [3, 4, 0, 1, 2]
+    sv = sampling_views(packed.sampling, s)
+    # a has 1 output: its verification rows sample outputs 2, 3, 4 (steps 1, 2, 3), its own row output 5.
+    assert sv.steps[:5].tolist() == [4, 1, 1, 2, 3]
+    # min_tokens 3 bans stop id 4 at steps 1 and 2 only.
+    assert sv.banned_token_ids[:5, 0].tolist() == [-1, -1, 4, 4, -1]
+    assert (sv.keys[2:5] == sv.keys[0]).all() and (sv.temperature[2:5] == sv.temperature[0]).all()
+    assert (sv.temperature[5:] == -1).all()  # padding rows
+    # The persistent rows are untouched: the next step without drafts has no verification rows.
+    a.append_token(17)
+    a.num_computed_tokens = 6
+    packed, _ = batch.prepare([ScheduledChunk(a, 1, 6, True), ScheduledChunk(b, 1, 2, True)], 8,
+                              lambda seq: (seq.sampling_params, 7, banned[seq.seq_id]))
+    sv = sampling_views(packed.sampling, s)
+    assert (sv.temperature[2:] == -1).all() and sv.steps[0] == 2
