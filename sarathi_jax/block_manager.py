@@ -148,6 +148,19 @@ class BlockManager:
         seq.block_table = []  # a new list, never the old one cleared: the runner knows a live table by identity
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s blocks past those holding its first `num_tokens` tokens (speculative decoding: the
+        rejected drafts' K/V). Those blocks are never registered: registration needs computed, known tokens.
+        The table is replaced, not shortened in place: the runner knows a live table by identity and appends."""
+        keep = max(self.blocks_for_tokens(num_tokens), seq.num_registered_blocks)
+        if keep >= len(seq.block_table):
+            return
+        for block in reversed(seq.block_table[keep:]):
+            assert self._hash_of[block] is None and self._ref[block] == 1, block
+            self._ref[block] = 0
+            self._free.appendleft(block)  # K/V nobody needs: reused first
+        seq.block_table = seq.block_table[:keep]
+
     # ------------------------------------------------------------------------------------------ prefix cache
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:

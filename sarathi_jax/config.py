@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sarathi_jax.models.presets import PRESETS
@@ -11,6 +13,7 @@ from sarathi_jax.paths import absolute_path
 from sarathi_jax.scheduler.config import check_scheduling_policy
 from sarathi_jax.scheduler.ordering import SCHEDULING_POLICIES
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
+from sarathi_jax.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "cpu")
@@ -147,6 +150,10 @@ class EngineConfig:
         one is built, a batch runs padded to a larger bucket, with the same tokens). False: everything is
         built before the engine is ready. Either way serving never compiles; see
         `ModelRunner.warmup` and `LLMEngine.wait_until_compiled`.
+    speculative_config: speculative decoding, vLLM's dict (JSON on a command line): {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup in the
+        request's own tokens). Greedy, unconstrained requests only; the loop is synchronous while one runs.
+        Not with pipeline parallelism or tile_size. See docs/design.md, "Speculative decoding".
     """
 
     model: str = "tiny-llama"
@@ -178,6 +185,8 @@ class EngineConfig:
     slo_margin: float = 0.9
     max_token_budget: int | None = None
     cost_profile: str | None = None
+    speculative_config: SpeculativeConfig | Mapping[str, object] | None = field(
+        default=None, metadata={"cli": {"type": json.loads, "metavar": "JSON"}})  # parsed in __post_init__
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -216,6 +225,10 @@ class EngineConfig:
             raise ValueError(f"compilation_cache_dir must be a path, 'auto', 'off' or None, "
                              f"got {self.compilation_cache_dir!r}")
         check_scheduling_policy(self.scheduling_policy, self.priority_max_wait_s)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and (self.pipeline_parallel_size > 1 or self.tile_size):
+            raise ValueError("speculative_config is not supported yet with pipeline_parallel_size > 1 (not "
+                             "verified there) or with tile_size (draft tokens would unalign the batch)")
         self._check_batch_limits()
 
     def _check_budget_mode(self) -> None:

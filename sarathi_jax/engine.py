@@ -39,6 +39,7 @@ from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import load_model
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.scheduler import make_scheduler
+from sarathi_jax.scheduler.speculation import Speculation
 from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, platform_buckets, size_engine
 from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -122,6 +123,8 @@ class LLMEngine(CoreFrontEnd):
                     enable_prefix_caching=config.enable_prefix_caching,
                 )
                 self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
+                if config.speculative_config is not None:
+                    self.scheduler.speculation = Speculation.of(config.speculative_config)
                 self.runner = ModelRunner(
                     mc, params, config, sizing, attention_fn=get_attention_fn(attention_backend),
                     plan=self.parallel_plan, executable_cache=ExecutableCache.in_compilation_cache(cache_dir),

@@ -24,7 +24,9 @@ How many batches stay in flight after a step (`LoopConfig`):
 Structured outputs: a constrained row's token bitmask (`_token_bitmask`, on the host) needs its last token,
 so while a constrained request is unfinished the overlapped loop retires every batch before it schedules the
 next (the device waits for the host's postprocess and scheduling; depth > 1 is unchanged: it never schedules
-a sequence in flight). In every mode a request's tokens depend only on its own tokens and seed.
+a sequence in flight). Speculative decoding: proposals need the last token on the host, and a verified chunk
+emits 1 to k + 1 tokens known only at retirement, so while a request that may speculate is unfinished the
+loop is synchronous too. In every mode a request's tokens depend only on its own tokens and seed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from sarathi_jax.engine_api import Executor, SampledBatch, StepHandle
 from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
 from sarathi_jax.sampling_params import AdmissionError, RequestSampling, SamplingParams
 from sarathi_jax.scheduler import Scheduler
+from sarathi_jax.speculative import SpeculationStats, emitted_rows, speculates, verify_rows
 from sarathi_jax.structured_outputs import GrammarMatcher, step_bitmask
 from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
@@ -114,16 +117,15 @@ class EngineCore:
         seed: int = 0,
     ) -> None:
         self.scheduler = scheduler
-        self.executor = executor
-        self.loop = loop
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.tokenizer = tokenizer
+        self.executor, self.loop, self.eos_token_ids, self.tokenizer = executor, loop, tuple(eos_token_ids), tokenizer
         self._seed_rng = np.random.default_rng(seed)
         self.iteration_log: list[IterationRecord] = []
         self._requests: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step()
         self._in_flight: deque[_InFlight] = deque()
         self._num_constrained = 0  # unfinished requests with a grammar
+        self._num_synchronous = 0  # unfinished requests that need their tokens on the host to schedule (above)
+        self.speculation_stats = SpeculationStats() if scheduler.speculation is not None else None
 
     # ----------------------------------------------------------------------------------- requests in
 
@@ -146,6 +148,7 @@ class EngineCore:
         assert state.seq.seq_id not in self._requests, state.seq.seq_id
         self._requests[state.seq.seq_id] = state
         self._num_constrained += state.grammar is not None
+        self._num_synchronous += self._is_synchronous(state)
         self.scheduler.add_sequence(state.seq)
 
     def abort(self, request_id: str) -> bool:
@@ -154,7 +157,7 @@ class EngineCore:
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
-        self._num_constrained -= state.grammar is not None
+        self._forget(state)
         self.scheduler.abort_sequence(request_id)
         seq = state.seq
         seq.discard_pending_tokens()
@@ -177,8 +180,8 @@ class EngineCore:
         """Schedule and dispatch one batch, then retire what the loop mode says (see the module docstring).
         When nothing new could be scheduled, the oldest batch in flight is retired, so every call progresses."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        while self._num_constrained and self._in_flight and self.loop.done_at_dispatch:
-            outputs.extend(self._retire(self._in_flight.popleft()))  # their masks need their last tokens
+        while self._num_synchronous and self._in_flight and self.loop.done_at_dispatch:
+            outputs.extend(self._retire(self._in_flight.popleft()))  # masks and proposals need the last tokens
         sched = self.scheduler.schedule(self.executor.now())  # now: the priority policy's aging
         if sched.chunks:
             self._dispatch(sched)
@@ -207,24 +210,52 @@ class EngineCore:
             self.scheduler.on_step_done(batch.sched)
         now = self.executor.now()
         outputs = []
-        requests, finished = self._requests, SequenceStatus.FINISHED
-        for i, chunk in enumerate(batch.sched.chunks):
+        requests, finished, chunks = self._requests, SequenceStatus.FINISHED, batch.sched.chunks
+        verify = verify_rows(len(chunks), [c.num_draft_tokens for c in chunks]) if self.speculation_stats else None
+        for i, chunk in enumerate(chunks):
             if not chunk.needs_sample:
                 continue
             seq = chunk.seq
             state = requests.get(seq.seq_id)
             if state is None or state.seq is not seq or seq.status is finished:
                 continue  # finished or aborted since it was dispatched: the extra token is dropped
-            self._postprocess(state, sampled, i, now)
+            if chunk.draft_token_ids:
+                self._postprocess_verified(state, sampled, emitted_rows(i, verify[i], chunk.draft_token_ids,
+                                                                        sampled.token_ids), chunk, now)
+            else:
+                self._postprocess(state, sampled, i, now)
             outputs.append(self._make_output(state))
             if seq.status is finished:
-                self._num_constrained -= requests.pop(seq.seq_id).grammar is not None
+                self._forget(requests.pop(seq.seq_id))
         # Overlapped or pipelined batches overlap in time: the duration runs from dispatch to retirement.
         log = self.iteration_log
         log.append(batch.sched.iteration_record(len(log), batch.start, now, batch.handle.num_padded_tokens))
         return outputs
 
+    def _is_synchronous(self, state: RequestState) -> bool:
+        return state.grammar is not None or bool(self.speculation_stats and speculates(state.seq.sampling_params))
+
+    def _forget(self, state: RequestState) -> None:
+        """A request left `_requests` (finished or aborted): its part of the loop's counters."""
+        self._num_constrained -= state.grammar is not None
+        self._num_synchronous -= self._is_synchronous(state)
+
     # ----------------------------------------------------------------------------------- sampled tokens
+
+    def _postprocess_verified(self, state: RequestState, sampled: SampledBatch, rows: list[int],
+                              chunk: ScheduledChunk, now: float) -> None:
+        """A verified chunk's tokens (`rows`, `speculative.emitted_rows`) one by one through `_postprocess`, so a
+        stop inside an accepted run ends it there; then the blocks of rejected drafts go back."""
+        seq = state.seq
+        for j, row in enumerate(rows):
+            if j:
+                seq.accept_draft_token()  # the previous token is the draft whose K/V the chunk wrote
+            self._postprocess(state, sampled, row, now)
+            if seq.status is SequenceStatus.FINISHED:
+                break
+        self.speculation_stats.add(seq.metrics, chunk.num_draft_tokens, len(rows) - 1, j + 1)
+        if seq.status is not SequenceStatus.FINISHED:  # (blocks the accepted drafts filled register next step)
+            self.scheduler.block_manager.trim(seq, seq.num_tokens)
 
     def _token_bitmask(self, chunks: SequenceOf[ScheduledChunk]) -> np.ndarray | None:
         """The step's token bitmask (None when no row that samples is constrained)."""
@@ -308,7 +339,8 @@ class EngineCore:
         )
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        return stats if self.speculation_stats is None else {**stats, **self.speculation_stats.as_dict()}
 
 
 class CoreFrontEnd:

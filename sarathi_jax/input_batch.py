@@ -115,14 +115,16 @@ class InputBatch:
                 row_blocks[i] = len(table)
             starts.append(start)
             lens.append(num)
-            num_pending = seq.num_pending_tokens
-            steps.append(len(seq.output_token_ids) + num_pending)  # seq.num_generated_tokens
+            num_pending, drafts = seq.num_pending_tokens, chunk.draft_token_ids
+            # seq.num_generated_tokens (+ k: a speculating chunk samples at its last draft's position)
+            steps.append(len(seq.output_token_ids) + num_pending + len(drafts))
             offset += num
             token_ids = seq.token_ids
             if num == 1:
                 tokens.append(token_ids[start])
             else:
-                tokens += token_ids[start : start + num]
+                tokens += token_ids[start : start + num - len(drafts)]
+                tokens += drafts
             if num_pending and start + num > len(token_ids) - num_pending:
                 # Only the previous step's sample can be read on the device, and it is the sequence's last token.
                 row = prev_sampled_rows.get(seq.seq_id)
@@ -172,7 +174,30 @@ class InputBatch:
         if self._min_tokens[:n].any():
             under = (sv.steps[:n] < self._min_tokens[:n])[:, None]
             sv.banned_token_ids[:n] = np.where(under, self._static.banned_token_ids[:n], -1)
-        return PackedStep(self._batch[:size].copy(), self._sampling.copy()), self._variant
+        packed = PackedStep(self._batch[:size].copy(), self._sampling.copy())
+        if len(chunks) and any(chunk.draft_token_ids for chunk in chunks):
+            self._write_verify_rows(packed, chunks, cu)
+        return packed, self._variant
+
+    def _write_verify_rows(self, packed: PackedStep, chunks: Sequence[ScheduledChunk], cu: np.ndarray) -> None:
+        """Speculative decoding, into the step's copies only: each speculating chunk's k verification rows
+        after the chunk rows (`speculative.verify_rows`): row j is the chunk's own row, read at chunk token j
+        (its step k - j earlier, min_tokens' banned ids as of that step)."""
+        n, s = len(chunks), self.max_num_seqs
+        counts = [chunk.num_draft_tokens for chunk in chunks]
+        owner = np.repeat(np.arange(n), counts)  # the chunk of each verification row
+        back = np.concatenate([np.arange(k, 0, -1) for k in counts if k])  # k - j
+        rows = slice(n, n + len(owner))
+        assert rows.stop <= s, "the scheduler keeps chunks + drafts <= max_num_seqs"
+        layout = BatchLayout.of_packed(packed.batch.size, s, self.max_blocks_per_seq)
+        logits = layout.host_views(packed.batch)["logits_indices"]
+        logits[rows] = cu[owner] - 1 - back
+        sv = sampling_views(packed.sampling, s)
+        for field in sv:
+            field[rows] = field[owner]
+        sv.steps[rows] -= back
+        under = (sv.steps[rows] < self._min_tokens[owner])[:, None]
+        sv.banned_token_ids[rows] = np.where(under, self._static.banned_token_ids[owner], -1)
 
     # ----------------------------------------------------------------------------------- rows
 

@@ -303,17 +303,17 @@ class ModelRunner:
 
     def submit(self, chunks: Sequence[ScheduledChunk], sampling_of: Callable[[Seq], RequestSampling],
                token_bitmask: np.ndarray | None = None) -> PendingStep:
-        """Dispatch one step without waiting for it. A chunk may end in a pending token
-        (`PENDING_TOKEN`) that the step submitted just before this one sampled. `sampling_of(seq)` gives a
-        sequence's sampling settings; it is asked only when the sequence enters the batch's rows. A
+        """Dispatch one step without waiting for it. A chunk may end in a pending token (`PENDING_TOKEN`) that
+        the step submitted just before this one sampled, or in draft tokens (rows: `speculative.verify_rows`).
+        `sampling_of(seq)`: a sequence's sampling settings, asked when it enters the batch's rows. A
         `token_bitmask` (structured outputs: int32 [len(chunks), ceil(V/32)]) runs a constrained variant."""
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
         packed, variant = self.input_batch.prepare(chunks, self.bucket_for(num_tokens), sampling_of)
-        if token_bitmask is not None:
-            variant = constrained_variant(variant)
+        variant = constrained_variant(variant) if token_bitmask is not None else variant
         if self._step_observer is not None:
             self._step_observer(chunks, packed, variant)
-        return self._dispatch(packed, variant, token_bitmask=token_bitmask)
+        num_rows = len(chunks) + sum(chunk.num_draft_tokens for chunk in chunks)  # a draft's row samples too
+        return self._dispatch(packed, variant, token_bitmask=token_bitmask, rows=self._rows_for[num_rows])
 
     def now(self) -> float:
         return time.monotonic()

@@ -103,6 +103,23 @@ class RequestMetrics(RequestLatencies):
                if target is not None]
         return False if False in met else (None if None in met else True)
 
+    # Speculative decoding: draft tokens verified for this request, how many the target accepted, in how many
+    # verification steps (chunks that carried drafts).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None: never speculated)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification step yields on average: accepted drafts + the target's own token."""
+        steps = self.num_verify_steps
+        return (self.num_accepted_tokens + steps) / steps if steps else None
+
 
 @dataclass(slots=True)
 class RequestOutput:

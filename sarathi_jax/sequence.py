@@ -124,6 +124,13 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self._num_pending -= 1
 
+    def accept_draft_token(self) -> None:
+        """Speculative decoding: the last token (resolved) equals the draft whose K/V the verified chunk
+        computed, so it counts as computed, and the target's next token is pending (resolved next)."""
+        assert not self._num_pending and self.num_computed_tokens == len(self._token_ids) - 1, self
+        self.num_computed_tokens += 1
+        self.append_pending_token()
+
     def discard_pending_tokens(self) -> None:
         """Finished: tokens sampled for it after its last one are dropped, never emitted."""
         if self._num_pending:
@@ -152,29 +159,39 @@ class ScheduledChunk:
     `needs_sample` and `is_decode` are fixed at schedule time (the sequence keeps changing afterwards).
     `decode`: whether the scheduler ran it as a decode; None derives it from the shape (one sampled token
     after others), which a prompt's last token after a cached prefix also has.
+    `draft_token_ids` (speculative decoding, a decode only): k proposed tokens after the sequence's last one;
+    they are not the sequence's tokens, and `num_new_tokens` counts them (1 + k: what the step computes).
 
     Read-only by convention. A plain `__slots__` class, not a frozen dataclass: the scheduler makes one per
     sequence per step, and enforced immutability would cost more than the rest of building it.
     """
 
-    __slots__ = ("seq", "num_new_tokens", "start_position", "needs_sample", "is_decode")
+    __slots__ = ("seq", "num_new_tokens", "start_position", "needs_sample", "is_decode", "draft_token_ids")
 
-    def __init__(self, seq: Sequence, num_new_tokens: int, start_position: int, decode: bool | None = None) -> None:
-        num_tokens = seq.num_tokens
+    def __init__(self, seq: Sequence, num_new_tokens: int, start_position: int, decode: bool | None = None,
+                 draft_token_ids: tuple[int, ...] = ()) -> None:
+        num_tokens = seq.num_tokens + len(draft_token_ids)
         end = start_position + num_new_tokens
-        if num_new_tokens < 1 or end > num_tokens:
-            raise ValueError(f"bad chunk for {seq!r}: {num_new_tokens} tokens at {start_position}")
+        if num_new_tokens < 1 or end > num_tokens or (draft_token_ids and (end != num_tokens or decode is False)):
+            raise ValueError(f"bad chunk for {seq!r}: {num_new_tokens} tokens at {start_position}, "
+                             f"{len(draft_token_ids)} drafts")
         self.seq = seq
         self.num_new_tokens = num_new_tokens
         self.start_position = start_position
         self.needs_sample = end == num_tokens
+        self.draft_token_ids = draft_token_ids
         if decode is None:
-            decode = start_position > 0 and num_new_tokens == 1 and self.needs_sample
+            decode = start_position > 0 and num_new_tokens == 1 + len(draft_token_ids) and self.needs_sample
         self.is_decode = decode
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
     def __repr__(self) -> str:
         return (f"ScheduledChunk(seq={self.seq!r}, num_new_tokens={self.num_new_tokens}, start_position="
-                f"{self.start_position}, needs_sample={self.needs_sample}, is_decode={self.is_decode})")
+                f"{self.start_position}, needs_sample={self.needs_sample}, is_decode={self.is_decode}, "
+                f"draft_token_ids={self.draft_token_ids})")
 
 
 @dataclass(frozen=True)
@@ -193,7 +210,7 @@ class SchedulerOutput:
     @classmethod
     def of(cls, chunks: tuple[ScheduledChunk, ...], *, preempted: tuple[Sequence, ...] = ()) -> SchedulerOutput:
         """The output for `chunks`, with its prefill / decode token counts."""
-        num_decode = sum([c.is_decode for c in chunks])
+        num_decode = sum([c.num_new_tokens for c in chunks if c.is_decode])  # a decode's drafts count as decode
         num_prefill = sum([c.num_new_tokens for c in chunks]) - num_decode
         return cls(chunks, preempted, num_prefill, num_decode)
 

@@ -20,6 +20,10 @@ Names follow vLLM's (`vllm:` -> `sarathi:`), labelled with `model_name` like vLL
 | sarathi:request_rejected_total | counter | requests refused, label reason (not in vLLM) |
 | sarathi:prefix_cache_queries_total | counter | prompt tokens looked up in the prefix cache at admission |
 | sarathi:prefix_cache_hits_total | counter | of those, tokens found cached (not recomputed) |
+| sarathi:spec_decode_num_drafts_total | counter | speculative decoding: verification steps (chunks with drafts) |
+| sarathi:spec_decode_num_draft_tokens_total | counter | draft tokens proposed and verified |
+| sarathi:spec_decode_num_accepted_tokens_total | counter | of those, accepted |
+| sarathi:spec_decode_num_emitted_tokens_total | counter | tokens the verification steps emitted (not in vLLM V1) |
 
 A registry the server makes itself also carries prometheus_client's standard process metrics
 (`process_resident_memory_bytes`, `process_cpu_seconds_total`, `process_open_fds`, ...; Linux only), which the
@@ -77,6 +81,13 @@ class ServerMetrics:
                                             labels, registry=r).labels(model_name)
         self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits", "Prefix-cache hits, in tokens.", labels,
                                          registry=r).labels(model_name)
+        # Speculative decoding (engine stat -> counter): vLLM's spec_decode_* names.
+        self._spec_counters = {
+            f"spec_num_{what}": Counter(PREFIX + f"spec_decode_num_{name}", text, labels, registry=r).labels(model_name)
+            for what, name, text in (("verify_steps", "drafts", "Verification steps (chunks with drafts)."),
+                                     ("draft_tokens", "draft_tokens", "Draft tokens verified."),
+                                     ("accepted_tokens", "accepted_tokens", "Draft tokens accepted."),
+                                     ("emitted_tokens", "emitted_tokens", "Tokens verification steps emitted."))}
         if registry is None:  # a registry given is the caller's (the global one has these already)
             ProcessCollector(registry=r)  # this process's memory, CPU time and open files
         self._last_totals: dict[str, int] = {}  # engine stat -> the cumulative total already counted
@@ -120,7 +131,7 @@ class ServerMetrics:
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         for key, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_cache_queries),
-                             ("prefix_cache_hits", self.prefix_cache_hits)):
+                             ("prefix_cache_hits", self.prefix_cache_hits), *self._spec_counters.items()):
             total, last = int(stats.get(key, 0)), self._last_totals.get(key, 0)
             if total > last:  # the engine's totals are cumulative; counters take the increase
                 counter.inc(total - last)

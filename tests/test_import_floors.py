@@ -31,7 +31,8 @@ LAYERS: Layers = (
     ("plain data: requests, sequences, KV blocks, model shapes", (
         "sarathi_jax.lazy_exports", "sarathi_jax.paths", "sarathi_jax.percentiles", "sarathi_jax.sampling_params", "sarathi_jax.outputs",
         "sarathi_jax.tokenizer", "sarathi_jax.chat_template", "sarathi_jax.sequence", "sarathi_jax.block_manager",
-        "sarathi_jax.models.config", "sarathi_jax.models.presets",
+        "sarathi_jax.models.config", "sarathi_jax.models.presets", "sarathi_jax.speculative",
+        "sarathi_jax.ngram_proposer",
     )),
     ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config", "sarathi_jax.config_flags", "sarathi_jax.sizing")),
     ("models", ("sarathi_jax.models.*",)),

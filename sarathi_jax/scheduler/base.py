@@ -12,14 +12,13 @@ Shared rules (every policy):
 - When a running sequence needs a block and none is free, the latest running sequence that is neither in
   this batch nor in flight is preempted by recompute (blocks freed, outputs kept, re-queued); if there is
   none later than the one growing, a decode preempts itself and a prefill chunk shrinks to fit (or waits).
-- Pipeline parallelism: `schedule()` may be called again before `on_step_done` of earlier outputs; a
-  sequence in an output that is not done yet ("in flight") is neither scheduled again nor preempted.
+- Pipeline parallelism: a sequence in an output not yet done ("in flight") is neither scheduled nor preempted.
 - The overlapped loop (pipeline_parallel_size 1) calls `on_step_done` as soon as a batch is dispatched, so a
   sequence whose sampled token is still pending on the device (`Sequence.num_pending_tokens`) is scheduled
   again at once: its next decode reads that token on the device. A sequence whose outputs, pending ones
   included, already reach max_tokens is not scheduled again.
-- Requests that could never run (longer than max_model_len, or than the KV cache above the watermark) are
-  refused before they get here, by admission (sarathi_jax/admission.py); `add_sequence` only asserts it.
+- Requests that could never run (past max_model_len or the KV cache) are refused by admission.
+- Speculative decoding: draft tokens fill the room a policy's batch leaves (scheduler/speculation.py).
 - Prefix caching (when the block manager has it on): a request admitted, or re-admitted after a preemption,
   takes the leading full blocks already cached (shared, reference counted) and starts computing after them,
   so every policy simply prefills less. Admission counts the blocks past that prefix, plus the cached ones it
@@ -30,11 +29,14 @@ Shared rules (every policy):
 from __future__ import annotations
 
 from collections import deque
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
 from sarathi_jax.scheduler.ordering import RequestOrder
 from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from sarathi_jax.scheduler.speculation import Speculation
 
 
 @runtime_checkable
@@ -116,6 +118,7 @@ class Scheduler:
     # Whether prompts are split into chunks under the token budget (False: a prompt runs whole, or from the end
     # of its cached prefix).
     chunks_prompts: ClassVar[bool] = True
+    speculation: Speculation | None = None  # draft tokens in the room a batch leaves (scheduler/speculation.py)
 
     def __init__(self, config: SchedulerSettings, block_manager: BlockManager) -> None:
         self.config = config
@@ -174,7 +177,9 @@ class Scheduler:
             for queue in (self._waiting, self._running):
                 self._order.sort(queue)
         batch = self._schedule()
-        chunks = tuple([ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill)
+        drafts = (self.speculation.extend(batch, self.block_manager, self.config.max_num_seqs, bool(self._preempted))
+                  if self.speculation is not None else {})  # after the policy, in the room it left
+        chunks = tuple([ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill, drafts.get(seq.seq_id, ()))
                         for seq, n, prefill in batch.items])
         self._in_flight |= batch.seq_ids
         return SchedulerOutput.of(chunks, preempted=tuple(self._preempted))
@@ -188,7 +193,7 @@ class Scheduler:
             in_flight.discard(seq.seq_id)
             if seq.status is running:  # skip sequences aborted while in flight
                 assert seq.num_computed_tokens == chunk.start_position, (seq, chunk.start_position)
-                seq.num_computed_tokens += chunk.num_new_tokens
+                seq.num_computed_tokens += chunk.num_new_tokens - chunk.num_draft_tokens  # drafts: at retirement
                 cache_full_blocks(seq)
 
     def has_unfinished(self) -> bool:
@@ -294,15 +299,13 @@ class Scheduler:
                 batch.add(seq, n, is_prefill=True)
 
     def _admit(self, batch: Batch, *, chunked: bool) -> int:
-        """Admit waiting requests FCFS into `batch` (first chunk, or whole prompt) while the token room,
-        the sequence limits and memory allow. Returns how many were admitted.
+        """Admit waiting requests FCFS into `batch` (first chunk, or whole prompt) while room, sequence limits
+        and memory allow. Returns how many were admitted.
 
-        Memory: a request is admitted only if the blocks it needs up front ("prompt": its whole (re-)prefill;
-        "request": prompt + max_tokens) are free above the watermark. Under "chunk", blocks are allocated
-        chunk by chunk, but admission still counts the whole prefill, plus what the running sequences still
-        need to finish theirs, so that admitted prompts can complete their prefill without evicting each
-        other (admission never over-commits memory; only decode growth can force a preemption). A cached
-        prefix (prefix caching) is neither computed nor counted, except cached blocks nobody holds now.
+        Memory: admitted only if the blocks it needs up front ("prompt": its (re-)prefill; "request": prompt +
+        max_tokens; "chunk": allocated chunk by chunk but counted whole, plus what running prefills still need,
+        so admitted prompts finish without evicting each other) are free above the watermark. A cached prefix is
+        neither computed nor counted, except cached blocks nobody holds now.
         """
         if not self._admission_open(batch):
             return 0  # the usual case once requests run: skip the sum over the running sequences below

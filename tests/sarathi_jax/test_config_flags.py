@@ -37,6 +37,8 @@ def other_value(cls: type, name: str) -> object:
         return next(c for c in reversed(field.metadata["choices"]) if c != default)
     if name == "structured_outputs":  # a JSON object on the command line
         return {"regex": "[a-z]+"}
+    if name == "speculative_config":  # a JSON object too (vLLM's dict)
+        return {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     if kind is bool:
         return not default if default is not None else True
     if kind is int:  # multiples of 16: token budgets; 16 <= max_tokens 16 for min_tokens; <= 20 logprobs

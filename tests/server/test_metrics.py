@@ -61,3 +61,9 @@ def test_engine_totals_become_counters():
     assert (value("num_preemptions"), value("prefix_cache_queries"), value("prefix_cache_hits")) == (1, 300, 96)
     m.update_engine_stats({})  # an engine without the counters leaves them alone
     assert value("prefix_cache_hits") == 96
+    spec = {"spec_num_verify_steps": 3, "spec_num_draft_tokens": 12, "spec_num_accepted_tokens": 7,
+            "spec_num_emitted_tokens": 10, "spec_acceptance_rate": 7 / 12}
+    m.update_engine_stats(spec)
+    m.update_engine_stats({**spec, "spec_num_verify_steps": 4, "spec_num_draft_tokens": 16})
+    assert [value(f"spec_decode_num_{n}") for n in ("drafts", "draft_tokens", "accepted_tokens", "emitted_tokens")] \
+        == [4, 16, 7, 10]

@@ -1,0 +1,83 @@
+"""`python -m sarathi_jax.bench.probes.speculation --model DIR`: n-gram speculative decoding against plain
+greedy decoding on a chat model, side by side in one process.
+
+Two workloads of greedy chat requests (`--requests` each, `--max-tokens` each, all submitted at once):
+  copy   "repeat / fix this text": the answer copies spans of the prompt, so prompt lookup pays
+  open   open questions: little to look up
+For each workload it runs the engine without speculation, then with `{"method": "ngram",
+"num_speculative_tokens": k}` for each k of `--k`, each after a warm-up pass of the same requests, and
+reports output tokens per second (best of `--repeats`), the acceptance rate, mean accepted length, and how many
+requests' tokens equal the plain run's (greedy: all should; a float32 near-tie can flip one, as between chunk
+sizes). Wall time on this machine: run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from sarathi_jax import LLM, SamplingParams
+
+_TEXT = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+         "the members agreed to increase funding for childrens books, to extend opening hours on weekends, and "
+         "to hire two more librarians. The chair thanked everyone and closed the meeting at six.")
+COPY = [f"Repeat the following text exactly, word for word:\n\n{_TEXT}",
+        f"Correct the spelling in this text and return all of it:\n\n{_TEXT}",
+        f"Rewrite this text in the past tense, keeping every detail:\n\n{_TEXT}",
+        f"Copy this paragraph and then add one sentence at the end:\n\n{_TEXT}"]
+OPEN = ["What is the capital of France, and why is it famous?", "Give me three tips for learning to cook.",
+        "Why is the sky blue?", "Write a short poem about the sea."]
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, repeats: int) -> tuple[float, list, dict]:
+    llm.generate(prompts, params)  # warm-up: the buckets this workload uses
+    best, outs = float("inf"), []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        best = min(best, time.perf_counter() - t0)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return tokens / best, [o.token_ids for o in outs], llm.engine.stats()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a checkpoint folder with a tokenizer and a chat template")
+    p.add_argument("--k", default="2,4,8", help="num_speculative_tokens values, comma-separated")
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--token-budget", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    args = p.parse_args()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    engine = dict(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs, max_model_len=1024,
+                  compilation_cache_dir=None)
+    configs = [None] + [{"method": "ngram", "num_speculative_tokens": int(k)} for k in args.k.split(",")]
+    rows = []
+    for name, texts in (("copy", COPY), ("open", OPEN)):
+        base_tokens = None
+        for spec in configs:
+            llm = LLM(args.model, speculative_config=spec, **engine)
+            prompts = [llm.chat_prompt_ids([{"role": "user", "content": t}])
+                       for t in (texts * args.requests)[: args.requests]]
+            rate, tokens, stats = run(llm, prompts, params, args.repeats)
+            base_tokens = tokens if spec is None else base_tokens
+            rows.append({"workload": name, "k": spec["num_speculative_tokens"] if spec else 0,
+                         "tokens_per_s": round(rate, 1),
+                         "acceptance_rate": stats.get("spec_acceptance_rate"),
+                         "mean_accepted_length": stats.get("spec_mean_accepted_length"),
+                         "same_tokens": sum(a == b for a, b in zip(tokens, base_tokens))})
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"{'workload':8} {'k':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'len':>5} same")
+    for row in rows:
+        plain = next(r["tokens_per_s"] for r in rows if r["workload"] == row["workload"] and r["k"] == 0)
+        acc, length = row["acceptance_rate"], row["mean_accepted_length"]
+        print(f"{row['workload']:8} {row['k']:>2} {row['tokens_per_s']:>8} {row['tokens_per_s'] / plain:>8.2f} "
+              f"{'-' if acc is None else f'{acc:.2f}':>7} {'-' if length is None else f'{length:.2f}':>5} "
+              f"{row['same_tokens']}/{args.requests}")
+
+
+if __name__ == "__main__":
+    main()

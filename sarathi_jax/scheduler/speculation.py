@@ -1,0 +1,78 @@
+"""The scheduler's side of speculative decoding: which decodes get draft tokens, and how many.
+
+After a policy has built its batch (every running decode with its one token, prefill chunks, admissions), the
+room left under the batch's token limit goes to draft tokens, decode by decode in the queue's order: so
+every running decode gets its token before any sequence gets speculative ones, prefill chunks share the
+batch as before, and a tight budget shrinks k per sequence (to 0 once the room is spent). Under memory
+pressure k is 0: none while this schedule preempted anything, and a draft never takes a block from below
+the watermark (nor preempts for one). A sequence's k is also capped by its max_tokens (drafts past it could
+never be emitted) and by the step's sampling rows (each draft needs one: chunks + drafts <= max_num_seqs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.ngram_proposer import propose_ngram
+from sarathi_jax.sequence import Sequence as Seq
+from sarathi_jax.speculative import SpeculativeConfig, speculates
+
+Proposer = Callable[[Seq, int], Sequence[int]]  # (sequence, most tokens) -> draft tokens
+
+
+class DraftableBatch(Protocol):
+    """What `extend` reads and grows of a batch being built (`scheduler.base.Batch`)."""
+
+    items: list[list]  # [seq, num_new_tokens, is_prefill]
+    num_tokens: int
+
+    @property
+    def room(self) -> int: ...
+
+
+def ngram_proposer(config: SpeculativeConfig) -> Proposer:
+    return lambda seq, k: propose_ngram(seq.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+class Speculation:
+    """Grants draft tokens to a batch's decodes (`extend`), from `propose(seq, k)`."""
+
+    def __init__(self, num_speculative_tokens: int, propose: Proposer) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.propose = propose
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig) -> Speculation:
+        return cls(config.num_speculative_tokens, ngram_proposer(config))
+
+    def extend(self, batch: DraftableBatch, bm: BlockManager, max_num_seqs: int, preempted: bool
+               ) -> dict[str, tuple[int, ...]]:
+        """Add draft tokens to `batch`'s decodes (their items grow by k), taking blocks from `bm` above its
+        watermark; returns each one's drafts by sequence id. None when this schedule `preempted` anything."""
+        drafts: dict[str, tuple[int, ...]] = {}
+        if preempted:
+            return drafts
+        bs, rows_left = bm.block_size, max_num_seqs - len(batch.items)
+        for item in batch.items:
+            seq, n, is_prefill = item
+            room = min(self.num_speculative_tokens, batch.room, rows_left,
+                       seq.max_total_tokens - seq.num_tokens - 1)  # the bonus token may be the last one
+            if is_prefill or n != 1 or room < 1 or seq.num_pending_tokens or not speculates(seq.sampling_params):
+                continue
+            proposal = tuple(int(t) for t in self.propose(seq, room))[:room]
+            end = seq.num_computed_tokens + 1 + len(proposal)  # tokens held once the chunk's K/V is written
+            need = bm.blocks_needed(seq, end)
+            if need and not bm.can_allocate(need, use_watermark=True):
+                proposal = proposal[: len(seq.block_table) * bs - seq.num_computed_tokens - 1]  # what fits
+                need = 0
+            if not proposal:
+                continue
+            if need:
+                bm.allocate(seq, end)
+            item[1] += len(proposal)
+            batch.num_tokens += len(proposal)
+            rows_left -= len(proposal)
+            drafts[seq.seq_id] = proposal
+        return drafts

@@ -1,0 +1,125 @@
+"""Speculative decoding, the plain-data side (no JAX): its configuration, which requests speculate, how a
+verified chunk's sampled rows become emitted tokens, and the counters.
+
+A speculating decode runs as a chunk of 1 + k tokens: its last known token and k draft tokens
+(`ScheduledChunk.draft_token_ids`, proposed by `ngram_proposer`; the scheduler grants k under the token
+budget: `scheduler/speculation.py`). The target model scores every position of the chunk: besides the
+chunk's own sampling row (row i of the step, at its last position, as for any chunk), it gets k verification
+rows after the step's chunk rows (`verify_rows`), at positions 0..k-1 of the chunk. Row j of those holds the
+target's token after chunk token j, which verifies draft j. Greedy acceptance (`emitted_rows`): the longest
+prefix of drafts equal to the target's tokens, then the target's own next token: 1 to k + 1 tokens a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from sarathi_jax.outputs import RequestMetrics
+from sarathi_jax.sampling_params import SamplingParams
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32  # a chunk of 1 + k tokens is a small prefill; past this it is not speculation
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's spelling. method "ngram": prompt lookup (the continuation of the last n-gram's most recent
+    earlier match in the request's own tokens), n from prompt_lookup_max down to prompt_lookup_min;
+    num_speculative_tokens: k, the most draft tokens a sequence gets per step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS} (draft models and "
+                             f"'self' are not implemented yet), got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, object] | None) -> SpeculativeConfig | None:
+        """A config from vLLM's dict (unknown keys refused), or None (no speculation)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 4}}, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**value)  # type: ignore[arg-type]
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request may get draft tokens: greedy and unconstrained. Sampled requests would need
+    rejection sampling (not implemented yet); a constrained one would need its grammar to check drafts."""
+    return params.temperature < 1e-5 and params.structured_outputs is None  # 1e-5: the sampler's SAMPLING_EPS
+
+
+def verify_rows(num_chunks: int, draft_counts: Sequence[int]) -> list[int]:
+    """The first verification row of each chunk (its k rows follow; chunks without drafts get none): the
+    step's chunk rows come first, then each speculating chunk's k rows in chunk order."""
+    starts, row = [], num_chunks
+    for k in draft_counts:
+        starts.append(row)
+        row += k
+    return starts
+
+
+def emitted_rows(chunk_row: int, first_verify_row: int, drafts: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+    """The rows whose tokens a verified chunk emits, in order (greedy acceptance): the target's token after
+    each accepted draft's predecessor, then its token after the last accepted one."""
+    rows = []
+    for j, draft in enumerate(drafts):
+        row = first_verify_row + j
+        rows.append(row)
+        if int(token_ids[row]) != draft:
+            return rows  # the target's own token in place of the first rejected draft
+    rows.append(chunk_row)  # every draft accepted: the bonus token after the last
+    return rows
+
+
+@dataclass
+class SpeculationStats:
+    """Totals over an engine's life: draft tokens proposed (scheduled) and accepted, verification steps
+    (chunks that carried drafts) and the tokens they emitted (accepted + one each, unless a stop cut it)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    num_emitted_tokens: int = 0
+
+    def add(self, metrics: RequestMetrics, drafts: int, accepted: int, emitted: int) -> None:
+        """One verification step of a request: to the totals and to the request's `metrics`."""
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepted
+        self.num_verify_steps += 1
+        self.num_emitted_tokens += emitted
+        metrics.num_draft_tokens += drafts
+        metrics.num_accepted_tokens += accepted
+        metrics.num_verify_steps += 1
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        d = self.num_draft_tokens
+        return {
+            "spec_num_draft_tokens": d,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_num_verify_steps": self.num_verify_steps,
+            "spec_num_emitted_tokens": self.num_emitted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / d if d else None,
+            "spec_mean_accepted_length": (self.num_emitted_tokens / self.num_verify_steps
+                                          if self.num_verify_steps else None),
+        }
