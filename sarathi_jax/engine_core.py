@@ -211,7 +211,8 @@ class EngineCore:
         now = self.executor.now()
         outputs = []
         requests, finished, chunks = self._requests, SequenceStatus.FINISHED, batch.sched.chunks
-        verify = verify_rows(len(chunks), [c.num_draft_tokens for c in chunks]) if self.speculation_stats else None
+        verify = (verify_rows(len(chunks), [c.num_draft_tokens for c in chunks])  # where drafts' rows are
+                  if self.speculation_stats is not None else None)
         for i, chunk in enumerate(chunks):
             if not chunk.needs_sample:
                 continue
@@ -233,7 +234,8 @@ class EngineCore:
         return outputs
 
     def _is_synchronous(self, state: RequestState) -> bool:
-        return state.grammar is not None or bool(self.speculation_stats and speculates(state.seq.sampling_params))
+        speculation = self.speculation_stats is not None
+        return state.grammar is not None or (speculation and speculates(state.seq.sampling_params))
 
     def _forget(self, state: RequestState) -> None:
         """A request left `_requests` (finished or aborted): its part of the loop's counters."""
