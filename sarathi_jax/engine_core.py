@@ -21,12 +21,10 @@ How many batches stay in flight after a step (`LoopConfig`):
   * pipeline parallel (depth pp > 1): up to pp micro-batches in flight; the scheduler is told a batch is done
     only when it retires, so a sequence is in at most one micro-batch at a time (the next stage runs
     micro-batch i while this one runs i + 1). The host already overlaps there; async_scheduling adds nothing.
-Structured outputs: a constrained row's token bitmask (`_token_bitmask`, on the host) needs its last token,
-so while a constrained request is unfinished the overlapped loop retires every batch before it schedules the
-next (the device waits for the host's postprocess and scheduling; depth > 1 is unchanged: it never schedules
-a sequence in flight). Speculative decoding: proposals need the last token on the host, and a verified chunk
-emits 1 to k + 1 tokens known only at retirement, so while a request that may speculate is unfinished the
-loop is synchronous too. In every mode a request's tokens depend only on its own tokens and seed.
+A constrained row's token bitmask (`_token_bitmask`) and a speculating row's proposal need its last token on
+the host (and a verified chunk emits 1 to k + 1 tokens, known only at retirement), so while such a request is
+unfinished the overlapped loop retires every batch before it schedules the next (depth > 1 is unchanged: it
+never schedules a sequence in flight). In every mode a request's tokens depend only on its own tokens and seed.
 """
 
 from __future__ import annotations
@@ -356,12 +354,11 @@ class CoreFrontEnd:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, *, slo_ttft_s: float | None = None,
                     slo_tbt_s: float | None = None) -> None:
-        """Validate and queue a request (`priority`: lower is served first under scheduling_policy="priority";
-        `slo_ttft_s`, `slo_tbt_s`: its SLO targets, see outputs.RequestMetrics). Raises AdmissionError (a
-        ValueError) naming the bad field; the engine is unchanged then."""
+        """Validate and queue a request (`priority`: lower first under scheduling_policy="priority"; SLO targets:
+        outputs.RequestMetrics). Raises AdmissionError (a ValueError) naming the bad field; nothing is queued then."""
         self.check_new_id(request_id)
-        admitted = self.admission.admit(prompt, params, priority, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s)
-        self.add_admitted(request_id, admitted, arrival_time)
+        self.add_admitted(request_id, self.admission.admit(prompt, params, priority, slo_ttft_s=slo_ttft_s,
+                                                           slo_tbt_s=slo_tbt_s), arrival_time)
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queue a request that `self.admission` admitted, under a new id. Nothing is re-checked (the scheduler
