@@ -88,5 +88,5 @@ def test_a_tiny_head_run_reports_both_layouts_per_row_count(monkeypatch, capsys)
     assert "row-major" in header and "vocab-major" in header and header.rstrip().endswith("floor ms")
     assert [row.split()[0] for row in rows] == ["4x300x16", "8x300x16"]
     for row in rows:
-        assert row.split()[-1] == f"{300 * 16 * 4 / 1e9 * 1e3:.2f}"  # the head weight's bytes over the bandwidth
+        assert row.split()[-1] == f"{300 * 16 * 4 / 3e9 * 1e3:.2f}"  # the head weight's bytes over the read bandwidth
         assert float(row.split()[-2]) > 0  # the speed-up column: row-major best over vocab-major best
