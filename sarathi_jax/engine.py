@@ -243,6 +243,12 @@ class LLMEngine(CoreFrontEnd):
         goes on without it). Benchmarks call it before they time anything."""
         return self.runner.wait_for_executables(timeout)
 
+    def stop_background_compile(self) -> None:
+        """Build nothing more in the background, and return once the builds in flight have ended (an XLA
+        compile cannot be interrupted): for a process about to exit."""
+        if self.runner.background is not None:
+            self.runner.background.stop()
+
     def startup_stats(self) -> dict:
         """How start-up went. Seconds: `load_s` (weights and tokenizer), `init_s` (sizing, scheduler, model
         runner and KV cache), `compile_s` (tracing, lowering and XLA compiling, or loading executables from the

@@ -202,7 +202,7 @@ class BackgroundBuild:
     """Runs `builds` (in order, on `threads` daemon threads) until done or cancelled.
 
     `cancel()` stops it between two builds (an XLA compile in flight cannot be interrupted); it is called
-    when `owner` is collected and at interpreter exit, which waits for the builds in flight. A failed build
+    when `owner` is collected; `stop()`, also run at interpreter exit, cancels and waits for the builds in flight. A failed build
     is kept in `error` (and re-raised by `wait`); the others go on. `seconds` is the time from `start` to
     the last build's end.
     """
@@ -220,7 +220,7 @@ class BackgroundBuild:
         self.seconds: float | None = None
         self._start = 0.0
         weakref.finalize(owner, self.cancel)
-        atexit.register(self._stop_at_exit)
+        atexit.register(self.stop)
 
     @property
     def num_builds(self) -> int:
@@ -275,9 +275,10 @@ class BackgroundBuild:
     def _finish(self) -> None:
         self.seconds = time.monotonic() - self._start
         self._finished.set()
-        atexit.unregister(self._stop_at_exit)
+        atexit.unregister(self.stop)
 
-    def _stop_at_exit(self) -> None:
+    def stop(self) -> None:
+        """Cancel, then wait for the builds in flight to end (at exit: none is left inside XLA)."""
         self.cancel()
         for thread in self._threads:
             if thread.is_alive():
