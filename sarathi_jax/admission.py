@@ -40,7 +40,7 @@ from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.sampling_inputs import MAX_BANNED
 from sarathi_jax.sampling_params import AdmissionError, SamplingParams
-from sarathi_jax.scheduler.ordering import PRIORITY_MAX, PRIORITY_MIN
+from sarathi_jax.sequence import PRIORITY_MAX, PRIORITY_MIN
 from sarathi_jax.structured_outputs import GrammarCompiler, GrammarMatcher, StructuredOutputs
 from sarathi_jax.tokenizer import Tokenizer
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from sarathi_jax.models.presets import PRESETS
 from sarathi_jax.paths import absolute_path
 from sarathi_jax.scheduler.config import check_scheduling_policy
-from sarathi_jax.scheduler.ordering import SCHEDULING_POLICIES
+from sarathi_jax.scheduler.base import SCHEDULING_POLICIES
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 from sarathi_jax.speculative import SpeculativeConfig
 
@@ -134,7 +134,7 @@ class EngineConfig:
     scheduling_policy: the order requests are served in: `fcfs` (arrival) or `priority` (vLLM's: a lower
         request priority first, then arrival; running decodes still come first under sarathi). A request that
         has waited priority_max_wait_s since its arrival is served as the most urgent priority (aging; see
-        sarathi_jax/scheduler/ordering.py).
+        sarathi_jax/scheduler/base.py).
     priority_max_wait_s: the aging bound of the priority policy, in seconds; None: no aging.
     slo_tbt_s: the TBT target (seconds) of token_budget "auto" and "dynamic"; under "dynamic" also the target of
         requests that carry no slo_tbt_s of their own.

@@ -1,6 +1,6 @@
 """A request's host-side state (`Sequence`: its tokens, how many of them have K/V in the cache, its KV blocks),
 and the runs of its tokens that one step computes (`ScheduledChunk`; a step's chunks: `SchedulerOutput`, what
-`Scheduler.schedule()` hands the engine).
+`Scheduler.schedule()` hands the engine, built as a `Batch`).
 
 Plain Python (no JAX): the schedulers, the engine, the runner, the tests and the simulator all share it.
 """
@@ -16,6 +16,8 @@ from sarathi_jax.sampling_params import SamplingParams
 
 # The value of a pending token in `Sequence.token_ids`: sampled on the device, not yet on the host.
 PENDING_TOKEN = -1
+# The range a request's priority may take: a signed 32-bit integer, as the gRPC field carries it.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 class SequenceStatus(enum.Enum):
@@ -45,7 +47,7 @@ class Sequence:
         slo_tbt_s: float | None = None,
     ) -> None:
         self.seq_id = seq_id
-        self.priority = priority  # lower is served first under scheduling_policy="priority" (scheduler/ordering.py)
+        self.priority = priority  # lower is served first under scheduling_policy="priority" (scheduler/base.py)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
@@ -236,3 +238,33 @@ class SchedulerOutput:
             num_preemptions=len(self.preempted),
             num_padded_tokens=num_padded_tokens,
         )
+
+
+class Batch:
+    """A batch being built: (seq, num_new_tokens, is_prefill) items under a token and a sequence limit."""
+
+    def __init__(self, token_limit: int, max_seqs: int) -> None:
+        self.token_limit = token_limit
+        self.max_seqs = max_seqs
+        self.items: list[list] = []  # [seq, num_new_tokens, is_prefill]; lists so tile alignment can shrink
+        self.seq_ids: set[str] = set()
+        self.num_tokens = 0
+
+    @property
+    def room(self) -> int:
+        return self.token_limit - self.num_tokens
+
+    @property
+    def has_seq_room(self) -> bool:
+        return len(self.items) < self.max_seqs
+
+    def add(self, seq: Sequence, num_new_tokens: int, *, is_prefill: bool) -> None:
+        seq_id = seq.seq_id
+        assert 0 < num_new_tokens <= self.token_limit - self.num_tokens and len(self.items) < self.max_seqs
+        assert seq_id not in self.seq_ids
+        self.items.append([seq, num_new_tokens, is_prefill])
+        self.seq_ids.add(seq_id)
+        self.num_tokens += num_new_tokens
+
+    def __bool__(self) -> bool:
+        return bool(self.items)

@@ -1,10 +1,13 @@
 """Scheduler base: queues, admission, KV allocation with preemption, rejection. Policies only pick the order.
 
 Shared rules (every policy):
-- Order (scheduler/ordering.py): `waiting` and `running` are kept sorted by each request's order key: its
-  arrival ("fcfs") or (priority, arrival) with aging ("priority"). Admission takes the head of `waiting` and
-  stops at the first request that does not fit (no skipping ahead); a preempted sequence goes back into
-  `waiting` at its key's position. "Earliest"/"latest" below mean first/last in that order.
+- Order (`SCHEDULING_POLICIES`): `waiting` and `running` are kept sorted by each request's order key: its
+  arrival rank ("fcfs"), or (priority, arrival rank) ("priority", vLLM's meaning: a lower value first). Aging
+  bounds a low-priority request's wait: `priority_max_wait_s` after its arrival (engine clock) its key becomes
+  (PRIORITY_MIN, rank) for good, so no later arrival is admitted before it or preempts it (None: strict
+  priority). Admission takes the head of `waiting` and stops at the first request that does not fit (no
+  skipping ahead); a preempted sequence goes back into `waiting` at its key's position. "Earliest"/"latest"
+  below mean first/last in that order.
 - At most `max_num_seqs` sequences are running (admitted) at once, and at most that many are in a batch.
 - Admission never over-commits memory: a request is admitted only when the blocks for its whole
   (re-)prefill (or, for policies that reserve, its whole request) are free above the watermark, after what
@@ -28,15 +31,20 @@ Shared rules (every policy):
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 from collections import deque
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
-from sarathi_jax.scheduler.ordering import RequestOrder
-from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
+from sarathi_jax.sequence import PRIORITY_MIN, Batch, ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from sarathi_jax.scheduler.speculation import Speculation
+
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+OrderKey = int | tuple[int, int]
 
 
 @runtime_checkable
@@ -46,60 +54,22 @@ class SchedulerSettings(Protocol):
 
     @property
     def policy(self) -> str: ...
-
     @property
     def token_budget(self) -> int: ...
-
     @property
     def max_num_seqs(self) -> int: ...
-
     @property
     def max_model_len(self) -> int: ...
-
     @property
     def tile_size(self) -> int | None: ...
-
     @property
     def watermark(self) -> float: ...
-
     @property
     def batch_token_limit(self) -> int: ...
-
     @property
     def scheduling_policy(self) -> str: ...
-
     @property
     def priority_max_wait_s(self) -> float | None: ...
-
-
-class Batch:
-    """A batch being built: (seq, num_new_tokens, is_prefill) items under a token and a sequence limit."""
-
-    def __init__(self, token_limit: int, max_seqs: int) -> None:
-        self.token_limit = token_limit
-        self.max_seqs = max_seqs
-        self.items: list[list] = []  # [seq, num_new_tokens, is_prefill]; lists so tile alignment can shrink
-        self.seq_ids: set[str] = set()
-        self.num_tokens = 0
-
-    @property
-    def room(self) -> int:
-        return self.token_limit - self.num_tokens
-
-    @property
-    def has_seq_room(self) -> bool:
-        return len(self.items) < self.max_seqs
-
-    def add(self, seq: Sequence, num_new_tokens: int, *, is_prefill: bool) -> None:
-        seq_id = seq.seq_id
-        assert 0 < num_new_tokens <= self.token_limit - self.num_tokens and len(self.items) < self.max_seqs
-        assert seq_id not in self.seq_ids
-        self.items.append([seq, num_new_tokens, is_prefill])
-        self.seq_ids.add(seq_id)
-        self.num_tokens += num_new_tokens
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
 
 
 class Scheduler:
@@ -129,9 +99,14 @@ class Scheduler:
             block_manager.watermark_blocks, int(config.watermark * block_manager.num_total_blocks)
         )
         self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []  # kept in order (see _order)
+        self._running: list[Sequence] = []  # kept in order (see _keys)
         self._seqs: dict[str, Sequence] = {}  # unfinished sequences by id
-        self._order = RequestOrder(config.scheduling_policy, config.priority_max_wait_s)  # the queues' keys
+        self._keys: dict[str, OrderKey] = {}  # the order keys of the unfinished sequences (module docstring)
+        self._ranks = itertools.count()
+        self._by_priority = config.scheduling_policy == "priority"
+        self._max_wait_s = config.priority_max_wait_s if self._by_priority else None
+        # (aging time, rank, seq id) of the sequences not aged yet: a heap, so each step pops only those due.
+        self._aging: list[tuple[float, int, str]] = []
         self._in_flight: set[str] = set()  # seq ids in outputs whose on_step_done has not come yet
         self._preempted: list[Sequence] = []  # during one schedule() call
         self._num_preemptions = 0
@@ -147,8 +122,11 @@ class Scheduler:
                 and bm.blocks_for_tokens(seq.max_total_tokens) <= bm.num_total_blocks - bm.watermark_blocks), seq
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
-        self._order.add(seq)
-        self._order.insert(self._waiting, seq)
+        rank = next(self._ranks)
+        self._keys[seq.seq_id] = (seq.priority, rank) if self._by_priority else rank
+        if self._max_wait_s is not None and seq.priority > PRIORITY_MIN:
+            heapq.heappush(self._aging, (seq.metrics.arrival_time + self._max_wait_s, rank, seq.seq_id))
+        self._insert(self._waiting, seq)
 
     def abort_sequence(self, seq_id: str) -> Sequence | None:
         """Remove a sequence in any state and free its blocks now. None if unknown or already finished."""
@@ -165,7 +143,7 @@ class Scheduler:
                 self._running.remove(seq)
             else:
                 self._waiting.remove(seq)
-            self._order.remove(seq.seq_id)
+            del self._keys[seq.seq_id]  # its aging entry, if any, is skipped when it comes due
         self._in_flight.discard(seq.seq_id)
         self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
@@ -173,9 +151,11 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """The next batch. `now`: the engine's clock, for aging under the priority policy (None: no aging)."""
         self._preempted = []
-        if now is not None and self._order.age(now):
+        if now is not None and self._age(now):
             for queue in (self._waiting, self._running):
-                self._order.sort(queue)
+                items = sorted(queue, key=self._key_of)
+                queue.clear()
+                queue.extend(items)
         batch = self._schedule()
         drafts = (self.speculation.extend(batch, self.block_manager, self.config.max_num_seqs, bool(self._preempted))
                   if self.speculation is not None else {})  # after the policy, in the room it left
@@ -244,6 +224,23 @@ class Scheduler:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------ building blocks
+
+    def _age(self, now: float) -> bool:
+        """Give PRIORITY_MIN to the sequences that arrived at least `max_wait_s` before `now`: True if any."""
+        changed, aging, keys = False, self._aging, self._keys
+        while aging and aging[0][0] <= now:
+            _, rank, seq_id = heapq.heappop(aging)
+            key = keys.get(seq_id)
+            if key is not None and key[1] == rank:  # not finished (an id may be reused by a later request)
+                keys[seq_id] = (PRIORITY_MIN, rank)
+                changed = True
+        return changed
+
+    def _insert(self, queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=self._key_of)  # keys are unique (the rank): one place for it
+
+    def _key_of(self, seq: Sequence) -> OrderKey:
+        return self._keys[seq.seq_id]
 
     def _new_batch(self, token_limit: int | None = None) -> Batch:
         return Batch(self.batch_token_limit if token_limit is None else token_limit, self.config.max_num_seqs)
@@ -351,7 +348,7 @@ class Scheduler:
         seq.num_computed_tokens = hit.num_tokens
         self.block_manager.allocate(seq, reserve_tokens)
         seq.status = SequenceStatus.RUNNING
-        self._order.insert(self._running, seq)
+        self._insert(self._running, seq)
 
     def _grow_prefill(self, seq: Sequence, want: int, batch: Batch, *, shrink_ok: bool) -> int:
         """Give a running prefill blocks for `want` more tokens (preempting later arrivals if needed), or
@@ -394,6 +391,6 @@ class Scheduler:
         self._running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self._order.insert(self._waiting, seq)
+        self._insert(self._waiting, seq)
         self._preempted.append(seq)
         self._num_preemptions += 1

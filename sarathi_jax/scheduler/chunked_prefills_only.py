@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sarathi_jax.scheduler.base import Batch, Scheduler
+from sarathi_jax.scheduler.base import Scheduler
+from sarathi_jax.sequence import Batch
 
 
 class ChunkedPrefillsOnlyScheduler(Scheduler):

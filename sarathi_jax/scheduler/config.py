@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sarathi_jax.scheduler.base import Scheduler
-from sarathi_jax.scheduler.ordering import SCHEDULING_POLICIES
+from sarathi_jax.scheduler.base import SCHEDULING_POLICIES, Scheduler
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, SCHEDULERS
 
 
@@ -26,7 +25,7 @@ class SchedulerConfig:
         prefill chunk (see SarathiScheduler).
     watermark: fraction of KV blocks kept free when admitting new requests.
     scheduling_policy: the order requests are served in, one of SCHEDULING_POLICIES: "fcfs" (arrival) or
-        "priority" (lower priority value first, then arrival; see sarathi_jax/scheduler/ordering.py).
+        "priority" (lower priority value first, then arrival; see sarathi_jax/scheduler/base.py).
     priority_max_wait_s: "priority" only: aging; a request waiting this many seconds since its arrival is
         served as the most urgent priority. None: no aging.
     """

@@ -1,4 +1,4 @@
-"""The priority scheduling policy (sarathi_jax/scheduler/ordering.py) on the plain-Python schedulers: admission
+"""The priority scheduling policy (the request order of sarathi_jax/scheduler/base.py) on the plain-Python schedulers: admission
 in (priority, arrival) order, the aging bound, preemption victims in the stated order, running decodes never
 displaced by prefills (sarathi), and FCFS unchanged. Random traces under hypothesis; the clock is the step."""
 
@@ -14,9 +14,8 @@ from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SchedulerConfig
-from sarathi_jax.scheduler.ordering import PRIORITY_MIN, RequestOrder
 from sarathi_jax.scheduler.registry import SCHEDULERS, WHOLE_PROMPT_POLICIES
-from sarathi_jax.sequence import Sequence, SequenceStatus
+from sarathi_jax.sequence import PRIORITY_MIN, Sequence, SequenceStatus
 from scheduler_harness import Req, complete, run_trace
 
 MAX_MODEL_LEN = 128
@@ -84,7 +83,7 @@ def drive(cfg: SchedulerConfig, num_blocks: int, block_size: int, reqs: list[PRe
         waiting_before = {s.seq_id for s in sched.waiting}
         ready_decodes = [s for s in sched.running if s.is_decode and s.num_tokens < s.max_total_tokens]
         out = sched.schedule(now=float(step))
-        keys = sched._order.keys
+        keys = sched._keys
         batch = {c.seq.seq_id for c in out.chunks}
         preempted = {s.seq_id for s in out.preempted}
         admitted = [s for s in sched.running if s.seq_id in waiting_before | preempted]
@@ -173,23 +172,21 @@ def test_fcfs_ignores_priorities():
 
 
 def test_request_order_keys_and_aging():
-    order = RequestOrder("priority", max_wait_s=10.0)
+    cfg = SchedulerConfig(policy="sarathi", token_budget=16, max_num_seqs=1, max_model_len=64,
+                          scheduling_policy="priority", priority_max_wait_s=10.0)
+    sched = SCHEDULERS["sarathi"](cfg, BlockManager(64, 4))
     seqs = [Sequence(f"s{i}", [1], SamplingParams(max_tokens=1), arrival, prio)
             for i, (arrival, prio) in enumerate([(0.0, 3), (1.0, 0), (2.0, 3)])]
     for s in seqs:
-        order.add(s)
-    queue: list[Sequence] = []
-    for s in seqs:
-        order.insert(queue, s)
-    assert [s.seq_id for s in queue] == ["s1", "s0", "s2"]
-    assert not order.age(9.9)
-    assert order.age(10.0)  # s0 waited 10 s: the most urgent from now on
-    order.sort(queue)
-    assert [s.seq_id for s in queue] == ["s0", "s1", "s2"] and order.keys["s0"] == (PRIORITY_MIN, 0)
-    order.remove("s2")
-    assert order.age(100.0) and order.keys == {"s0": (PRIORITY_MIN, 0), "s1": (PRIORITY_MIN, 1)}
-    with pytest.raises(ValueError, match="scheduling_policy"):
-        RequestOrder("lifo", None)
+        sched.add_sequence(s)
+    assert [s.seq_id for s in sched.waiting] == ["s1", "s0", "s2"]
+    assert not sched._age(9.9)
+    assert sched._age(10.0)  # s0 waited 10 s: the most urgent from now on
+    assert sched._keys["s0"] == (PRIORITY_MIN, 0)
+    sched.abort_sequence("s2")
+    out = sched.schedule(now=100.0)  # ages s1 too; the queue is re-sorted: s0 (rank 0) first
+    assert [c.seq.seq_id for c in out.chunks] == ["s0"]
+    assert sched._keys == {"s0": (PRIORITY_MIN, 0), "s1": (PRIORITY_MIN, 1)}
 
 
 @pytest.mark.parametrize("bad", ["lifo", ""])
