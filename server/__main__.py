@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from sarathi_jax.config import EngineConfig  # plain Python: --help stays fast
 from sarathi_jax.config_flags import ConfigFlags
-from server.http_guards import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, HttpLimits
+from server.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, HttpLimits
 from server.service import GenerationServer
 from server.session import (
     DEFAULT_MAX_REQUEST_ID_LENGTH,

@@ -6,20 +6,19 @@ registry). Requests go through `RequestSession.admit` / `next_output` / `release
 admission, back-pressure (429, gRPC's RESOURCE_EXHAUSTED), cancellation (a client that disconnects aborts its
 request, which frees its KV blocks at once) and metrics. Every error, the framework's own (404, 405, an
 unparsable body) and the body-size limit's 413 included, uses OpenAI's JSON shape
-`{"error": {"message", "type", "param", "code"}}`. Limits on a client's cost: server/http_guards.py.
+`{"error": {"message", "type", "param", "code"}}`. Limits on a client's cost (`HttpLimits`,
+server/http_limits.py) are enforced here: `BodySizeLimit` (413) and uvicorn's h11 protocol with a deadline on a
+request's head, which uvicorn lacks (its keep-alive timeout only runs between requests, and any byte cancels
+it: a client sending a head a byte at a time would hold its connection forever).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
 import socket
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import uvicorn
@@ -39,83 +38,14 @@ from server.http_errors import (
     framework_error_response,
     validation_error_response,
 )
-from server.http_guards import BodySizeLimit, HttpLimits, h11_protocol_with_header_timeout
-from server.openai_schema import ChatCompletionRequest, CompletionRequest
+from server.http_limits import HttpLimits
+from server.openai_schema import ChatCompletionRequest, CompletionRequest, Renderer, sse_event, usage_of
 from server.request_state import ActiveRequest, RequestError
 from server.session import RequestSession
 
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _usage(out: RequestOutput) -> dict[str, int]:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
-def _candidates(lp: TokenLogprob) -> list[tuple[int, float]]:
-    """A token's top logprobs without the tokens a structured-outputs constraint ruled out (logprob -inf): they
-    were never candidates, and JSON has no -inf (a constrained row allowing fewer tokens than requested)."""
-    return [(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs) if v != -math.inf]
-
-
-class _Renderer:
-    """Turns one request's engine outputs into OpenAI response objects (completion or chat flavour)."""
-
-    def __init__(self, session: RequestSession, body: CompletionRequest | ChatCompletionRequest) -> None:
-        self.chat = isinstance(body, ChatCompletionRequest)
-        self.body = body
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = session.model_name
-        self.tokenizer = session.engine.admission.tokenizer
-        self.text_offset = 0
-
-    def _token(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"  # vLLM's spelling for a model without a tokenizer
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
-        if self.body.requested_logprobs() is None:
-            return None
-        if self.chat:
-            def entry(token_id: int, logprob: float) -> dict[str, Any]:
-                token = self._token(token_id)
-                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-            return {"content": [{**entry(lp.token_id, lp.logprob),
-                                 "top_logprobs": [entry(i, v) for i, v in _candidates(lp)]}
-                                for lp in entries]}
-        tokens = [self._token(lp.token_id) for lp in entries]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
-                "top_logprobs": [{self._token(i): v for i, v in _candidates(lp)} for lp in entries],
-                "text_offset": offsets}
-
-    def choice(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None, *, stream: bool, first: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            if stream:
-                choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
-            else:
-                choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self.logprobs(logprobs)
-        choice["finish_reason"] = finish_reason
-        if self.body.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        return choice
-
-    def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
 def _finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
@@ -168,7 +98,7 @@ class _Api:
                 raise body.named(e) from None
 
         state = self.session.admit(admit)  # RequestError -> the exception handler
-        renderer = _Renderer(self.session, body)
+        renderer = Renderer(body, self.session.model_name, self.session.engine.admission.tokenizer)
         if body.stream:
             return StreamingResponse(self._stream(state, renderer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -179,7 +109,7 @@ class _Api:
         # None: the client left (nobody reads this answer; 499 is nginx's "client closed request").
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
-    async def _complete(self, state: ActiveRequest, r: _Renderer) -> dict[str, Any]:
+    async def _complete(self, state: ActiveRequest, r: Renderer) -> dict[str, Any]:
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         while True:
@@ -188,9 +118,9 @@ class _Api:
             logprobs.extend(out.new_logprobs)
             if out.finished:
                 choice = r.choice(out.text, tuple(token_ids), tuple(logprobs), _finish_reason(out), stream=False)
-                return {**r.envelope([choice], stream=False), "usage": _usage(out)}
+                return {**r.envelope([choice], stream=False), "usage": usage_of(out)}
 
-    async def _stream(self, state: ActiveRequest, r: _Renderer) -> AsyncIterator[str]:
+    async def _stream(self, state: ActiveRequest, r: Renderer) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects: `finally` aborts the request.
         usage: dict[str, Any] = {"usage": None} if r.body.include_usage else {}
         try:
@@ -200,16 +130,16 @@ class _Api:
                     out = await self.session.next_output(state)
                     finish = _finish_reason(out)
                 except RequestError as exc:  # the status line is sent: report it in-band, as vLLM does
-                    yield _sse(error_json(exc))
+                    yield sse_event(error_json(exc))
                     break
                 if out.new_token_ids or out.text_delta or out.finished:
                     choice = r.choice(out.text_delta, out.new_token_ids, out.new_logprobs, finish, stream=True,
                                       first=first)
                     first = False
-                    yield _sse({**r.envelope([choice], stream=True), **usage})
+                    yield sse_event({**r.envelope([choice], stream=True), **usage})
                 if out.finished:
                     if usage:
-                        yield _sse({**r.envelope([], stream=True), "usage": _usage(out)})
+                        yield sse_event({**r.envelope([], stream=True), "usage": usage_of(out)})
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -330,3 +260,80 @@ class HttpFrontEnd:
         self._uvicorn.config.timeout_graceful_shutdown = grace or 0.05
         self._uvicorn.should_exit = True
         await self._task
+
+
+class BodySizeLimit:
+    """ASGI middleware: a body over `max_bytes` (as declared in Content-Length, or as received when chunked)
+    raises HTTPException(413) where the app reads it, which the app's handler answers in OpenAI's shape."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                raise self._too_large(int(declared))
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large(received)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self, size: int) -> HTTPException:
+        from starlette.exceptions import HTTPException
+
+        return HTTPException(413, f"the request body ({size} bytes) exceeds the limit of {self.max_bytes} bytes "
+                                  "(--max-body-bytes)")
+
+
+def h11_protocol_with_header_timeout(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request head takes longer than `header_timeout_s`."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class H11WithHeaderTimeout(H11Protocol):
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:  # a head arrived whole
+                self._disarm_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request's cycle
+            if self.cycle is None or self.cycle.response_complete:
+                self._arm_head_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_deadline()
+            super().connection_lost(exc)
+
+        def _arm_head_deadline(self) -> None:
+            self._disarm_head_deadline()
+            self._head_deadline = self.loop.call_later(header_timeout_s, self._head_too_slow)
+
+        def _disarm_head_deadline(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_too_slow(self) -> None:
+            self._head_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return H11WithHeaderTimeout

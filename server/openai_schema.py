@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible HTTP API (pydantic), and their mapping onto `SamplingParams`.
+"""The OpenAI wire format of the HTTP API: request bodies (pydantic) and their mapping onto `SamplingParams`; the
+response objects and server-sent events made from a request's outputs (`Renderer`, `sse_event`, `usage_of`).
 
 Unknown fields are ignored, as OpenAI's API does. Types are strict, as OpenAI's are: no bool or string is
 coerced into a number (`"max_tokens": true` or `"5"`), nor a string into a bool (`"stream": "yes"`); an int
@@ -17,12 +18,18 @@ Structured outputs (`SamplingParams.structured_outputs`), on both endpoints: Ope
 
 from __future__ import annotations
 
+import json
+import math
+import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from sarathi_jax.admission import AdmissionError
+from sarathi_jax.outputs import RequestOutput, TokenLogprob
 from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.tokenizer import Tokenizer
 
 
 class _Body(BaseModel):
@@ -202,3 +209,77 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "TextPart"]
+
+
+def sse_event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def usage_of(out: RequestOutput) -> dict[str, int]:
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def _candidates(lp: TokenLogprob) -> list[tuple[int, float]]:
+    """A token's top logprobs without the tokens a structured-outputs constraint ruled out (logprob -inf): they
+    were never candidates, and JSON has no -inf (a constrained row allowing fewer tokens than requested)."""
+    return [(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs) if v != -math.inf]
+
+
+class Renderer:
+    """Turns one request's engine outputs into OpenAI response objects (completion or chat flavour)."""
+
+    def __init__(self, body: CompletionRequest | ChatCompletionRequest, model_name: str,
+                 tokenizer: Tokenizer | None) -> None:
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.body = body
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model_name
+        self.tokenizer = tokenizer
+        self.text_offset = 0
+
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"  # vLLM's spelling for a model without a tokenizer
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        if self.body.requested_logprobs() is None:
+            return None
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                token = self._token(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(i, v) for i, v in _candidates(lp)]}
+                                for lp in entries]}
+        tokens = [self._token(lp.token_id) for lp in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
+                "top_logprobs": [{self._token(i): v for i, v in _candidates(lp)} for lp in entries],
+                "text_offset": offsets}
+
+    def choice(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
+               finish_reason: str | None, *, stream: bool, first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            if stream:
+                choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(logprobs)
+        choice["finish_reason"] = finish_reason
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}

@@ -16,8 +16,8 @@ import grpc
 
 from server.engine_worker import EngineWorker, ServingEngine
 from server.grpc_service import build_grpc_server, set_health
-from server.http_guards import HttpLimits
-from server.metrics import ServerMetrics
+from server.http_limits import HttpLimits
+from server.session import ServerMetrics
 from server.session import (
     DEFAULT_MAX_REQUEST_ID_LENGTH,
     DEFAULT_MAX_WAITING_PROMPT_TOKENS,

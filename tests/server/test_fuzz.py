@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from grpc_test_utils import PLAIN_CHAT_TEMPLATE, all_blocks_free, serving, wait_until
-from server.http_guards import HttpLimits
+from server.http_limits import HttpLimits
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 

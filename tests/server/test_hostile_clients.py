@@ -15,7 +15,7 @@ import pytest
 from grpc_test_utils import PLAIN_CHAT_TEMPLATE, all_blocks_free, greedy, serving
 from sarathi_jax.sampling_params import MAX_STOP_STRINGS
 from server.client import make_request
-from server.http_guards import HttpLimits
+from server.http_limits import HttpLimits
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 

@@ -1,4 +1,4 @@
-"""`server.metrics.ServerMetrics` on its own registry: the engine's stats become gauges, its cumulative totals
+"""`server.session.ServerMetrics` on its own registry: the engine's stats become gauges, its cumulative totals
 (preemptions, prefix-cache queries and hits) counters that never double-count, and requests are counted by reason. The /metrics
 endpoint of a running server is in test_grpc_operations.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from server.metrics import ServerMetrics
+from server.session import ServerMetrics
 
 
 def _value(m: ServerMetrics, name: str, **labels: str) -> float | None:

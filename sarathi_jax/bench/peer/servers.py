@@ -119,7 +119,7 @@ def vllm_engine_kwargs(s: EngineSettings) -> dict[str, Any]:
 
 def vllm_server_command(s: EngineSettings, port: int, python: str, env: Sequence[tuple[str, str]] = ()
                         ) -> ServerCommand:
-    from server.metrics import LATENCY_BUCKETS
+    from server.session import LATENCY_BUCKETS
 
     flags: list[str] = []
     for key, value in vllm_engine_kwargs(s).items():
