@@ -51,10 +51,11 @@ def test_engine_config_refuses_pipeline_parallelism_and_tile_size():
             EngineConfig(speculative_config={}, **bad)
 
 
-def test_only_greedy_unconstrained_requests_speculate():
+def test_greedy_and_sampled_unconstrained_requests_speculate():
     assert speculates(GREEDY)
-    assert not speculates(SamplingParams(temperature=0.7))
+    assert speculates(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1))
     assert not speculates(SamplingParams(temperature=0.0, structured_outputs={"regex": "[ab]+"}))
+    assert not speculates(SamplingParams(temperature=0.7, structured_outputs={"regex": "[ab]+"}))
 
 
 # ----------------------------------------------------------------------------------------------- proposer
