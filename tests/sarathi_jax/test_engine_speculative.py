@@ -264,4 +264,9 @@ def test_no_compilation_after_warmup_with_speculation(llama_dir, prompts):
     compiled = engine.runner.num_compilations
     run_staggered(engine, prompts, GREEDY, arrive_every=1)
     assert engine.stats()["spec_num_accepted_tokens"] > 0
+    # Sampled requests' verification rows run the sampled variants warm-up compiled, on the same row ladder.
+    drafts = engine.stats()["spec_num_draft_tokens"]
+    run_staggered(engine, prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True), arrive_every=1)
+    assert engine.stats()["spec_num_draft_tokens"] > drafts
     assert engine.runner.num_compilations == compiled
