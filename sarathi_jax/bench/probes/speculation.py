@@ -1,7 +1,8 @@
 """`python -m sarathi_jax.bench.probes.speculation --model DIR`: n-gram speculative decoding against plain
 decoding on a chat model, side by side in one process.
 
-Two workloads of chat requests (greedy, or sampled with `--temperature T` and seed `--seed`) (`--requests` each, `--max-tokens` each, all submitted at once):
+Two workloads of chat requests (`--requests` each, `--max-tokens` each, all submitted at once; greedy, or
+sampled with `--temperature T`, all with seed `--seed`):
   copy   "repeat / fix this text": the answer copies spans of the prompt, so prompt lookup pays
   open   open questions: little to look up
 For each workload it runs the engine without speculation, then with `{"method": "ngram",
