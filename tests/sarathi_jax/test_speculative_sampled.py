@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -58,7 +57,8 @@ class BigramSamplerExecutor:
 
     def submit(self, chunks, sampling_of, token_bitmask=None) -> _Done:
         packed, variant = self.batch.prepare(chunks, BUCKET, sampling_of)
-        views = BatchLayout.of_packed(packed.batch.size, MAX_NUM_SEQS, MAX_MODEL_LEN // BLOCK_SIZE).host_views(packed.batch)
+        layout = BatchLayout.of_packed(packed.batch.size, MAX_NUM_SEQS, MAX_MODEL_LEN // BLOCK_SIZE)
+        views = layout.host_views(packed.batch)
         token_ids, src_rows = views["token_ids"].copy(), views["src_rows"]
         pending = src_rows >= 0  # the overlapped loop (no speculation): the previous step's sampled row
         token_ids[pending] = self.last_tokens[src_rows[pending]]
@@ -76,7 +76,8 @@ class BigramSamplerExecutor:
 
 
 def make_core(k: int | None = 3, token_budget: int = 32):
-    config = SchedulerConfig("sarathi", token_budget=token_budget, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
+    config = SchedulerConfig("sarathi", token_budget=token_budget, max_num_seqs=MAX_NUM_SEQS,
+                             max_model_len=MAX_MODEL_LEN)
     bm = BlockManager(256, BLOCK_SIZE)
     scheduler = make_scheduler(config, bm)
     if k:
