@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram) end to end on a tiny random Llama: greedy tokens equal HF `generate`'s and the
 same engine's without speculation, through chunked prefills, mixed batches, both loops, preemption, prefix
-caching, stops and max_tokens inside an accepted run, aborts; no KV block leaks; nothing compiles after
-warm-up."""
+caching, stops and max_tokens inside an accepted run, aborts; sampled requests speculate and give the tokens
+the same seeds give without speculation; no KV block leaks; nothing compiles after warm-up."""
 
 from __future__ import annotations
 
