@@ -224,7 +224,7 @@ def _kth_of_candidates(masked: jax.Array, k: jax.Array, want_top_k: jax.Array) -
     return jnp.where(want_top_k, kth, -jnp.inf)
 
 
-def _inverse_cdf_sample(x: jax.Array, probs_of: Callable[[jax.Array], jax.Array], u: jax.Array) -> jax.Array:
+def inverse_cdf_sample(x: jax.Array, probs_of: Callable[[jax.Array], jax.Array], u: jax.Array) -> jax.Array:
     """Token with P(i) = p[i] / sum(p), p = probs_of(x) (elementwise, per row, probs_of(-inf) == 0), for
     uniforms u in [0, 1), in two levels: block sums of _CDF_BLOCK tokens, then the chosen block.
 
@@ -305,7 +305,7 @@ def _sample_rows(
             keep &= x >= _rowwise(kth, x)
         return jnp.where(keep, p, 0.0)
 
-    tokens = _inverse_cdf_sample(masked, probs_of, _row_uniforms(arrays.keys, arrays.steps))
+    tokens = inverse_cdf_sample(masked, probs_of, _row_uniforms(arrays.keys, arrays.steps))
     # A row whose every token is banned has no finite max: fall back to the greedy pick (in range).
     return jnp.where(jnp.isfinite(masked_max), tokens, greedy_tokens)
 

@@ -6,8 +6,13 @@ A speculating decode runs as a chunk of 1 + k tokens: its last known token and k
 budget: `scheduler/speculation.py`). The target model scores every position of the chunk: besides the
 chunk's own sampling row (row i of the step, at its last position, as for any chunk), it gets k verification
 rows after the step's chunk rows (`verify_rows`), at positions 0..k-1 of the chunk. Row j of those holds the
-target's token after chunk token j, which verifies draft j. Greedy acceptance (`emitted_rows`): the longest
-prefix of drafts equal to the target's tokens, then the target's own next token: 1 to k + 1 tokens a step.
+target's token after chunk token j, which verifies draft j. Acceptance (`emitted_rows`): the longest prefix
+of drafts equal to the target's tokens, then the target's own next token: 1 to k + 1 tokens a step.
+
+Greedy rows hold the target's argmax, sampled rows its sample (temperature, top-k, top-p, min-p, the row's
+seed at that position's step): for a point-mass proposal such as lookup's this *is* rejection sampling
+(Leviathan et al. 2023; Chen et al. 2023), with its acceptance probability, and the emitted tokens are the
+non-speculative run's (`rejection_sampling`'s docstring has the argument and the general formula).
 """
 
 from __future__ import annotations
@@ -64,9 +69,9 @@ class SpeculativeConfig:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request may get draft tokens: greedy and unconstrained. Sampled requests would need
-    rejection sampling (not implemented yet); a constrained one would need its grammar to check drafts."""
-    return params.temperature < 1e-5 and params.structured_outputs is None  # 1e-5: the sampler's SAMPLING_EPS
+    """Whether a request may get draft tokens: greedy or sampled, unconstrained (a constrained one would need
+    its grammar to check drafts: not implemented)."""
+    return params.structured_outputs is None
 
 
 def verify_rows(num_chunks: int, draft_counts: Sequence[int]) -> list[int]:
@@ -80,8 +85,9 @@ def verify_rows(num_chunks: int, draft_counts: Sequence[int]) -> list[int]:
 
 
 def emitted_rows(chunk_row: int, first_verify_row: int, drafts: Sequence[int], token_ids: Sequence[int]) -> list[int]:
-    """The rows whose tokens a verified chunk emits, in order (greedy acceptance): the target's token after
-    each accepted draft's predecessor, then its token after the last accepted one."""
+    """The rows whose tokens a verified chunk emits, in order: the target's token (argmax or sample) after each
+    accepted draft's predecessor, then its token after the last accepted one. A draft is accepted iff the
+    target's token in its place equals it (for sampled rows: point-mass rejection sampling, see above)."""
     rows = []
     for j, draft in enumerate(drafts):
         row = first_verify_row + j

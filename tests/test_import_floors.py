@@ -39,6 +39,7 @@ LAYERS: Layers = (
     ("parallelism", ("sarathi_jax.parallel.*",)),
     ("model runner", (
         "sarathi_jax.sampling_inputs", "sarathi_jax.sampling_vocab_major", "sarathi_jax.sampling", "sarathi_jax.step_inputs", "sarathi_jax.input_batch",
+        "sarathi_jax.rejection_sampling",
         "sarathi_jax.compile_cache", "sarathi_jax.executable_cache", "sarathi_jax.precompile",
         "sarathi_jax.model_runner",
     )),

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram) end to end on a tiny random Llama: greedy tokens equal HF `generate`'s and the
 same engine's without speculation, through chunked prefills, mixed batches, both loops, preemption, prefix
-caching, stops and max_tokens inside an accepted run, aborts; no KV block leaks; nothing compiles after
-warm-up."""
+caching, stops and max_tokens inside an accepted run, aborts; sampled requests speculate and give the tokens
+the same seeds give without speculation; no KV block leaks; nothing compiles after warm-up."""
 
 from __future__ import annotations
 
@@ -211,6 +211,10 @@ def test_logprobs_min_tokens_and_sampled_requests_match_no_speculation(llama_dir
         "lp": (prompts[3], GREEDY.replace(logprobs=2)),
         "min": (prompts[3], GREEDY.replace(stop_token_ids=(banned,), min_tokens=6)),
         "sampled": (prompts[2], SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=12, ignore_eos=True)),
+        "nucleus": (prompts[4], SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=4, max_tokens=MAX_TOKENS,
+                                               ignore_eos=True)),
+        # top_k=1 keeps one token: sampling is greedy, so the tokens are HF's greedy ones.
+        "top1": (prompts[3], SamplingParams(temperature=0.7, top_k=1, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)),
         "greedy": (prompts[1], GREEDY),
     }
 
@@ -225,7 +229,10 @@ def test_logprobs_min_tokens_and_sampled_requests_match_no_speculation(llama_dir
     assert [lp.token_id for lp in lp_spec] == [lp.token_id for lp in lp_plain] == list(spec["lp"][-1].token_ids)
     assert [lp.top_token_ids for lp in lp_spec] == [lp.top_token_ids for lp in lp_plain]
     np.testing.assert_allclose([lp.logprob for lp in lp_spec], [lp.logprob for lp in lp_plain], atol=1e-4)
-    assert spec["sampled"][-1].metrics.num_draft_tokens == 0  # sampled requests do not speculate
+    assert list(spec["top1"][-1].token_ids) == hf_greedy[3]
+    # Sampled requests speculate (their tokens are the plain run's, with the same seeds: asserted above).
+    assert all(spec[rid][-1].metrics.num_draft_tokens > 0 for rid in ("sampled", "nucleus", "top1"))
+    assert spec["top1"][-1].metrics.num_accepted_tokens > 0
     assert spec["lp"][-1].metrics.num_accepted_tokens > 0
     assert_no_leak(spec_engine)
 
@@ -257,4 +264,9 @@ def test_no_compilation_after_warmup_with_speculation(llama_dir, prompts):
     compiled = engine.runner.num_compilations
     run_staggered(engine, prompts, GREEDY, arrive_every=1)
     assert engine.stats()["spec_num_accepted_tokens"] > 0
+    # Sampled requests' verification rows run the sampled variants warm-up compiled, on the same row ladder.
+    drafts = engine.stats()["spec_num_draft_tokens"]
+    run_staggered(engine, prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True), arrive_every=1)
+    assert engine.stats()["spec_num_draft_tokens"] > drafts
     assert engine.runner.num_compilations == compiled

@@ -51,10 +51,11 @@ def test_engine_config_refuses_pipeline_parallelism_and_tile_size():
             EngineConfig(speculative_config={}, **bad)
 
 
-def test_only_greedy_unconstrained_requests_speculate():
+def test_greedy_and_sampled_unconstrained_requests_speculate():
     assert speculates(GREEDY)
-    assert not speculates(SamplingParams(temperature=0.7))
+    assert speculates(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1))
     assert not speculates(SamplingParams(temperature=0.0, structured_outputs={"regex": "[ab]+"}))
+    assert not speculates(SamplingParams(temperature=0.7, structured_outputs={"regex": "[ab]+"}))
 
 
 # ----------------------------------------------------------------------------------------------- proposer
@@ -225,13 +226,14 @@ def test_drafts_are_capped_by_max_tokens_and_by_the_sampling_rows():
     assert [(c.seq.seq_id, c.num_draft_tokens) for c in out.chunks] == [("short", 1), ("other", 0)]
 
 
-def test_no_drafts_for_sampled_requests_or_without_a_proposal():
+def test_no_drafts_for_constrained_requests_or_without_a_proposal():
     scheduler, proposed = _scheduler(k=4, proposal=())
     sampled = SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True)
-    _decodings(scheduler, ("greedy", 3, GREEDY), ("sampled", 3, sampled))
+    constrained = SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True, structured_outputs={"regex": "a+"})
+    _decodings(scheduler, ("greedy", 3, GREEDY), ("sampled", 3, sampled), ("constrained", 3, constrained))
     out = _run(scheduler)
-    assert [c.num_draft_tokens for c in out.chunks] == [0, 0]
-    assert [name for name, _ in proposed] == ["greedy"]  # the sampled one is never asked
+    assert [c.num_draft_tokens for c in out.chunks] == [0, 0, 0]
+    assert [name for name, _ in proposed] == ["greedy", "sampled"]  # the constrained one is never asked
 
 
 def test_drafts_never_take_the_watermark_blocks():

@@ -1,14 +1,15 @@
 """`python -m sarathi_jax.bench.probes.speculation --model DIR`: n-gram speculative decoding against plain
-greedy decoding on a chat model, side by side in one process.
+decoding on a chat model, side by side in one process.
 
-Two workloads of greedy chat requests (`--requests` each, `--max-tokens` each, all submitted at once):
+Two workloads of chat requests (`--requests` each, `--max-tokens` each, all submitted at once; greedy, or
+sampled with `--temperature T`, all with seed `--seed`):
   copy   "repeat / fix this text": the answer copies spans of the prompt, so prompt lookup pays
   open   open questions: little to look up
 For each workload it runs the engine without speculation, then with `{"method": "ngram",
 "num_speculative_tokens": k}` for each k of `--k`, each after a warm-up pass of the same requests, and
 reports output tokens per second (best of `--repeats`), the acceptance rate, mean accepted length, and how many
-requests' tokens equal the plain run's (greedy: all should; a float32 near-tie can flip one, as between chunk
-sizes). Wall time on this machine: run it on a quiet one.
+requests' tokens equal the plain run's (greedy, and sampled with the same seed: all should; a float32 near-tie
+can flip one, as between chunk sizes). Wall time on this machine: run it on a quiet one.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--token-budget", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded with --seed")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed if args.temperature > 0 else None)
     engine = dict(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs, max_model_len=1024,
                   compilation_cache_dir=None)
     configs = [None] + [{"method": "ngram", "num_speculative_tokens": int(k)} for k in args.k.split(",")]
