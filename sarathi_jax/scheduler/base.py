@@ -32,6 +32,7 @@ from collections import deque
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
+from sarathi_jax.scheduler.batch import Batch
 from sarathi_jax.scheduler.ordering import RequestOrder
 from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 
@@ -70,36 +71,6 @@ class SchedulerSettings(Protocol):
 
     @property
     def priority_max_wait_s(self) -> float | None: ...
-
-
-class Batch:
-    """A batch being built: (seq, num_new_tokens, is_prefill) items under a token and a sequence limit."""
-
-    def __init__(self, token_limit: int, max_seqs: int) -> None:
-        self.token_limit = token_limit
-        self.max_seqs = max_seqs
-        self.items: list[list] = []  # [seq, num_new_tokens, is_prefill]; lists so tile alignment can shrink
-        self.seq_ids: set[str] = set()
-        self.num_tokens = 0
-
-    @property
-    def room(self) -> int:
-        return self.token_limit - self.num_tokens
-
-    @property
-    def has_seq_room(self) -> bool:
-        return len(self.items) < self.max_seqs
-
-    def add(self, seq: Sequence, num_new_tokens: int, *, is_prefill: bool) -> None:
-        seq_id = seq.seq_id
-        assert 0 < num_new_tokens <= self.token_limit - self.num_tokens and len(self.items) < self.max_seqs
-        assert seq_id not in self.seq_ids
-        self.items.append([seq, num_new_tokens, is_prefill])
-        self.seq_ids.add(seq_id)
-        self.num_tokens += num_new_tokens
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
 
 
 class Scheduler:
@@ -145,10 +116,13 @@ class Scheduler:
         bm = self.block_manager
         assert (0 < seq.num_prompt_tokens and seq.max_total_tokens <= self.config.max_model_len
                 and bm.blocks_for_tokens(seq.max_total_tokens) <= bm.num_total_blocks - bm.watermark_blocks), seq
-        seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
         self._order.add(seq)
-        self._order.insert(self._waiting, seq)
+        # A sequence that arrives with its prompt's K/V in blocks it holds here (the decode instance of a
+        # disaggregated engine, sarathi_jax/disaggregation.py: the caller reserved them) runs as a decode at once.
+        prefilled = seq.num_computed_tokens > 0
+        seq.status = SequenceStatus.RUNNING if prefilled else SequenceStatus.WAITING
+        self._order.insert(self._running if prefilled else self._waiting, seq)
 
     def abort_sequence(self, seq_id: str) -> Sequence | None:
         """Remove a sequence in any state and free its blocks now. None if unknown or already finished."""
