@@ -20,11 +20,10 @@ its own KV blocks and its own cost model (`CostModelExecutor` on its own virtual
 Back-pressure: while a finished prefill waits for room on the decode side, no new request enters a prefill core
 (new prefills stop; those already in a core go on while its blocks last). Nothing is dropped.
 
-Time: each instance's clock is its own (its batches run back to back on it). `step()` runs the earliest pending
-event (a transfer landing, decode room appearing, an instance's next iteration) once the engine's clock (the
-driver's: arrivals are added up to it) has reached it, so nothing runs before an event it depends on. A decode
-iteration's finished requests free their blocks when it ends (`_Instance.room_at`).
-Iteration records name the instance that ran them (`IterationRecord.instance`: prefill0, decode0, ...). No JAX.
+Time: each instance has its own clock. `step()` runs the earliest pending event (a landing, decode room, an
+instance's next iteration) once the engine's clock (the driver's: arrivals are added up to it) has reached it,
+so nothing runs before an event it depends on; a decode iteration frees its finished requests' blocks when it
+ends (`_Instance.room_at`). Records name their instance (`IterationRecord.instance`: prefill0, decode0). No JAX.
 """
 
 from __future__ import annotations
@@ -171,7 +170,6 @@ class DisaggregatedSimEngine:
 
     def dummy_prompt(self, length: int) -> list[int]:
         return dummy_prompt(length, self.admission.vocab_size)
-
     # ----------------------------------------------------------------------------------- requests in
 
     def add_request(self, request_id: str, prompt: Prompt | int, params: SamplingParams | None = None,
@@ -225,6 +223,16 @@ class DisaggregatedSimEngine:
                                           seq.metrics, now))
         self._start_transfers(now)
         return True
+
+    def stage_of(self, request_id: str) -> str | None:
+        """Where an unfinished request is: queued, prefill, held, moving or decode (None: unknown or finished)."""
+        if request_id not in self._requests:
+            return None
+        if request_id in self._handoffs:
+            return "held" if self._handoffs[request_id].start is None else "moving"
+        if any(q.request_id == request_id for p in self.prefill for q in p.queue):
+            return "queued"
+        return "prefill" if any(request_id in p.core for p in self.prefill) else "decode"
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._outputs or any(i.busy for i in self.instances))
@@ -367,8 +375,7 @@ class DisaggregatedSimEngine:
     # ----------------------------------------------------------------------------------- the rest of the API
 
     def stats(self) -> dict:
-        """The instances' `Scheduler.stats` summed (kv_cache_usage over all blocks), with each instance's own
-        under "instances", and the transfers so far."""
+        """The instances' `Scheduler.stats` summed, each one's under "instances", and the transfers so far."""
         per = {i.name: i.core.stats() for i in self.instances}
         keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_preemptions",
                 "prefix_cache_queries", "prefix_cache_hits")
@@ -390,5 +397,4 @@ class DisaggregatedSimEngine:
     def reset_pipeline_stats(self) -> None:
         """No pipeline."""
 
-    def startup_stats(self) -> None:
-        return None
+    startup_stats = pipeline_stats  # nothing loads or compiles
