@@ -313,7 +313,7 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
                 configs += [{**config, "label": config["label"] + share_label(f), "structured_share": f}
                             for f in shares or ()]
     # Disaggregated runs after the colocated ones, each policy's prefill side as the policy batches it.
-    return configs + [{**c, "label": f"{c['label']}|pd{split}", "disaggregation": split}
+    return configs + [{**c, "label": f"{c['label']}+pd{split}", "disaggregation": split}
                       for split in splits_of(args) for c in configs]
 
 
