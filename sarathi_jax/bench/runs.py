@@ -175,8 +175,9 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         _log(quiet, f"model: {args.model} (the default on {jax.default_backend()} [{jax.devices()[0].device_kind}])")
     workload = build_workload(args)
     configs = run_configs(args)
-    factory = engine_factory or default_engine_factory(args.simulate, args.cost_model, link=kv_link_of(args),
-                                                       serial_fraction=args.tp_serial_fraction, num_devices=args.devices)
+    factory = engine_factory or default_engine_factory(
+        args.simulate, args.cost_model, link=kv_link_of(args), serial_fraction=args.tp_serial_fraction,
+        num_devices=args.devices)
 
     runs: list[RunResult] = []
     capacities: dict[str, CapacityResult] = {}

@@ -86,7 +86,8 @@ def test_backpressure_decode_holds_two_requests():
     for i in range(10):  # a prefill takes ~1 s (two chunks), decodes 2.7 s: decode is the bottleneck
         eng.add_request(f"r{i}", 20, SamplingParams(max_tokens=28, ignore_eos=True), arrival_time=0.3 * i)
     finished, held_seen, steps, entered_while_held = {}, 0, 0, 0
-    in_prefill = lambda: {s.seq_id for s in (*prefill.core.scheduler.running, *prefill.core.scheduler.waiting)}  # noqa: E731
+    sched = prefill.core.scheduler
+    in_prefill = lambda: {s.seq_id for s in (*sched.running, *sched.waiting)}  # noqa: E731
     while eng.has_unfinished_requests():
         held, before = eng.stats()["num_held"], in_prefill()
         outs = eng.step()
@@ -126,7 +127,8 @@ def test_abort_at_each_stage_frees_every_block(stage):
         steps += 1
         assert steps < 1000, f"never reached {stage}"
     if stage == "prefill":
-        assert 0 < next(s for s in eng.prefill[0].core.scheduler.running if s.seq_id == victim).num_computed_tokens < 100
+        seq = next(s for s in eng.prefill[0].core.scheduler.running if s.seq_id == victim)
+        assert 0 < seq.num_computed_tokens < 100  # mid-prompt
     assert eng.abort(victim) and not eng.abort(victim) and eng.stage_of(victim) is None
     n_before = len(outputs[victim])
     while eng.has_unfinished_requests():
