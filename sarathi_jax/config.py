@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sarathi_jax.disaggregation_config import DisaggregationSplit
 from sarathi_jax.models.presets import PRESETS
 from sarathi_jax.paths import absolute_path
 from sarathi_jax.scheduler.config import check_scheduling_policy
@@ -154,6 +155,10 @@ class EngineConfig:
         "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup in the
         request's own tokens). Greedy, unconstrained requests only; the loop is synchronous while one runs.
         Not with pipeline parallelism or tile_size. See docs/design.md, "Speculative decoding".
+    disaggregation: "P:D" splits prefill from decode (DistServe, Splitwise): P devices run prompts and sample
+        each request's first token, then its KV cache moves to the D decode devices (a side may be
+        DEVICES/TP: instances of TP devices; sarathi_jax/disaggregation_config.py). None: colocated. Simulator
+        only so far (`python -m sarathi_jax.bench --simulate --disaggregation P:D`); LLMEngine refuses it.
     """
 
     model: str = "tiny-llama"
@@ -187,6 +192,7 @@ class EngineConfig:
     cost_profile: str | None = None
     speculative_config: SpeculativeConfig | Mapping[str, object] | None = field(
         default=None, metadata={"cli": {"type": json.loads, "metavar": "JSON"}})  # parsed in __post_init__
+    disaggregation: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -230,6 +236,12 @@ class EngineConfig:
             raise ValueError("speculative_config is not supported yet with pipeline_parallel_size > 1 (not "
                              "verified there) or with tile_size (draft tokens would unalign the batch)")
         self._check_batch_limits()
+        if self.disaggregation is not None:
+            DisaggregationSplit.parse(self.disaggregation)  # ValueError naming the bad part
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.speculative_config:
+                raise ValueError(f"disaggregation={self.disaggregation!r} sets each side's devices and tensor "
+                                 "parallelism itself: not with tensor_parallel_size, pipeline_parallel_size or "
+                                 "speculative_config")
 
     def _check_budget_mode(self) -> None:
         """token_budget's kind, slo_tbt_s, max_token_budget and cost_profile; "auto" and "dynamic" need a TBT

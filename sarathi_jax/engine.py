@@ -57,6 +57,9 @@ class LLMEngine(CoreFrontEnd):
         gpu_memory_utilization, or the fixed kv_cache_bytes; neither when num_blocks was given).
         `startup_stats()` reports the parts' times.
         """
+        if config.disaggregation is not None:  # partial (issue 33): the simulator has it, this engine not yet
+            raise ValueError(f"disaggregation={config.disaggregation!r} is simulator-only so far: run it with "
+                             "`python -m sarathi_jax.bench --simulate --disaggregation P:D` (LLMEngine is colocated)")
         t_start = time.time()
         platform = jax.default_backend()
         # The CPU kernel's status makes one tiny call: before the compilation cache and the compile counts.

@@ -156,3 +156,4 @@ class IterationRecord:
     chunk_sizes: tuple[int, ...]  # prefill chunk sizes scheduled this iteration
     num_preemptions: int
     num_padded_tokens: int  # the bucket the step ran at (>= prefill + decode tokens)
+    instance: str = ""  # which instance ran it: "" one (colocated); "prefill0", "decode0", ... (disaggregation)

@@ -32,6 +32,11 @@ from sarathi_jax.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutp
 DUMMY_VOCAB = LLAMA2_VOCAB_SIZE  # the default vocabulary: dummy tokens are drawn below it
 
 
+def dummy_prompt(length: int, vocab_size: int) -> list[int]:
+    """Made-up token ids below `vocab_size` for a prompt of `length` tokens (none for a length < 1)."""
+    return [(7 * i + 1) % vocab_size for i in range(length)]
+
+
 class IterationCost(Protocol):
     """What the simulator needs of a cost model (`CostModel`, `sarathi_jax.cost_model.BucketCostModel`)."""
 
@@ -182,7 +187,7 @@ class SimulatedEngine(CoreFrontEnd):
 
     def dummy_prompt(self, length: int) -> list[int]:
         """Made-up token ids for a prompt of `length` tokens (none for a length < 1)."""
-        return [(7 * i + 1) % self.admission.vocab_size for i in range(length)]
+        return dummy_prompt(length, self.admission.vocab_size)
 
     def add_request(
         self,

@@ -34,7 +34,8 @@ LAYERS: Layers = (
         "sarathi_jax.models.config", "sarathi_jax.models.presets", "sarathi_jax.speculative",
         "sarathi_jax.ngram_proposer",
     )),
-    ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config", "sarathi_jax.config_flags", "sarathi_jax.sizing")),
+    ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config", "sarathi_jax.config_flags", "sarathi_jax.sizing",
+                                               "sarathi_jax.disaggregation_config")),
     ("models", ("sarathi_jax.models.*",)),
     ("parallelism", ("sarathi_jax.parallel.*",)),
     ("model runner", (
@@ -45,7 +46,7 @@ LAYERS: Layers = (
     )),
     ("engine", ("sarathi_jax.admission", "sarathi_jax.engine_core", "sarathi_jax.engine_api", "sarathi_jax.engine",
                 "sarathi_jax.simulator", "sarathi_jax.cost_model", "sarathi_jax.arrival_loop",
-                "sarathi_jax.token_budget")),
+                "sarathi_jax.token_budget", "sarathi_jax.tp_cost", "sarathi_jax.disaggregation")),
     ("offline API", ("sarathi_jax", "sarathi_jax.llm")),
     ("checkpoint converter", ("checkpoints_convert.*",)),
     ("benchmarks", ("sarathi_jax.bench.*",)),

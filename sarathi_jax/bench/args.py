@@ -15,6 +15,7 @@ from sarathi_jax.bench.structured import (DEFAULT_CONSTRAINT, NAMED_CONSTRAINTS,
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
 from sarathi_jax.config import ACCELERATOR_PLATFORMS, DEFAULT_TOKEN_BUDGET, EngineConfig, token_budget_arg
 from sarathi_jax.config_flags import ConfigFlags, DefaultsHelpFormatter
+from sarathi_jax.disaggregation_config import DisaggregationSplit, KVLink, parse_kv_link
 from sarathi_jax.paths import cli_path
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 from sarathi_jax.structured_outputs import StructuredOutputs
@@ -41,6 +42,7 @@ DEFAULT_OUTPUT_LEN = "uniform:16:64"
 HAND_WRITTEN_ENGINE_FLAGS = {
     "model": "--model", "scheduler": "--scheduler", "token_budget": "--token-budget",
     "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "enable_prefix_caching": "--prefix-caching",
+    "disaggregation": "--disaggregation",
 }
 ENGINE_FLAGS = ConfigFlags(EngineConfig, skip=frozenset(HAND_WRITTEN_ENGINE_FLAGS), renamed={"seed": "--engine-seed"})
 
@@ -91,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--simulate: a cost model calibrated on the real runner (JSON written by "
                         "`python -m sarathi_jax.bench.step_cost --mode calibrate --cost-model-out PATH`) "
                         "instead of the simulator's default")
+    g.add_argument("--disaggregation", default=None, metavar="P:D[,P:D...]",
+                   help="--simulate: also run each configuration disaggregated, prefill on P simulated devices and "
+                        "decode on D (a side may be DEVICES/TP: instances of TP devices), one run per split, on the "
+                        "same requests (EngineConfig.disaggregation; simulator-only so far)")
+    g.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="--simulate: N simulated devices; the colocated runs are tensor parallel over all N "
+                        "(tensor_parallel_size N) and each --disaggregation split must fit in N")
+    g.add_argument("--kv-link", default="nvlink", metavar="LINK",
+                   help="--simulate: the link between devices, for KV transfers and tensor-parallel all-reduces: "
+                        "nvlink (300 GB/s), pcie (32 GB/s), 25gbe (3.125 GB/s) or a bandwidth in GB/s "
+                        "(sarathi_jax/disaggregation_config.py says where each figure comes from)")
+    g.add_argument("--tp-serial-fraction", type=float, default=0.0, metavar="F",
+                   help="--simulate: the part of an iteration that tensor parallelism does not split "
+                        "(sarathi_jax/tp_cost.py; 0: an ideal split)")
     g.add_argument("--endpoint", default=None, metavar="HOST:PORT",
                    help="drive a running server through server/loadgen.py instead of an in-process engine: "
                         "HOST:PORT (gRPC) or http://HOST:PORT (the OpenAI-compatible HTTP API)")
@@ -191,6 +207,15 @@ def check_args(args: argparse.Namespace) -> None:
     if args.capacity and args.capacity_goodput is None and args.slo_tbt is None and args.slo_tbt_multiple is None:
         raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed), "
                          "or a goodput target: --capacity-goodput FRACTION with --slo-mix")
+    for flag, given in (("--disaggregation", args.disaggregation), ("--devices", args.devices)):
+        if given is not None and not args.simulate:
+            raise BenchError(f"{flag} is simulator-only so far: add --simulate")
+    if args.devices is not None and (args.devices < 1 or ENGINE_FLAGS.given(args).get("tensor_parallel_size")):
+        raise BenchError("--devices N (N >= 1) sets the colocated runs' tensor_parallel_size: not both")
+    if not 0.0 <= args.tp_serial_fraction <= 1.0:
+        raise BenchError(f"--tp-serial-fraction must be in [0, 1], got {args.tp_serial_fraction}")
+    kv_link_of(args)
+    splits_of(args)
     if args.cost_model and not args.simulate:
         raise BenchError("--cost-model is for the simulator: add --simulate")
     shares = structured_shares_of(args)
@@ -205,6 +230,29 @@ def check_args(args: argparse.Namespace) -> None:
     if args.prompts_file and (args.simulate or args.endpoint or args.capacity):
         raise BenchError("--prompts-file runs text prompts on the real engine: not with --simulate, --endpoint "
                          "or --capacity")
+
+
+def kv_link_of(args: argparse.Namespace) -> KVLink:
+    try:
+        return parse_kv_link(args.kv_link)
+    except ValueError as e:
+        raise BenchError(f"--kv-link: {e}") from None
+
+
+def splits_of(args: argparse.Namespace) -> list[str]:
+    """The --disaggregation splits, each checked against --devices (the model's heads are checked when built)."""
+    if args.disaggregation is None:
+        return []
+    splits = _csv_list(args.disaggregation, str, "--disaggregation")
+    for text in splits:
+        try:
+            split = DisaggregationSplit.parse(text)
+        except ValueError as e:
+            raise BenchError(f"--disaggregation: {e}") from None
+        if args.devices is not None and split.num_devices > args.devices:
+            raise BenchError(f"--disaggregation {text} needs {split.num_devices} devices, but --devices is "
+                             f"{args.devices}")
+    return splits
 
 
 def slo_mix_of(args: argparse.Namespace) -> SloMix | None:
@@ -264,7 +312,9 @@ def run_configs(args: argparse.Namespace) -> list[dict]:
                 # One engine serves every share of a configuration (`runs.run_all` reuses it).
                 configs += [{**config, "label": config["label"] + share_label(f), "structured_share": f}
                             for f in shares or ()]
-    return configs
+    # Disaggregated runs after the colocated ones, each policy's prefill side as the policy batches it.
+    return configs + [{**c, "label": f"{c['label']}+pd{split}", "disaggregation": split}
+                      for split in splits_of(args) for c in configs]
 
 
 def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
@@ -276,4 +326,8 @@ def engine_config_kwargs(args: argparse.Namespace, cfg: dict) -> dict:
         if getattr(args, name):
             kw[name] = getattr(args, name)
     kw.update(ENGINE_FLAGS.given(args))
+    if cfg.get("disaggregation"):
+        kw["disaggregation"] = cfg["disaggregation"]
+    elif args.devices is not None:
+        kw["tensor_parallel_size"] = args.devices
     return kw

@@ -103,6 +103,7 @@ def _iteration_dict(it: IterationRecord, t0: float) -> dict:
         "chunk_sizes": list(it.chunk_sizes),
         "num_preemptions": it.num_preemptions,
         "num_padded_tokens": it.num_padded_tokens,
+        "instance": it.instance,
     }
 
 

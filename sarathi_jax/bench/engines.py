@@ -1,4 +1,5 @@
-"""Engines the bench builds from an EngineConfig: LLMEngine (real) and SimulatedEngine (--simulate)."""
+"""Engines the bench builds from an EngineConfig: LLMEngine (real), SimulatedEngine (--simulate) and
+DisaggregatedSimEngine (--simulate --disaggregation P:D)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sarathi_jax.config import EngineConfig
     from sarathi_jax.engine import LLMEngine
+    from sarathi_jax.disaggregation import DisaggregatedSimEngine
+    from sarathi_jax.disaggregation_config import KVLink
+    from sarathi_jax.models.config import ModelConfig
     from sarathi_jax.simulator import IterationCost, SimulatedEngine
 
 
@@ -18,42 +22,98 @@ def make_llm_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None = None) -> SimulatedEngine:
+def _model_config(config: EngineConfig) -> ModelConfig:
+    import os
+
+    if os.path.isdir(config.model):
+        from sarathi_jax.models.config import ModelConfig
+
+        return ModelConfig.from_pretrained(config.model)
+    from sarathi_jax.models.presets import get_preset
+
+    return get_preset(config.model)
+
+
+def device_cost(cost_model: IterationCost, model_config: ModelConfig, dtype: str, tp: int, link: KVLink,
+                serial_fraction: float = 0.0) -> IterationCost:
+    """`cost_model` (one device's) for an instance of `tp` devices (`tp_cost.TensorParallelCost`; as is for 1)."""
+    from sarathi_jax.sizing import DTYPE_BYTES
+    from sarathi_jax.tp_cost import TensorParallelCost
+
+    if tp == 1:
+        return cost_model
+    return TensorParallelCost(cost_model, tp, link, num_layers=model_config.num_hidden_layers,
+                              hidden_size=model_config.hidden_size, bytes_per_value=DTYPE_BYTES[dtype],
+                              serial_fraction=serial_fraction)
+
+
+def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None = None, *,
+                          link: KVLink | None = None, serial_fraction: float = 0.0) -> SimulatedEngine:
     """A SimulatedEngine sized like the LLMEngine that `config` would build: same scheduler settings, same
     number of KV blocks (from the model's shape and kv_cache_bytes unless num_blocks is given), same
     max_model_len rule. `cost_model`: None for the simulator's default (it does not model this CPU), or a
     calibrated one; a `sarathi_jax.cost_model.BucketCostModel` is given the token buckets the real engine would
     pad this configuration's batches to. token_budget "auto" / "dynamic" resolve with the same cost model (the
-    simulator's default when None); `engine.budget_setup` says how."""
-    import os
-
+    simulator's default when None); `engine.budget_setup` says how. tensor_parallel_size N > 1: N simulated
+    devices, the KV budget N times one device's and the cost model scaled by `device_cost` over `link`
+    (default NVLink)."""
+    from sarathi_jax.config import resolve_dtype
     from sarathi_jax.cost_model import BucketCostModel
+    from sarathi_jax.disaggregation_config import KV_LINKS
     from sarathi_jax.simulator import SimulatedEngine
-    from sarathi_jax.sizing import size_engine
+    from sarathi_jax.sizing import DEFAULT_KV_CACHE_BYTES, size_engine
 
-    if os.path.isdir(config.model):
-        from sarathi_jax.models.config import ModelConfig
-
-        mc = ModelConfig.from_pretrained(config.model)
-    else:
-        from sarathi_jax.models.presets import get_preset
-
-        mc = get_preset(config.model)
+    mc = _model_config(config)
     from sarathi_jax import token_budget
     from sarathi_jax.simulator import CostModel
     from sarathi_jax.sizing import token_buckets
 
-    predictor = cost_model or CostModel()
+    tp, dtype = config.tensor_parallel_size, resolve_dtype(config.dtype, "cpu")
+    predictor = device_cost(cost_model or CostModel(), mc, dtype, tp, link or KV_LINKS["nvlink"], serial_fraction)
     top_buckets = token_buckets(config.budget_ceiling)
-    source = (predictor.source.get("path") or "--cost-model") if isinstance(predictor, BucketCostModel) else "the simulator's default"
+    source = ((cost_model.source.get("path") or "--cost-model") if isinstance(cost_model, BucketCostModel)
+              else "the simulator's default")
     # "auto": the engine is sized for its pick; "dynamic": it pads to the ladder compiled for max_token_budget.
     config, setup = token_budget.resolve(config, predictor, source,
                                          top_buckets if config.token_budget == "dynamic" else None)
-    sizing = size_engine(config, mc)
+    sizing = size_engine(config, mc, kv_cache_bytes=tp * (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES))
     if isinstance(cost_model, BucketCostModel):
         cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))
+    if cost_model is not None or tp > 1:
+        cost_model = device_cost(cost_model or CostModel(), mc, dtype, tp, link or KV_LINKS["nvlink"], serial_fraction)
     engine = SimulatedEngine(sizing.scheduler_config, sizing.num_blocks, config.block_size, cost_model=cost_model,
                              enable_prefix_caching=config.enable_prefix_caching)
     token_budget.install(setup, engine.scheduler)
     engine.budget_setup = setup
     return engine
+
+
+def make_disaggregated_engine(config: EngineConfig, cost_model: IterationCost | None = None, *,
+                              link: KVLink | None = None, serial_fraction: float = 0.0,
+                              num_devices: int | None = None) -> DisaggregatedSimEngine:
+    """A `DisaggregatedSimEngine` for `config.disaggregation` ("P:D"), checked against `num_devices` (None: the
+    split's own count) and the model's heads. Each instance is sized and priced as `make_simulated_engine`
+    sizes and prices one of its tensor parallelism (a device's KV budget per device), the KV cache moves over
+    `link` (default NVLink). Fixed integer token budgets only."""
+    from sarathi_jax.config import resolve_dtype
+    from sarathi_jax.cost_model import BucketCostModel
+    from sarathi_jax.disaggregation import DisaggregatedSimEngine
+    from sarathi_jax.disaggregation_config import KV_LINKS, DisaggregationSplit
+    from sarathi_jax.simulator import CostModel
+    from sarathi_jax.sizing import kv_bytes_per_block, size_engine, token_buckets
+
+    split = DisaggregationSplit.parse(config.disaggregation)
+    mc = _model_config(config)
+    split.check(num_devices or split.num_devices, mc.num_attention_heads, mc.num_key_value_heads)
+    if not isinstance(config.token_budget, int):
+        raise ValueError(f"disaggregation: token_budget {config.token_budget!r} is not supported there yet; give "
+                         "an integer budget")
+    sizing, dtype, link = size_engine(config, mc), resolve_dtype(config.dtype, "cpu"), link or KV_LINKS["nvlink"]
+    base = cost_model or CostModel()
+    if isinstance(base, BucketCostModel):
+        base = base.with_buckets(token_buckets(sizing.max_step_tokens))
+    return DisaggregatedSimEngine(
+        split, sizing.scheduler_config, sizing.num_blocks,
+        lambda tp: device_cost(base, mc, dtype, tp, link, serial_fraction), link=link,
+        kv_bytes_per_token=kv_bytes_per_block(mc, 1, dtype), block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching)

@@ -177,7 +177,7 @@ REQUEST_COLUMNS = ("request_id", "arrival_time", "prompt_len", "max_tokens", "nu
                    "ttft", "scheduling_delay", "e2e_latency", "normalized_latency", "tbt_mean", "tbt_max",
                    "num_preemptions", "error")
 ITERATION_COLUMNS = ("iteration", "start_time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
-                     "num_padded_tokens", "num_preemptions", "chunk_sizes")
+                     "num_padded_tokens", "num_preemptions", "chunk_sizes", "instance")
 
 
 def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any = None) -> list[str]:
@@ -211,7 +211,7 @@ def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any =
         w = csv.writer(f)
         w.writerow(ITERATION_COLUMNS)
         for it in run.iterations:
-            w.writerow([" ".join(map(str, it[c])) if c == "chunk_sizes" else it[c] for c in ITERATION_COLUMNS])
+            w.writerow([" ".join(map(str, it[c])) if c == "chunk_sizes" else it.get(c, "") for c in ITERATION_COLUMNS])
     return [base + ".json", base + "_requests.csv", base + "_iterations.csv"]
 
 

@@ -17,22 +17,24 @@ from typing import Callable
 import numpy as np
 
 from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchError, constraint_of, default_model,
-                                   engine_config_kwargs, goodput_target_of, run_configs, slo_mix_of)
+                                   engine_config_kwargs, goodput_target_of, kv_link_of, run_configs, slo_mix_of)
 from sarathi_jax.bench.capacity import CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
 from sarathi_jax.bench.endpoint import EndpointError, run_endpoint
-from sarathi_jax.bench.engines import make_llm_engine, make_simulated_engine
+from sarathi_jax.bench.engines import make_disaggregated_engine, make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import fmt_seconds, summarize
 from sarathi_jax.bench.slo_mix import SloMix, request_slos
 from sarathi_jax.bench.structured import constrained_cell, constrained_rows, constrained_summary, request_constraints
 from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_workload, trace_workload,
                                         with_shared_prefix)
 from sarathi_jax.config import EngineConfig
+from sarathi_jax.disaggregation_config import KVLink
 from sarathi_jax.engine_api import Engine
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 
 
-def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -> Callable[[dict], Engine]:
+def default_engine_factory(simulate: bool, cost_model_path: str | None = None, *, link: KVLink | None = None,
+                           serial_fraction: float = 0.0, num_devices: int | None = None) -> Callable[[dict], Engine]:
     cost_model = None
     if cost_model_path:
         from sarathi_jax.cost_model import BucketCostModel
@@ -44,7 +46,12 @@ def default_engine_factory(simulate: bool, cost_model_path: str | None = None) -
 
     def make(kwargs: dict) -> Engine:
         config = EngineConfig(**kwargs)
-        return make_simulated_engine(config, cost_model=cost_model) if simulate else make_llm_engine(config)
+        if not simulate:
+            return make_llm_engine(config)
+        sim = {"link": link, "serial_fraction": serial_fraction}
+        if config.disaggregation is not None:
+            return make_disaggregated_engine(config, cost_model, num_devices=num_devices, **sim)
+        return make_simulated_engine(config, cost_model=cost_model, **sim)
 
     return make
 
@@ -168,7 +175,9 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         _log(quiet, f"model: {args.model} (the default on {jax.default_backend()} [{jax.devices()[0].device_kind}])")
     workload = build_workload(args)
     configs = run_configs(args)
-    factory = engine_factory or default_engine_factory(args.simulate, args.cost_model)
+    factory = engine_factory or default_engine_factory(
+        args.simulate, args.cost_model, link=kv_link_of(args), serial_fraction=args.tp_serial_fraction,
+        num_devices=args.devices)
 
     runs: list[RunResult] = []
     capacities: dict[str, CapacityResult] = {}

@@ -120,13 +120,16 @@ class Scheduler:
         bm = self.block_manager
         assert (0 < seq.num_prompt_tokens and seq.max_total_tokens <= self.config.max_model_len
                 and bm.blocks_for_tokens(seq.max_total_tokens) <= bm.num_total_blocks - bm.watermark_blocks), seq
-        seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
         rank = next(self._ranks)
         self._keys[seq.seq_id] = (seq.priority, rank) if self._by_priority else rank
         if self._max_wait_s is not None and seq.priority > PRIORITY_MIN:
             heapq.heappush(self._aging, (seq.metrics.arrival_time + self._max_wait_s, rank, seq.seq_id))
-        self._insert(self._waiting, seq)
+        # A sequence that arrives with its prompt's K/V in blocks it holds here (the decode instance of a
+        # disaggregated engine, sarathi_jax/disaggregation.py: the caller reserved them) runs as a decode at once.
+        prefilled = seq.num_computed_tokens > 0
+        seq.status = SequenceStatus.RUNNING if prefilled else SequenceStatus.WAITING
+        self._insert(self._running if prefilled else self._waiting, seq)
 
     def abort_sequence(self, seq_id: str) -> Sequence | None:
         """Remove a sequence in any state and free its blocks now. None if unknown or already finished."""

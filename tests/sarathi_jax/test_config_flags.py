@@ -39,6 +39,8 @@ def other_value(cls: type, name: str) -> object:
         return {"regex": "[a-z]+"}
     if name == "speculative_config":  # a JSON object too (vLLM's dict)
         return {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    if name == "disaggregation":  # "P:D"
+        return "1:1"
     if kind is bool:
         return not default if default is not None else True
     if kind is int:  # multiples of 16: token budgets; 16 <= max_tokens 16 for min_tokens; <= 20 logprobs

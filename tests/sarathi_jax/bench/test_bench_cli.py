@@ -92,6 +92,10 @@ def test_offline_clipping_and_rate_scale(tmp_path, capsys):
         (["--token-budget", "abc"], "--token-budget"),
         (["--prompt-len", "uniform:5"], "bad length spec"),
         (["--sample", "3"], "--sample needs --trace"),
+        (["--disaggregation", "1:1"], "--disaggregation is simulator-only so far: add --simulate"),
+        (["--simulate", "--disaggregation", "3:2", "--devices", "4"], "3:2 needs 5 devices, but --devices is 4"),
+        (["--simulate", "--disaggregation", "2:x"], "the decode side 'x' is not DEVICES or DEVICES/TP"),
+        (["--simulate", "--kv-link", "fast"], "--kv-link: kv link must be one of nvlink"),
     ],
 )
 def test_usage_errors(argv, message, capsys):
@@ -137,6 +141,25 @@ def test_simulate_comparison(tmp_path, capsys):
     assert "virtual time" in capsys.readouterr().out
     summary = check_outputs(tmp_path, ["sarathi-256", "vllm"])
     assert all(r["num_completed"] == "40" for r in summary)
+
+
+def test_simulate_disaggregated_beside_colocated(tmp_path, capsys):
+    """--devices 4: colocated sarathi tensor parallel over 4; two splits of the same 4 devices on the same
+    requests. Every run completes them all, and the iteration records name the instance that ran them."""
+    rc = main(["--simulate", "--model", "llama-50m", "--scheduler", "sarathi", "--token-budget", "256",
+               "--num-requests", "30", "--qps", "4", "--prompt-len", "uniform:64:900", "--output-len", "uniform:8:64",
+               "--devices", "4", "--disaggregation", "2:2,1:3/1", "--slo-ttft", "1", "--slo-tbt", "0.1",
+               "--out", str(tmp_path), "--quiet", "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    summary = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [r["run"] for r in summary] == ["sarathi-256", "sarathi-256+pd2:2", "sarathi-256+pd1:3/1"]
+    assert all(r["num_completed"] == "30" for r in summary)
+    doc = json.load(open(tmp_path / "sarathi-256_pd1_3_1.json"))
+    assert doc["config"]["engine"] == "DisaggregatedSimEngine" and doc["config"]["disaggregation"] == "1:3/1"
+    instances = {r["instance"] for r in csv.DictReader(open(tmp_path / "sarathi-256_pd1_3_1_iterations.csv"))}
+    assert instances == {"prefill0", "decode0", "decode1", "decode2"}
+    colocated = json.load(open(tmp_path / "sarathi-256.json"))["config"]
+    assert colocated["tensor_parallel_size"] == 4 and colocated["engine"] == "SimulatedEngine"
 
 
 def test_real_engine_tiny_model(tmp_path, capsys):

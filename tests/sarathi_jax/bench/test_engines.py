@@ -33,3 +33,25 @@ def test_a_bucket_cost_model_gets_the_engines_buckets():
     assert engine.cost_model.buckets == (16, 32, 64, 96)  # the runner's buckets for a budget of 96
     assert engine.cost_model.padded(70) == 96 and measured.padded(70) == 70  # the measured one is unchanged
     assert make_simulated_engine(config, CostModel(overhead_s=1.0)).cost_model == CostModel(overhead_s=1.0)
+
+
+def test_tensor_parallel_and_disaggregated_engines_get_n_devices_kv_and_scaled_costs():
+    import pytest
+
+    from sarathi_jax.bench.engines import make_disaggregated_engine
+    from sarathi_jax.tp_cost import TensorParallelCost
+
+    per_block = kv_bytes_per_block(get_preset("llama-50m"), 16, "float32")
+    kw = dict(model="llama-50m", dtype="float32", scheduler="sarathi", token_budget=64, max_num_seqs=8,
+              max_model_len=512, kv_cache_bytes=100 * per_block)
+    tp2 = make_simulated_engine(EngineConfig(**kw, tensor_parallel_size=2), CostModel())
+    assert tp2.block_manager.num_total_blocks == 200  # two devices' KV
+    assert isinstance(tp2.cost_model, TensorParallelCost) and tp2.cost_model.tp == 2
+    split = make_disaggregated_engine(EngineConfig(**kw, disaggregation="1:2/1"), CostModel(), num_devices=4)
+    assert [(i.name, i.block_manager.num_total_blocks) for i in split.instances] == [
+        ("prefill0", 100), ("decode0", 100), ("decode1", 100)]
+    assert split.kv_bytes_per_token == per_block // 16
+    with pytest.raises(ValueError, match="tensor parallelism 3 does not divide the model's 8 attention heads"):
+        make_disaggregated_engine(EngineConfig(**kw, disaggregation="1:3"), CostModel())
+    with pytest.raises(ValueError, match="needs 4 devices .* only 2"):
+        make_disaggregated_engine(EngineConfig(**kw, disaggregation="2:2"), CostModel(), num_devices=2)

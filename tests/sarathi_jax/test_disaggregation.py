@@ -1,0 +1,210 @@
+"""Prefill/decode disaggregation in the simulator (issue 33): the timeline against hand-computed times,
+back-pressure, aborts at every stage, and the configuration's errors."""
+
+import pytest
+
+from sarathi_jax.admission import AdmissionError
+from sarathi_jax.arrival_loop import Arrival, drive
+from sarathi_jax.config import EngineConfig
+from sarathi_jax.disaggregation import DisaggregatedSimEngine
+from sarathi_jax.disaggregation_config import KV_LINKS, DisaggregationSplit, InstanceGroup, KVLink, parse_kv_link
+from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.scheduler import SchedulerConfig
+from sarathi_jax.simulator import CostModel
+from sarathi_jax.tp_cost import TensorParallelCost
+
+
+class StepCost:
+    """A hand-checkable cost model: an iteration with prefill tokens takes 0.5 s + 1 ms per prefill token, a
+    decode-only one 0.1 s."""
+
+    def padded(self, num_tokens):
+        return num_tokens
+
+    def iteration_time(self, output):
+        p = output.num_prefill_tokens
+        return 0.5 + 0.001 * p if p else 0.1
+
+
+SLOW_LINK = KVLink("test", bandwidth=1000.0, latency_s=0.05, source="test")  # 1000 bytes/s
+
+
+def _engine(split="1:1", *, budget=256, blocks=64, link=SLOW_LINK, kv_bytes=10, max_num_seqs=8, cost=None):
+    cfg = SchedulerConfig(policy="sarathi", token_budget=budget, max_num_seqs=max_num_seqs, max_model_len=512,
+                          watermark=0.0)
+    return DisaggregatedSimEngine(DisaggregationSplit.parse(split), cfg, blocks, lambda tp: cost or StepCost(),
+                                  link=link, kv_bytes_per_token=kv_bytes, block_size=16)
+
+
+def _run(engine, arrivals):
+    return drive(engine, [Arrival(rid, t, engine.dummy_prompt(n), SamplingParams(max_tokens=m, ignore_eos=True))
+                          for rid, t, n, m in arrivals], raise_refused=True, max_idle_steps=1000)
+
+
+def _no_blocks_held(engine):
+    return {i.name: i.block_manager.num_used_blocks for i in engine.instances} == {
+        i.name: 0 for i in engine.instances}
+
+
+def test_timeline_matches_hand_computed_times():
+    """Two 100-token prompts, prefill 0.6 s each, transfer 0.05 + 100 x 10 B / 1000 B/s = 1.05 s on one link,
+    decodes 0.1 s:
+      prefill0: A 0.0-0.6 (A's first token 0.6); B (arrived 0.2, waits for A's iteration) 0.6-1.2
+      link:     A 0.6-1.65; B ready 1.2, waits for the link, 1.65-2.70
+      decode0:  A lands 1.65: 1.65-1.75, 1.75-1.85 (done); B lands 2.70: 2.70-2.80 (done)."""
+    eng = _engine()
+    loop = _run(eng, [("A", 0.0, 100, 3), ("B", 0.2, 100, 2)])
+    a, b = loop.finished["A"].metrics, loop.finished["B"].metrics
+    assert a.token_times == pytest.approx([0.6, 1.75, 1.85]) and a.finished_time == pytest.approx(1.85)
+    assert a.ttft == pytest.approx(0.6) and a.tbts == pytest.approx([1.15, 0.1])
+    assert b.token_times == pytest.approx([1.2, 2.8]) and b.ttft == pytest.approx(1.0)
+    assert b.finished_time == pytest.approx(2.8) and b.first_scheduled_time == pytest.approx(0.6)
+    assert [len(loop.finished[r].token_ids) for r in "AB"] == [3, 2]
+    log = [(r.instance, round(r.start_time, 9), round(r.duration, 9), r.num_prefill_tokens, r.num_decode_tokens)
+           for r in eng.iteration_log]
+    assert sorted(log, key=lambda r: (r[1], r[0])) == [
+        ("prefill0", 0.0, 0.6, 100, 0), ("prefill0", 0.6, 0.6, 100, 0),
+        ("decode0", 1.65, 0.1, 0, 1), ("decode0", 1.75, 0.1, 0, 1), ("decode0", 2.7, 0.1, 0, 1)]
+    assert [r.iteration for r in eng.iteration_log] == list(range(5))
+    s = eng.stats()
+    assert s["num_transfers"] == 2 and s["transfer_seconds"] == pytest.approx(2.1)
+    assert _no_blocks_held(eng) and not eng.has_unfinished_requests()
+
+
+def test_max_tokens_one_ends_on_the_prefill_side():
+    eng = _engine()
+    loop = _run(eng, [("A", 0.0, 100, 1)])
+    assert loop.finished["A"].metrics.finished_time == pytest.approx(0.6)
+    assert eng.stats()["num_transfers"] == 0 and {r.instance for r in eng.iteration_log} == {"prefill0"}
+
+
+def test_backpressure_decode_holds_two_requests():
+    """Each request needs 3 blocks whole (20 + 28 tokens); the decode instance has 6: room for 2. Ten requests
+    all finish, no instance ever holds more than it can, and no block is left on either side."""
+    eng = _engine(budget=16, blocks=6, link=KV_LINKS["nvlink"])  # 16: a prompt takes two prefill iterations
+    decode, prefill = eng.decode[0], eng.prefill[0]
+    for i in range(10):  # a prefill takes ~1 s (two chunks), decodes 2.7 s: decode is the bottleneck
+        eng.add_request(f"r{i}", 20, SamplingParams(max_tokens=28, ignore_eos=True), arrival_time=0.3 * i)
+    finished, held_seen, steps, entered_while_held = {}, 0, 0, 0
+    sched = prefill.core.scheduler
+    in_prefill = lambda: {s.seq_id for s in (*sched.running, *sched.waiting)}  # noqa: E731
+    while eng.has_unfinished_requests():
+        held, before = eng.stats()["num_held"], in_prefill()
+        outs = eng.step()
+        if held:  # new prefills stop while a finished one waits for decode room
+            entered_while_held += len(in_prefill() - before)
+        for out in outs:
+            assert out.request_id not in finished
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        assert steps < 10_000
+        s = eng.stats()
+        held_seen = max(held_seen, s["num_held"])
+        assert decode.core.scheduler.num_running + decode.incoming <= 2
+        for inst in (decode, prefill):
+            assert inst.block_manager.num_used_blocks <= inst.block_manager.num_total_blocks == 6
+    assert sorted(finished) == sorted(f"r{i}" for i in range(10))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 28 for o in finished.values())
+    assert held_seen >= 1  # back-pressure happened: finished prefills waited for decode room
+    assert entered_while_held == 0
+    assert eng.stats()["num_preemptions"] == 0 and _no_blocks_held(eng)
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefill", "held", "moving", "decode"])
+def test_abort_at_each_stage_frees_every_block(stage):
+    # Budget 32: a 100-token prompt prefills in 4 chunks; the decode side holds one request (7 blocks, each
+    # request needs 7: 100 + 8 tokens), so the second waits held; the link takes 1.05 s per transfer.
+    eng = _engine(budget=32, blocks=7)
+    for rid in ("a", "b"):
+        eng.add_request(rid, 100, SamplingParams(max_tokens=8, ignore_eos=True), arrival_time=0.0)
+    victim = "b" if stage == "held" else "a"
+    outputs = {"a": [], "b": []}
+    steps = 0
+    while eng.stage_of(victim) != stage:
+        for out in eng.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+        assert steps < 1000, f"never reached {stage}"
+    if stage == "prefill":
+        seq = next(s for s in eng.prefill[0].core.scheduler.running if s.seq_id == victim)
+        assert 0 < seq.num_computed_tokens < 100  # mid-prompt
+    assert eng.abort(victim) and not eng.abort(victim) and eng.stage_of(victim) is None
+    n_before = len(outputs[victim])
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+        assert steps < 2000
+    after = outputs[victim][n_before:]
+    assert [o.finish_reason for o in after] == ["abort"] and after[0].new_token_ids == ()
+    survivor = "a" if victim == "b" else "b"
+    assert outputs[survivor][-1].finish_reason == "length" and len(outputs[survivor][-1].token_ids) == 8
+    assert _no_blocks_held(eng) and all(i.incoming == 0 for i in eng.instances)
+
+
+def test_request_too_long_for_the_decode_instance_is_refused_at_admission():
+    # "2:1": a TP-2 prefill instance of 40 blocks (640 tokens), a one-device decode instance of 20 (320 tokens).
+    eng = _engine("2:1", blocks=20)
+    assert [i.block_manager.num_total_blocks for i in eng.instances] == [40, 20]
+    with pytest.raises(AdmissionError, match="400 tokens need 25 KV blocks .* the cache has 20 blocks"):
+        eng.add_request("big", 300, SamplingParams(max_tokens=100))  # fits the prefill side, not the decode side
+    eng.add_request("ok", 200, SamplingParams(max_tokens=100))
+    with pytest.raises(AdmissionError, match="request_id"):
+        eng.add_request("ok", 10)
+
+
+def test_replicas_spread_prompts_and_all_finish():
+    eng = _engine("2/1:2/1", cost=CostModel())
+    loop = _run(eng, [(f"r{i}", 0.01 * i, 100 + 10 * i, 5) for i in range(12)])
+    assert len(loop.finished) == 12
+    assert {r.instance for r in eng.iteration_log} == {"prefill0", "prefill1", "decode0", "decode1"}
+    assert _no_blocks_held(eng)
+
+
+def test_split_parse_and_checks():
+    s = DisaggregationSplit.parse("2:6/2")
+    assert s.prefill == InstanceGroup(2, 2) and s.decode == InstanceGroup(6, 2) and s.decode.num_instances == 3
+    assert str(s) == "2:6/2" and s.num_devices == 8
+    for bad, words in [("2", "'P:D'"), ("a:1", "prefill side 'a'"), ("1:0", "decode side needs >= 1"),
+                       ("3/2:1", "3 is not a multiple of 2")]:
+        with pytest.raises(ValueError, match=words):
+            DisaggregationSplit.parse(bad)
+    with pytest.raises(ValueError, match=r"needs 5 devices \(3 prefill \+ 2 decode\), but only 4"):
+        DisaggregationSplit.parse("3:2").check(4, 8, 4)
+    with pytest.raises(ValueError, match="prefill side's tensor parallelism 3 does not divide the model's 8 attention"):
+        DisaggregationSplit.parse("3:1").check(4, 8, 4)
+    with pytest.raises(ValueError, match="decode side's tensor parallelism 6 and the model's 4 KV heads"):
+        DisaggregationSplit.parse("2:6").check(8, 12, 4)
+    DisaggregationSplit.parse("3/1:1").check(4, 8, 4)  # three one-device prefill instances fit
+
+
+def test_engine_config_and_the_real_engine_refuse_what_they_cannot_run():
+    assert EngineConfig(disaggregation="2:2").disaggregation == "2:2"
+    with pytest.raises(ValueError, match="disaggregation must be 'P:D'"):
+        EngineConfig(disaggregation="22")
+    with pytest.raises(ValueError, match="not with tensor_parallel_size"):
+        EngineConfig(disaggregation="2:2", tensor_parallel_size=2)
+    from sarathi_jax.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="simulator-only so far"):
+        LLMEngine(EngineConfig(disaggregation="1:1"))
+
+
+def test_kv_links_and_tensor_parallel_cost():
+    assert KV_LINKS["nvlink"].transfer_time(300_000_000) == pytest.approx(1e-3 + 5e-6)
+    assert parse_kv_link("pcie") is KV_LINKS["pcie"] and parse_kv_link("10").bandwidth == 10e9
+    with pytest.raises(ValueError, match="kv link"):
+        parse_kv_link("fast")
+    base = StepCost()
+    link = KVLink("l", bandwidth=1e6, latency_s=1e-3, source="test")
+    tp = TensorParallelCost(base, 2, link, num_layers=3, hidden_size=100, bytes_per_value=4, serial_fraction=0.2)
+
+    class Out:  # 10 prefill tokens in one chunk
+        num_prefill_tokens = 10
+        chunks = [type("C", (), {"num_new_tokens": 10})()]
+
+    # 0.2 x 0.51 + 0.8 x 0.51 / 2 + 2 x 3 x (2 x 1/2 x 10 x 100 x 4 B / 1e6 B/s + 1 ms)
+    assert tp.iteration_time(Out()) == pytest.approx(0.102 + 0.204 + 6 * (0.004 + 0.001))
+    one = TensorParallelCost(base, 1, link, num_layers=3, hidden_size=100, bytes_per_value=4)
+    assert one.iteration_time(Out()) == pytest.approx(0.51)
