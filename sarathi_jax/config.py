@@ -91,7 +91,7 @@ class EngineConfig:
         others put whole prompts into a batch, so their largest bucket is max(token_budget,
         max_num_batched_tokens or max_model_len) (sarathi_jax/sizing.py).
         None: 512, or max_num_seqs rounded up to a multiple of 16 when that is larger.
-        "auto" (needs slo_tbt_s): the largest multiple of 16 up to max_token_budget whose reference iteration a
+        "auto" (needs slo_tbt_s): the largest multiple of 16 up to max_token_budget whose worst-case iteration a
         cost model calibrated on this device predicts within slo_margin (0.9) x slo_tbt_s; "dynamic" (sarathi only, needs
         slo_tbt_s): max_token_budget is compiled, and each iteration's budget is the largest whose predicted
         time stays within slo_margin x the tightest slo_tbt_s among the running requests (sarathi_jax/scheduler/budget.py,

@@ -107,14 +107,16 @@ class LLMEngine(CoreFrontEnd):
                 cost_path, cost_model, cost_source = None, None, None
                 if isinstance(requested_budget, str):  # "auto" / "dynamic": resolve before sizing when a cost
                     top = dataclasses.replace(config, token_budget=config.budget_ceiling)  # model is at hand
-                    buckets = platform_buckets(size_engine(top, mc, kv_bytes).max_step_tokens, platform)
+                    top_sizing = size_engine(top, mc, kv_bytes)
+                    buckets = platform_buckets(top_sizing.max_step_tokens, platform)
                     cost_path = token_budget.cache_path(cache_dir, config, jax.devices()[0].device_kind, buckets)
                     cost_model, cost_source = token_budget.saved_cost_model(config, cost_path)
                     if cost_model is None:  # calibrated after warm-up, on the runner compiled for the ceiling
                         config = top
                     else:
                         config, self.budget_setup = token_budget.resolve(  # "auto": the engine is sized for its pick
-                            config, cost_model, cost_source, buckets if requested_budget == "dynamic" else None)
+                            config, cost_model, cost_source, buckets if requested_budget == "dynamic" else None,
+                            max_model_len=top_sizing.max_model_len)
                 else:
                     self.budget_setup = token_budget.BudgetSetup("fixed", requested_budget)
                 self.config = config
@@ -200,7 +202,8 @@ class LLMEngine(CoreFrontEnd):
         model = token_budget.calibrate(self.runner, self.block_manager, self.scheduler_config.max_num_seqs,
                                        self.max_model_len, source={"model": requested.model, "dtype": requested.dtype})
         source = token_budget.save_cost_model(model, cost_path)
-        self.config, self.budget_setup = token_budget.resolve(requested, model, source, self.runner.buckets)
+        self.config, self.budget_setup = token_budget.resolve(requested, model, source, self.runner.buckets,
+                                                              max_model_len=self.max_model_len)
         if self.budget_setup.budget != self.scheduler_config.token_budget:
             self.scheduler_config = dataclasses.replace(self.scheduler_config, token_budget=self.budget_setup.budget)
             self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)

@@ -30,7 +30,6 @@ from sarathi_jax.config import EngineConfig
 from sarathi_jax.cost_model import BucketCostModel, Chunk
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler.budget import (
-    REFERENCE_CONTEXT,
     REFERENCE_DECODES,
     BudgetChoice,
     IterationPredictor,
@@ -42,6 +41,7 @@ from sarathi_jax.sequence import ScheduledChunk, Sequence
 
 CACHE_SUBDIR = "sarathi-cost-models"
 CALIBRATION_REPEATS = 3  # timed runs of each batch (after one untimed); the median is kept
+CALIBRATION_CONTEXT = 512  # the decodes' context in the calibration batches (capped by max_model_len and the cache)
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,9 @@ def _ms(seconds: float | None) -> str:
 
 
 def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: str | None = None,
-            compiled_buckets: SequenceOf[int] | None = None) -> tuple[EngineConfig, BudgetSetup]:
-    """`config` with token_budget an integer, and how it was set. "auto" and "dynamic" need `predictor`.
+            compiled_buckets: SequenceOf[int] | None = None, *, max_model_len: int) -> tuple[EngineConfig, BudgetSetup]:
+    """`config` with token_budget an integer, and how it was set. "auto" and "dynamic" need `predictor`;
+    `max_model_len` is the engine's (sized), the longest context "auto" must hold the target at.
 
     A `BucketCostModel` pads a batch to buckets: to `compiled_buckets`, those of an engine already compiled
     (after a start-up calibration) or of the one "dynamic" compiles for max_token_budget; None ("auto" before
@@ -100,7 +101,7 @@ def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: 
         predictor = predictor.with_buckets(compiled_buckets or range(TILE, top + 1, TILE))
     if mode == "auto":
         choice = pick_auto_budget(predictor, config.slo_tbt_s, max_budget=top, max_num_seqs=config.max_num_seqs,
-                                  margin=config.slo_margin)
+                                  max_model_len=max_model_len, margin=config.slo_margin)
         return (dataclasses.replace(config, token_budget=choice.budget),
                 BudgetSetup("auto", choice.budget, choice, config.slo_tbt_s, source))
     policy = SloTokenBudget(predictor, max_budget=top, default_slo_tbt_s=config.slo_tbt_s, margin=config.slo_margin)
@@ -128,7 +129,7 @@ def cache_path(cache_dir: str | None, config: EngineConfig, device_kind: str, bu
         model = f"{model}:{stamp}"
     key = json.dumps([model, config.dtype, config.attention_backend, device_kind, config.scan_layers,
                       config.tensor_parallel_size, config.pipeline_parallel_size, config.block_size,
-                      list(buckets), config.max_num_seqs, REFERENCE_CONTEXT])
+                      list(buckets), config.max_num_seqs, CALIBRATION_CONTEXT])
     return Path(cache_dir) / CACHE_SUBDIR / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
@@ -181,7 +182,7 @@ def calibration_batches(buckets: SequenceOf[int], max_num_seqs: int, max_len: in
             continue
         d = min(REFERENCE_DECODES, max_num_seqs - 1, b // 2)  # and a prefill chunk: max_num_seqs sequences
         room = (free_blocks - -(-b // block_size)) // max(d, 1) * block_size - 1  # each decode's context
-        context = min(REFERENCE_CONTEXT, max_len - b - 1, room)
+        context = min(CALIBRATION_CONTEXT, max_len - b - 1, room)
         out.append([Chunk(0, b)])
         if context >= 1 and d:
             out.append([Chunk(context, 1) for _ in range(d)] + ([Chunk(0, b - d)] if b > d else []))

@@ -3,6 +3,7 @@ DisaggregatedSimEngine (--simulate --disaggregation P:D)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,9 +75,12 @@ def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None
     source = ((cost_model.source.get("path") or "--cost-model") if isinstance(cost_model, BucketCostModel)
               else "the simulator's default")
     # "auto": the engine is sized for its pick; "dynamic": it pads to the ladder compiled for max_token_budget.
+    kv_bytes = tp * (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
+    top_len = size_engine(dataclasses.replace(config, token_budget=config.budget_ceiling), mc, kv_cache_bytes=kv_bytes)
     config, setup = token_budget.resolve(config, predictor, source,
-                                         top_buckets if config.token_budget == "dynamic" else None)
-    sizing = size_engine(config, mc, kv_cache_bytes=tp * (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES))
+                                         top_buckets if config.token_budget == "dynamic" else None,
+                                         max_model_len=top_len.max_model_len)
+    sizing = size_engine(config, mc, kv_cache_bytes=kv_bytes)
     if isinstance(cost_model, BucketCostModel):
         cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))
     if cost_model is not None or tp > 1:

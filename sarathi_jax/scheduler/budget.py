@@ -8,8 +8,11 @@ largest multiple of `TILE` tokens whose predicted time is at most `margin` x the
 fit's error, the host's own time per iteration, noise. A budget never goes below the decodes it must hold, so running decodes always fit (stall-free): when
 even they alone are predicted over the target, the budget is just big enough for them.
 
-"auto" predicts a reference iteration of B tokens (`reference_batch`): min(REFERENCE_DECODES, max_num_seqs,
-B // 2) decodes at context REFERENCE_CONTEXT, and a prefill chunk of the rest starting at that context.
+"auto" predicts a worst-case iteration of B tokens (`reference_batch`): min(REFERENCE_DECODES, max_num_seqs - 1,
+B // 2) decodes at the longest context a request may reach (max_model_len), and a prefill chunk of the rest
+ending there. It thus holds the target whatever the contexts, and is conservative where they stay short (a
+fixed 512-token reference picked budgets whose iterations overran the target on longer traces: docs/results-cpu.md
+section 15).
 "dynamic" predicts the iteration it is about to build: the ready decodes at their own contexts, and a prefill
 chunk of the rest starting where the earliest running prefill stands (0 when none: a new prompt). Its target is
 the tightest `slo_tbt_s` among the running requests that have produced a token (a request without its own
@@ -28,7 +31,6 @@ from sarathi_jax.sequence import Sequence
 TILE = 16  # budgets are multiples of a matmul tile of rows (EngineConfig's rule for token_budget)
 DEFAULT_MARGIN = 0.9
 REFERENCE_DECODES = 32
-REFERENCE_CONTEXT = 512
 
 
 class IterationPredictor(Protocol):
@@ -82,18 +84,20 @@ def largest_budget(predict: Callable[[int], float], limit_s: float, lo: int, hi:
     return good
 
 
-def reference_batch(budget: int, max_num_seqs: int, context: int = REFERENCE_CONTEXT) -> tuple[list[int], int, int]:
-    """"auto"'s reference iteration of `budget` tokens, as `mixed_batch_time`'s arguments."""
+def reference_batch(budget: int, max_num_seqs: int, max_model_len: int) -> tuple[list[int], int, int]:
+    """"auto"'s worst-case iteration of `budget` tokens, as `mixed_batch_time`'s arguments: the decodes at the
+    last position a request may reach, the prefill chunk ending at max_model_len."""
     num_decodes = min(REFERENCE_DECODES, max_num_seqs - 1, budget // 2)  # and the prefill chunk: max_num_seqs
-    return [context] * num_decodes, context, budget - num_decodes
+    chunk = budget - num_decodes
+    return [max_model_len - 1] * num_decodes, max(0, max_model_len - chunk), chunk
 
 
 def pick_auto_budget(predictor: IterationPredictor, slo_tbt_s: float, *, max_budget: int, max_num_seqs: int,
-                     margin: float = DEFAULT_MARGIN, context: int = REFERENCE_CONTEXT) -> BudgetChoice:
-    """token_budget="auto": the largest budget in [max_num_seqs rounded up to TILE, max_budget] whose reference
-    iteration is predicted within margin x slo_tbt_s."""
+                     max_model_len: int, margin: float = DEFAULT_MARGIN) -> BudgetChoice:
+    """token_budget="auto": the largest budget in [max_num_seqs rounded up to TILE, max_budget] whose worst-case
+    iteration (`reference_batch`) is predicted within margin x slo_tbt_s."""
     def predict(b: int) -> float:
-        return predictor.mixed_batch_time(*reference_batch(b, max_num_seqs, context))
+        return predictor.mixed_batch_time(*reference_batch(b, max_num_seqs, max_model_len))
 
     lo = min(max(TILE, round_up(max_num_seqs)), max_budget)
     budget = largest_budget(predict, margin * slo_tbt_s, lo, max_budget)

@@ -46,20 +46,30 @@ class Linear:
 
 def test_auto_picks_the_known_answer():
     # 0.01 + 1e-4 x B <= 0.9 x 0.05 = 0.045  <=>  B <= 350: the largest multiple of 16 is 336.
-    choice = pick_auto_budget(Linear(), 0.05, max_budget=2048, max_num_seqs=8)
+    choice = pick_auto_budget(Linear(), 0.05, max_budget=2048, max_num_seqs=8, max_model_len=1024)
     assert (choice.budget, choice.meets) == (336, True)
     assert choice.predicted_s == pytest.approx(0.01 + 336e-4)
-    assert pick_auto_budget(Linear(), 10.0, max_budget=512, max_num_seqs=8).budget == 512  # everything fits
-    tight = pick_auto_budget(Linear(), 0.001, max_budget=512, max_num_seqs=40)  # nothing fits: room for the seqs
+    assert pick_auto_budget(Linear(), 10.0, max_budget=512, max_num_seqs=8, max_model_len=1024).budget == 512  # everything fits
+    tight = pick_auto_budget(Linear(), 0.001, max_budget=512, max_num_seqs=40, max_model_len=1024)  # nothing fits: room for the seqs
     assert (tight.budget, tight.meets) == (48, False)
-    assert pick_auto_budget(Linear(), 0.05, max_budget=2048, max_num_seqs=8, margin=1.0).budget == 400
+    assert pick_auto_budget(Linear(), 0.05, max_budget=2048, max_num_seqs=8, max_model_len=1024, margin=1.0).budget == 400
 
 
-def test_auto_reference_batch_holds_decodes_and_a_prefill_chunk():
-    positions, start, tokens = reference_batch(256, max_num_seqs=8)
-    assert len(positions) == 7 and len(positions) + tokens == 256 and start == positions[0] == 512
-    positions, _, tokens = reference_batch(16, max_num_seqs=128)
+def test_auto_reference_batch_is_the_worst_case_iteration():
+    positions, start, tokens = reference_batch(256, max_num_seqs=8, max_model_len=1024)
+    assert len(positions) == 7 and len(positions) + tokens == 256
+    assert positions == [1023] * 7 and start + tokens == 1024  # decodes at the last position, the chunk ends there
+    positions, _, tokens = reference_batch(16, max_num_seqs=128, max_model_len=1024)
     assert len(positions) == 8 and tokens == 8
+
+
+def test_auto_holds_the_target_at_the_longest_context():
+    # Keys cost too: the same target admits a smaller budget when requests may grow longer.
+    model = Linear(per_key_s=1e-7)
+    short = pick_auto_budget(model, 0.05, max_budget=2048, max_num_seqs=8, max_model_len=512)
+    long = pick_auto_budget(model, 0.05, max_budget=2048, max_num_seqs=8, max_model_len=4096)
+    assert short.meets and long.meets and long.budget < short.budget
+    assert long.predicted_s == pytest.approx(model.mixed_batch_time(*reference_batch(long.budget, 8, 4096)))
 
 
 def test_auto_with_a_bucket_cost_model_predicts_each_candidate_as_its_own_top_bucket():
@@ -67,13 +77,14 @@ def test_auto_with_a_bucket_cost_model_predicts_each_candidate_as_its_own_top_bu
     batch to B, so the answer is the linear model's 336, not a measured bucket."""
     model = BucketCostModel({16: 0.01 + 16e-4, 1024: 0.01 + 1024e-4}, 0.0, 0.0)
     config = EngineConfig(token_budget="auto", slo_tbt_s=0.05, max_token_budget=1024, max_num_seqs=8)
-    resolved, setup = token_budget.resolve(config, model, "test")
+    resolved, setup = token_budget.resolve(config, model, "test", max_model_len=1024)
     assert resolved.token_budget == setup.budget == 336 and setup.mode == "auto"
     assert "token budget auto 336" in setup.describe() and "<= 0.9 x TBT target 50 ms" in setup.describe()
     looser = dataclasses.replace(config, slo_margin=1.0)  # 0.01 + 1e-4 x B <= 0.05  <=>  B <= 400
-    assert token_budget.resolve(looser, model, "test")[0].token_budget == 400
+    assert token_budget.resolve(looser, model, "test", max_model_len=1024)[0].token_budget == 400
     dynamic, setup = token_budget.resolve(EngineConfig(token_budget="dynamic", slo_tbt_s=0.05, max_token_budget=1024,
-                                                       max_num_seqs=8), model, "test", (16, 512, 1024))
+                                                       max_num_seqs=8), model, "test", (16, 512, 1024),
+                                          max_model_len=1024)
     assert dynamic.token_budget == 1024 and setup.policy is not None and setup.policy.max_budget == 1024
     assert setup.policy.margin == 0.9 and "<= 0.9 x the tightest running TBT target" in setup.describe()
 
