@@ -1,6 +1,5 @@
-"""Builds the CPU kernels at install time, XLA FFI custom calls: the attention kernel
-(`pallas_kernels/cpu/ragged_paged_attention.cc`) and the small-M matmul of decode steps
-(`pallas_kernels/cpu/small_m_matmul.cc`); everything else is in pyproject.toml.
+"""Builds the CPU attention kernel (`pallas_kernels/cpu/ragged_paged_attention.cc`, an XLA FFI custom call) at
+install time; everything else is in pyproject.toml.
 
 The kernel needs a C++17 compiler and XLA's FFI headers, which jaxlib ships (`jax.ffi.include_dir()`; the
 build environment gets jaxlib from `[build-system] requires`). It is optional: where it cannot be built the
@@ -48,17 +47,14 @@ def _extensions() -> list[Extension]:
         return []
     flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
     flags += [f for f in ("-march=native",) if _accepts(f)]
-    # The matmul's sums are fused multiply-adds (ISO C++ modes leave contraction off).
-    kernels = {"_cpu_attention": ("ragged_paged_attention.cc", []),
-               "_cpu_matmul": ("small_m_matmul.cc", ["-ffp-contract=fast"])}
     return [Extension(
-        f"pallas_kernels.{name}",
-        sources=[f"pallas_kernels/cpu/{source}"],
+        "pallas_kernels._cpu_attention",
+        sources=["pallas_kernels/cpu/ragged_paged_attention.cc"],
         include_dirs=[include],
-        extra_compile_args=flags + extra,
+        extra_compile_args=flags,
         language="c++",
-        optional=True,  # a failed build is a warning; the jnp path (or XLA's own dot) serves instead
-    ) for name, (source, extra) in kernels.items()]
+        optional=True,  # a failed build is a warning; the jnp path serves instead
+    )]
 
 
 setup(ext_modules=_extensions())

@@ -5,10 +5,15 @@ XLA:CPU hands a dot to YNNPACK, which packs the dot's right operand into its til
 it is a constant). The layers keep their weights `[in, out]` on the right, so at decode's M (1-64 rows) each
 step may copy every weight before reading it. Formulations, each jitted, timed round-robin in one process:
 
-  row          `x [M, K] @ W [K, N]` (the model's layers today)
-  left+T       `(Wt [N, K] @ x^T).T`: the weight stored transposed, as the left operand; the result moved back
-  feature      `Wt [N, K] @ xt [K, M]`: activations kept feature-major, no transposes at all
-  ffi          the C++ small-M matmul (`pallas_kernels.cpu_matmul`), where it is built
+  row          `x [M, K] @ W [K, N]` (the layers' formulation before out-major weights)
+  left+T       `(Wt [N, K] @ x^T).T`: the weight stored out-major `[N, K]` (HF's layout), as the left operand,
+               the result transposed back through an optimization barrier (without it XLA folds the
+               transpose into the dot and emits `row` again)
+  feature      `Wt [N, K] @ xt [K, M]`: activations kept feature-major, no transposes at all (a lower bound of
+               the weight-left forms)
+
+A C++ XLA-FFI small-M matmul that reads `W [K, N]` in place was tried too (commit f00a550, removed after): on
+this machine it did not beat `left+T` (docs/results-cpu.md §11).
 
 Two tables: one matmul per shape (weight passed as an argument), and a stack of `--layers` layers
 (`lax.scan` over stacked weights, the way the model runs them: qkv, o, gate+up, down with their elementwise
@@ -45,29 +50,32 @@ def projection_shapes(hidden: int, mlp: int, heads: int, kv_heads: int, head_dim
             "gate_up": (hidden, 2 * mlp), "down": (mlp, hidden)}
 
 
+FORMS = ("row", "left+T", "feature")
+
+
+def left_t(x: jax.Array, wt: jax.Array) -> jax.Array:
+    """`x [M, K] @ wt[N, K]^T` with the weight as the dot's left operand, `[M, N]`."""
+    yt = jax.lax.dot_general(wt, x, (((1,), (1,)), ((), ())), precision=HIGHEST)
+    return jax.lax.optimization_barrier(yt).T
+
+
 def matmul_formulations() -> dict[str, Callable[..., Any]]:
     """name -> jitted (x or xt, W or Wt) -> y or yt."""
     return {
         "row": jax.jit(lambda x, w: jnp.dot(x, w, precision=HIGHEST)),
-        "left+T": jax.jit(lambda x, wt: jnp.dot(wt, x.T, precision=HIGHEST).T),
+        "left+T": jax.jit(left_t),
         "feature": jax.jit(lambda xt, wt: jnp.dot(wt, xt, precision=HIGHEST)),
     }
 
 
-def layer_stack(form: str, shapes: dict[str, tuple[int, int]], mlp: int,
-                matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> Callable[..., Any]:
+def layer_stack(form: str, shapes: dict[str, tuple[int, int]], mlp: int) -> Callable[..., Any]:
     """A jitted scan over stacked weights of the four matmuls with a layer's elementwise glue (residuals,
-    SiLU-gate), `x [M, hidden]` in and out, in formulation `form` (weights `[L, K, N]` for row/ffi, `[L, N, K]`
+    SiLU-gate), `x [M, hidden]` in and out, in formulation `form` (weights `[L, K, N]` for row, `[L, N, K]`
     for left+T and feature)."""
     q_width = shapes["o"][0]
 
     def mm(h: jax.Array, w: jax.Array) -> jax.Array:
-        if form == "row":
-            return jnp.dot(h, w, precision=HIGHEST)
-        if form == "left+T":
-            return jnp.dot(w, h.T, precision=HIGHEST).T
-        assert matmul is not None
-        return matmul(h, w)
+        return jnp.dot(h, w, precision=HIGHEST) if form == "row" else left_t(h, w)
 
     def body_rows(x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         w_qkv, w_o, w_gu, w_down = ws
@@ -86,13 +94,6 @@ def layer_stack(form: str, shapes: dict[str, tuple[int, int]], mlp: int,
     if form == "feature":
         return jax.jit(lambda x, ws: jax.lax.scan(body_features, x.T, ws)[0].T)
     return jax.jit(lambda x, ws: jax.lax.scan(body_rows, x, ws)[0])
-
-
-def ffi_matmul() -> Callable[[jax.Array, jax.Array], jax.Array] | None:
-    """The C++ small-M matmul where it is built (None elsewhere)."""
-    from pallas_kernels.cpu_matmul import cpu_matmul_status, small_m_matmul
-
-    return small_m_matmul if cpu_matmul_status() is None else None
 
 
 def timed(calls: dict[Any, Callable[[], Any]], repeats: int) -> dict[Any, list[float]]:
@@ -132,8 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(m) for m in args.rows.split(",")]
     bandwidth = memory_bandwidth(256, 5).read_bytes_per_s
     print(f"device: {jax.devices()[0].device_kind}, read bandwidth (jitted reduction, best): {bandwidth / 1e9:.1f} GB/s")
-    ffi = ffi_matmul()
-    forms = list(matmul_formulations()) + (["ffi"] if ffi is not None else [])
+    forms = list(FORMS)
     header = ["case", *(f"{f} median / best ms" for f in forms), "floor ms", "best x floor"]
     rng = np.random.default_rng(0)
     for model in args.models.split(","):
@@ -142,8 +142,6 @@ def main(argv: list[str] | None = None) -> None:
         shapes = projection_shapes(hidden, mlp, heads, kv_heads, head_dim)
         if not args.no_single:
             single = matmul_formulations()
-            if ffi is not None:
-                single["ffi"] = jax.jit(ffi)
             table = []
             for name, (k, n) in shapes.items():
                 w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                 for m in rows:
                     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
                     xt = jnp.asarray(np.ascontiguousarray(np.asarray(x).T))
-                    args_of = {"row": (x, w), "left+T": (x, wt), "feature": (xt, wt), "ffi": (x, w)}
+                    args_of = {"row": (x, w), "left+T": (x, wt), "feature": (xt, wt)}
                     for f in forms:
                         calls[(m, f)] = lambda f=f, a=args_of[f]: single[f](*a)
                 times = timed(calls, args.repeats)
@@ -163,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             print(format_table(header, table))
         ws = tuple(jnp.asarray(rng.standard_normal((layers, k, n), dtype=np.float32) * 0.02) for k, n in shapes.values())
         ws_t = tuple(jnp.asarray(np.ascontiguousarray(np.swapaxes(np.asarray(w), 1, 2))) for w in ws)
-        stacks = {f: layer_stack(f, shapes, mlp, ffi if f == "ffi" else None) for f in forms}
+        stacks = {f: layer_stack(f, shapes, mlp) for f in forms}
         calls = {}
         for m in rows:
             x = jnp.asarray(rng.standard_normal((m, hidden), dtype=np.float32))
