@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-# The most rows of a step that take the weight as the left operand (a step's token bucket; decode buckets and
-# the smaller mixed ones). Above it `x . W^T`, which measured as fast as the in-major `x @ W` at 512 rows.
-LEFT_MAX_ROWS = 128
+# The most rows of a step (its token bucket) that take the weight as the left operand. Over a stack of the 60M
+# Llama's layers it led at 4-32 rows, tied at 64 and lost from 256; `x . W^T` tied the in-major `x @ W` at 64-512
+# rows (`layer_matmul_cost` and an ad hoc scan of 64-256 rows, a loaded machine).
+LEFT_MAX_ROWS = 64
 
 
 def out_major_product(x: jax.Array, kernel: jax.Array, num_contracting: int, precision: Any) -> jax.Array:
