@@ -18,7 +18,7 @@ Where each piece lives:
     llama.py         the Llama family (Llama, Mistral, Qwen2, Qwen3) and its HF parameter mapping
     falcon.py        FalconForCausalLM and its HF parameter mapping (fused QKV split)
     families.py      the one architecture -> family lookup: get_model, param_shapes, param_logical_axes,
-                     param_plan, and the checkpoint layout's shapes and logical axes
+                     param_plan, the checkpoint layout's shapes and logical axes, and to_out_major
     param_source.py  ParamSource: a parameter's HF tensor and reshape, as data
     loader.py        load_model; safetensors and Orbax loading
     random_init.py   init_random_params: seeded random weights drawn on the device, into the given shardings
@@ -46,7 +46,7 @@ _EXPORTS = {
     "stack_layer_params": "layers",
     "unstack_layer_params": "layers",
     "fuse_projections": "fusion",
-    "to_out_major": "out_major",
+    "to_out_major": "families",
     "use_out_major": "out_major",
     "LlamaForCausalLM": "llama",
     "FalconForCausalLM": "falcon",

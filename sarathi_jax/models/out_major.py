@@ -13,7 +13,7 @@ right again). `python -m sarathi_jax.bench.probes.layer_matmul_cost` measured it
 packing is amortised.
 
 The engine's checkpoints and the loader keep `[in..., out...]`: a single-device CPU runner moves the loaded
-weights once (`to_out_major`), GPUs and tensor/pipeline-parallel runs keep the layout they had. The sums are
+weights once (`families.to_out_major`), GPUs and tensor/pipeline-parallel runs keep the layout they had. The sums are
 the same products in another order (float32 rounding apart).
 """
 
@@ -21,10 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 # The most rows of a step (its token bucket) that take the weight as the left operand. Over a stack of the 60M
 # Llama's layers it led at 4-32 rows, tied at 64 and lost from 256; `x . W^T` tied the in-major `x @ W` at 64-512
@@ -51,24 +48,3 @@ def out_major_product(x: jax.Array, kernel: jax.Array, num_contracting: int, pre
 def use_out_major(platform: str) -> bool:
     """Whether a single-device runner on `platform` stores its projection weights out-major: on a CPU."""
     return platform == "cpu"
-
-
-def to_out_major(model: nn.Module, params: Any) -> tuple[nn.Module, Any]:
-    """`model` (a `PagedDecoderLM`) with out-major projections, and `params` (of `model`, in-major) moved to
-    that layout: every parameter whose logical axes differ between the two is transposed to the new order
-    (the projection kernels; stacked layers keep their leading axis first)."""
-    from sarathi_jax.models.families import dummy_inputs  # families imports the model modules, which import this
-
-    out_model = model.clone(out_major_projections=True)
-    inputs = dummy_inputs(model.config, model.dtype)
-
-    def axes(m: nn.Module) -> Any:
-        return nn.get_partition_spec(jax.eval_shape(lambda: m.init(jax.random.key(0), *inputs))["params"])
-
-    def move(x: jax.Array, src: PartitionSpec, dst: PartitionSpec) -> jax.Array:
-        if tuple(src) == tuple(dst):
-            return x
-        return jnp.transpose(x, [tuple(src).index(name) for name in dst])
-
-    is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
-    return out_model, jax.tree.map(move, params, axes(model), axes(out_model), is_leaf=lambda s: is_spec(s))
