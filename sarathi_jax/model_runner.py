@@ -39,7 +39,7 @@ import numpy as np
 from sarathi_jax.config import EngineConfig, resolve_dtype, resolve_scan_layers
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.input_batch import InputBatch
-from sarathi_jax.models import ModelConfig, get_model, init_kv_cache
+from sarathi_jax.models import ModelConfig, get_model, init_kv_cache, to_out_major, use_out_major
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.parallel.pipeline import PipelineTimeline
 from sarathi_jax.parallel.stages import LMHead, Stage, build_stages, copy_to_every_process, local_copy
@@ -106,17 +106,8 @@ class ModelRunner:
 
     _step_observer: StepObserver | None = None  # see `observe_steps`
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        params: dict,
-        config: EngineConfig,
-        sizing: EngineSizing,
-        *,
-        attention_fn: Callable,
-        plan: Any = None,
-        executable_cache: ExecutableCache | None = None,
-    ) -> None:
+    def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig, sizing: EngineSizing, *,
+                 attention_fn: Callable, plan: Any = None, executable_cache: ExecutableCache | None = None) -> None:
         """`config` as the engine resolved it, or with "auto" and None left for this platform to decide (dtype,
         scan_layers); `sizing` (`sizing.size_engine`) gives the KV blocks, max_model_len and the largest step,
         whose token buckets are this platform's (`sizing.platform_buckets`). `attention_fn`: the kernel that
@@ -147,6 +138,9 @@ class ModelRunner:
                     stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
             if self.plan is None:
                 self.model = self.stages[0].model
+        if self.plan is None and use_out_major(platform):  # projection weights [out, in] (`models/out_major.py`)
+            self.model, self.stages[0].params = to_out_major(self.model, self.stages[0].params)
+            self.stages[0].model = self.model
         # Executables built ahead of time, what is ready (until `warmup`: everything, compiled on first run).
         self._table = ExecutableTable(self.buckets, len(self.stages), self.row_ladder)
         self._capture_logits = False

@@ -12,12 +12,13 @@ Where each piece lives:
     attention.py     the paged KV cache: AttentionMetadata, write_kv, init_kv_cache
     layers.py        the layers the decoders share: projections, RMSNorm, RoPE, paged self-attention, the
                      decoder itself (`PagedDecoderLM`), stack/unstack of the scanned layer params
+    out_major.py     projection weights stored [out, in] on a CPU (the weight as the dot's left operand)
     fusion.py        fused q/k/v and gate/up projections: the checkpoint layout (separate) -> the model's,
                      `fuse_projections`, applied once at load time
     llama.py         the Llama family (Llama, Mistral, Qwen2, Qwen3) and its HF parameter mapping
     falcon.py        FalconForCausalLM and its HF parameter mapping (fused QKV split)
     families.py      the one architecture -> family lookup: get_model, param_shapes, param_logical_axes,
-                     param_plan, and the checkpoint layout's shapes and logical axes
+                     param_plan, the checkpoint layout's shapes and logical axes, and to_out_major
     param_source.py  ParamSource: a parameter's HF tensor and reshape, as data
     loader.py        load_model; safetensors and Orbax loading
     random_init.py   init_random_params: seeded random weights drawn on the device, into the given shardings
@@ -45,6 +46,8 @@ _EXPORTS = {
     "stack_layer_params": "layers",
     "unstack_layer_params": "layers",
     "fuse_projections": "fusion",
+    "to_out_major": "families",
+    "use_out_major": "out_major",
     "LlamaForCausalLM": "llama",
     "FalconForCausalLM": "falcon",
     "MODEL_FAMILIES": "families",

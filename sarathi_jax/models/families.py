@@ -3,6 +3,7 @@
     family = model_family(config)                        # ValueError for an unsupported architecture
     model = family.get_model(config, dtype, attention_fn)
     family.param_shapes(config, dtype), family.param_logical_axes(config), family.param_plan(config)
+    model, params = to_out_major(model, params)          # projection weights [out, in] (`out_major.py`)
 
 `param_shapes` and `param_logical_axes` describe the model's own (serving) parameters; `checkpoint_param_shapes`
 and `checkpoint_param_logical_axes` the checkpoint layout, with separate q/k/v and gate/up (`fusion.py`), which
@@ -21,6 +22,7 @@ from typing import Any, Callable, Iterable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from pallas_kernels import ragged_paged_attention_xla
 from sarathi_jax.models import falcon, llama
@@ -125,3 +127,22 @@ def dummy_inputs(config: ModelConfig, dtype: Any = jnp.float32) -> tuple[Any, ..
     kv_cache = init_kv_cache(config, num_blocks=1, block_size=1, dtype=dtype)
     token_ids = jnp.zeros((1,), jnp.int32)
     return token_ids, jnp.zeros((1,), jnp.int32), kv_cache, metadata, jnp.zeros((1,), jnp.int32)
+
+
+def to_out_major(model: nn.Module, params: Any) -> tuple[nn.Module, Any]:
+    """`model` (a `PagedDecoderLM`) with out-major projections (`out_major.py`: what a single-device CPU runner
+    uses), and `params` (of `model`, in-major) moved to that layout: every parameter whose logical axes differ
+    between the two is transposed to the new order (the projection kernels; stacked layers keep their leading
+    axis first). Scanned or unrolled, as `model` is."""
+    out_model = model.clone(out_major_projections=True)
+    inputs = dummy_inputs(model.config, model.dtype)
+
+    def axes(m: nn.Module) -> Any:
+        return nn.get_partition_spec(jax.eval_shape(lambda: m.init(jax.random.key(0), *inputs))["params"])
+
+    def move(x: jax.Array, src: PartitionSpec, dst: PartitionSpec) -> jax.Array:
+        if tuple(src) == tuple(dst):
+            return x
+        return jnp.transpose(x, [tuple(src).index(name) for name in dst])
+
+    return out_model, jax.tree.map(move, params, axes(model), axes(out_model))

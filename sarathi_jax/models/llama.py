@@ -57,13 +57,16 @@ class MLP(nn.Module):
 
     config: ModelConfig
     dtype: Any = jnp.float32
+    out_major: bool = False  # weights stored [out..., in...] (`layers.Projection`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         embed, mlp = self.config.hidden_size, self.config.intermediate_size
-        gate_up = Projection((embed, 2, mlp), ("embed", "gate_up", "mlp"), dtype=self.dtype, name="gate_up_proj")(x)
+        gate_up = Projection((embed, 2, mlp), ("embed", "gate_up", "mlp"), dtype=self.dtype, out_major=self.out_major,
+                             name="gate_up_proj")(x)
         gate, up = split_gate_up(gate_up)  # [T, 2, mlp] -> [T, mlp] twice
-        return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+        return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, out_major=self.out_major,
+                          name="down_proj")(nn.silu(gate) * up)
 
 
 class DecoderLayer(PagedDecoderLayer):
@@ -75,12 +78,13 @@ class DecoderLayer(PagedDecoderLayer):
     ) -> tuple[jax.Array, KVCache]:
         c = self.config
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="input_layernorm")(x)
-        attn_out, kv_cache = PagedSelfAttention(c, self.attention_fn, dtype=self.dtype, name="self_attn")(
+        attn_out, kv_cache = PagedSelfAttention(c, self.attention_fn, dtype=self.dtype, out_major=self.out_major,
+                                                name="self_attn")(
             h, cos, sin, kv_cache, layer, metadata
         )
         x = x + attn_out
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="post_attention_layernorm")(x)
-        x = x + MLP(c, dtype=self.dtype, name="mlp")(h)
+        x = x + MLP(c, dtype=self.dtype, out_major=self.out_major, name="mlp")(h)
         return x, kv_cache
 
 

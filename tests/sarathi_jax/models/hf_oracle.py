@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from sarathi_jax.models import AttentionMetadata, ModelConfig, load_model
+from sarathi_jax.models import AttentionMetadata, ModelConfig, get_model, load_model, to_out_major
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,3 +99,10 @@ def float32_loader(checkpoint: Callable[[str], Path]) -> Callable[[str], tuple[P
         return cache[name]
 
     return get
+
+
+def model_in_layout(config: ModelConfig, params: Any, out_major: bool) -> tuple[Any, Any]:
+    """The float32 model and its params, with the projection weights in-major (the checkpoint's layout) or
+    moved out-major (what a CPU runner uses: `sarathi_jax.models.out_major`)."""
+    model = get_model(config, jnp.float32)
+    return to_out_major(model, params) if out_major else (model, params)

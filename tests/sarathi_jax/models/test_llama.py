@@ -38,7 +38,9 @@ from sarathi_jax.models import (
 )
 from sarathi_jax.models.presets import CPU_PRESETS
 from sarathi_jax.models.layers import unstack_layer_params
-from tests.sarathi_jax.models.hf_oracle import Chunk, float32_loader, hf_logits, make_step, prompt, rel_err
+from tests.sarathi_jax.models.hf_oracle import (
+    Chunk, float32_loader, hf_logits, make_step, model_in_layout, prompt, rel_err,
+)
 from tests.sarathi_jax.models.hf_oracle import full_float32_matmuls  # noqa: F401  (autouse fixture)
 
 ARCHITECTURES = ("llama", "llama3", "llama-mqa", "mistral", "qwen2", "qwen3")
@@ -55,9 +57,10 @@ def loaded(hf_checkpoint):
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_full_prompt_matches_hf(loaded, name):
+@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
+def test_full_prompt_matches_hf(loaded, name, out_major):
     folder, config, params = loaded(name)
-    model = get_model(config, jnp.float32)
+    model, params = model_in_layout(config, params, out_major)
     block_size, num_blocks = 4, 8
     ids = prompt(config, 21, seed=1)
     kv_cache = init_kv_cache(config, num_blocks, block_size, jnp.float32)
@@ -76,9 +79,10 @@ def test_full_prompt_matches_hf(loaded, name):
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_ragged_batch_matches_hf(loaded, name):
+@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
+def test_ragged_batch_matches_hf(loaded, name, out_major):
     folder, config, params = loaded(name)
-    model = get_model(config, jnp.float32)
+    model, params = model_in_layout(config, params, out_major)
     block_size = 4
     seq_a, seq_b = prompt(config, 7, seed=2), prompt(config, 13, seed=3)
     kv_cache = init_kv_cache(config, 16, block_size, jnp.float32)
@@ -92,10 +96,11 @@ def test_ragged_batch_matches_hf(loaded, name):
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_chunked_prefill_and_decode_match_hf(loaded, name):
+@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
+def test_chunked_prefill_and_decode_match_hf(loaded, name, out_major):
     """Prefill 12 + 7 tokens through the paged cache (shuffled block table), then decode 1 token."""
     folder, config, params = loaded(name)
-    model = get_model(config, jnp.float32)
+    model, params = model_in_layout(config, params, out_major)
     apply = jax.jit(model.apply, donate_argnums=(3,))
     block_size, num_blocks = 4, 12
     ids = prompt(config, 20, seed=4)
