@@ -202,9 +202,9 @@ class BackgroundBuild:
     """Runs `builds` (in order, on `threads` daemon threads) until done or cancelled.
 
     `cancel()` stops it between two builds (an XLA compile in flight cannot be interrupted); it is called
-    when `owner` is collected; `stop()`, also run at interpreter exit, cancels and waits for the builds in flight. A failed build
-    is kept in `error` (and re-raised by `wait`); the others go on. `seconds` is the time from `start` to
-    the last build's end.
+    when `owner` is collected; `stop()`, also run at interpreter exit, cancels and waits for the builds in
+    flight. A failed build is kept in `error` (and re-raised by `wait`); the others go on. `seconds` is the
+    time from `start` to the last build's end.
     """
 
     def __init__(self, builds: Sequence[Callable[[], Any]], threads: int, owner: Any) -> None:
