@@ -57,58 +57,71 @@ constexpr int kTileVectors = kTile / kChunk;
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+// The inner products and the softmax run on the machine's own vectors (`vnat`), not on v16f: without AVX-512,
+// GCC keeps 64-byte generic vectors in memory and moves their halves through general registers (an
+// accumulator loop of v16f ran several times slower than the same loop on pairs of 8-wide vectors). A v16f
+// in memory is kSplit native vectors. kNativeRegisters sizes the register blocks: AVX-512 has 32 registers of
+// 16 floats, AVX2 16 of 8.
+#if defined(__AVX512F__)
+typedef float vnat __attribute__((vector_size(64)));
+typedef int32_t vnat_i __attribute__((vector_size(64)));
+constexpr int kNativeRegisters = 32;
+#else
+typedef float vnat __attribute__((vector_size(32)));
+typedef int32_t vnat_i __attribute__((vector_size(32)));
+constexpr int kNativeRegisters = 16;
+#endif
+constexpr int kSplit = int(sizeof(v16f) / sizeof(vnat));
+constexpr int kNativeLanes = int(sizeof(vnat) / sizeof(float));
+
+
 constexpr float kMaskValue = -0.7f * std::numeric_limits<float>::max();
 
 inline v16f splat(float x) { return v16f{} + x; }
 
 // exp(x) for x <= 0 (scores minus their running max), branch-free so that it vectorises: Cephes' expf range
 // reduction and polynomial (about 1 ulp); exp(x) is 0 below -87.
-inline v16f exp_v(v16f x) {
-  const v16f lo = splat(-87.3f);
-  v16f below = x < lo ? splat(0.0f) : splat(1.0f);
+template <typename V, typename VI>
+inline V exp_v(V x) {
+  const V lo = V{} - 87.3f;
+  V below = x < lo ? V{} : V{} + 1.0f;
   x = x < lo ? lo : x;
   // n = round(x / ln 2) via the 1.5 * 2^23 trick (|x / ln 2| < 2^22).
-  v16f t = x * 1.44269504088896341f + 12582912.0f;
-  v16f n = t - 12582912.0f;
-  v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f r2 = r * r;
-  v16f p = splat(1.9875691500e-4f);
+  V t = x * 1.44269504088896341f + 12582912.0f;
+  V n = t - 12582912.0f;
+  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V r2 = r * r;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r2 + r + 1.0f;
-  v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  return p * (v16f)e * below;
+  VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  return p * (V)e * below;
 }
 
-// Horizontal max and sum: shuffle trees (lane 0 of the last step holds the result).
-inline float hmax(v16f x) {
-  const v16i k8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const v16i k4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const v16i k2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const v16i k1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  v16f y = __builtin_shuffle(x, k8);
-  x = x > y ? x : y;
-  y = __builtin_shuffle(x, k4);
-  x = x > y ? x : y;
-  y = __builtin_shuffle(x, k2);
-  x = x > y ? x : y;
-  y = __builtin_shuffle(x, k1);
-  x = x > y ? x : y;
+// Horizontal max and sum of a native vector: shuffle trees (lane 0 of the last step holds the result).
+#if defined(__AVX512F__)
+constexpr vnat_i kShuffleSteps[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                                     {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                                     {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                                     {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+#else
+constexpr vnat_i kShuffleSteps[3] = {{4, 5, 6, 7, 0, 1, 2, 3}, {2, 3, 0, 1, 6, 7, 4, 5}, {1, 0, 3, 2, 5, 4, 7, 6}};
+#endif
+
+inline float hmax(vnat x) {
+  for (const vnat_i& k : kShuffleSteps) {
+    const vnat y = __builtin_shuffle(x, k);
+    x = x > y ? x : y;
+  }
   return x[0];
 }
 
-inline float hsum(v16f x) {
-  const v16i k8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const v16i k4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const v16i k2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const v16i k1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  x += __builtin_shuffle(x, k8);
-  x += __builtin_shuffle(x, k4);
-  x += __builtin_shuffle(x, k2);
-  x += __builtin_shuffle(x, k1);
+inline float hsum(vnat x) {
+  for (const vnat_i& k : kShuffleSteps) x += __builtin_shuffle(x, k);
   return x[0];
 }
 
@@ -256,30 +269,34 @@ struct UnitWalk {
 template <int NV>
 void softmax_step(int64_t r_begin, int64_t r_end, int64_t hr, int64_t G, int32_t first_pos, int32_t c0, int n_valid,
                   int dv, v16f* s, v16f* o, float* m, float* l) {
-  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  constexpr int N = NV * kSplit;  // native vectors per row
+  vnat_i lane;
+  for (int i = 0; i < kNativeLanes; ++i) lane[i] = i;
   for (int64_t r = r_begin; r < r_end; ++r) {
-    v16f* sr = s + r * NV;
+    vnat* sr = reinterpret_cast<vnat*>(s + r * NV);
     // Row r sees chunk slots t with c0 + t <= its position, and t < n_valid.
     const int32_t visible = std::min<int32_t>(n_valid, first_pos + int32_t((r % hr) / G) - c0 + 1);
     if (visible <= 0) {
-      for (int j = 0; j < NV; ++j) sr[j] = splat(0.0f);
+      for (int j = 0; j < N; ++j) sr[j] = vnat{};
       continue;
     }
     if (visible < NV * kChunk)  // slots past `visible` (which may hold anything) count as masked
-      for (int j = 0; j < NV; ++j) sr[j] = lane + kChunk * j < visible ? sr[j] : splat(kMaskValue);
-    v16f mx = sr[0];
-    for (int j = 1; j < NV; ++j) mx = mx > sr[j] ? mx : sr[j];
+      for (int j = 0; j < N; ++j) sr[j] = lane + kNativeLanes * j < visible ? sr[j] : vnat{} + kMaskValue;
+    vnat mx = sr[0];
+    for (int j = 1; j < N; ++j) mx = mx > sr[j] ? mx : sr[j];
     const float m_new = std::max(m[r], hmax(mx));
-    v16f sum = splat(0.0f);
-    for (int j = 0; j < NV; ++j) {  // exp_v is exactly 0 at masked slots (far below -87)
-      sr[j] = exp_v(sr[j] - m_new);
+    vnat sum = {};
+    for (int j = 0; j < N; ++j) {  // exp_v is exactly 0 at masked slots (far below -87)
+      sr[j] = exp_v<vnat, vnat_i>(sr[j] - m_new);
       sum += sr[j];
     }
-    const float alpha = m_new > m[r] ? exp_v(splat(m[r] - m_new))[0] : 1.0f;
+    const float alpha = m_new > m[r] ? exp_v<vnat, vnat_i>(vnat{} + (m[r] - m_new))[0] : 1.0f;
     l[r] = l[r] * alpha + hsum(sum);
     m[r] = m_new;
-    if (alpha != 1.0f)
-      for (int c = 0; c < dv; ++c) o[r * dv + c] *= alpha;
+    if (alpha != 1.0f) {
+      vnat* orow = reinterpret_cast<vnat*>(o + r * dv);
+      for (int c = 0; c < dv * kSplit; ++c) orow[c] *= alpha;
+    }
   }
 }
 
@@ -420,45 +437,76 @@ inline void transpose16(v16f* x) {
   }
 }
 
-// Rows per register block of the copying path's scores: RS x NV accumulators, NV K vectors and a broadcast
-// query fit 32 registers.
-constexpr int kScoreRows = 4;
 
-// s[r * kTileVectors + j] = q[r] . K[16 j .. 16 j + 15] for ROWS rows from r, NV vectors, from the transposed
-// tile kt ([dpad][kTileVectors] vectors); qb holds the scaled queries, qs floats apart.
+// Scores by blocks of kScoreRows rows x kScoreVectors vectors of 16 tokens: the accumulators, the K vectors
+// and a broadcast query fit the registers (AVX-512: 4 x 4 + 4 + 1; AVX2: 2 x 2 x 2 + 2 x 2 + 1).
+constexpr int kScoreRows = kNativeRegisters >= 32 ? 4 : 2;
+constexpr int kScoreVectors = kNativeRegisters >= 32 ? kTileVectors : 2;
+
+// s[r * kTileVectors + j] = q[r] . K[16 j .. 16 j + 15] for ROWS rows from r and vectors j0 .. j0 + NV - 1, from
+// the transposed tile kt ([dpad][kTileVectors] vectors); qb holds the scaled queries, qs floats apart.
 template <int ROWS, int NV>
-void block_scores(const float* qb, int64_t qs, const v16f* kt, int64_t dpad, int64_t r, v16f* s) {
-  v16f a[ROWS][NV] = {};
+void block_scores(const float* qb, int64_t qs, const v16f* kt, int64_t dpad, int64_t r, int j0, v16f* s) {
+  constexpr int N = NV * kSplit;
+  vnat a[ROWS][N] = {};
+  const vnat* ktn = reinterpret_cast<const vnat*>(kt);
   const float* q0 = qb + r * qs;
   for (int64_t d = 0; d < dpad; ++d) {
-    v16f k[NV];
-    for (int j = 0; j < NV; ++j) k[j] = kt[d * kTileVectors + j];
+    vnat k[N];
+    for (int j = 0; j < N; ++j) k[j] = ktn[(d * kTileVectors + j0) * kSplit + j];
     for (int i = 0; i < ROWS; ++i) {
       const float qd = q0[i * qs + d];
-      for (int j = 0; j < NV; ++j) a[i][j] += qd * k[j];
+      for (int j = 0; j < N; ++j) a[i][j] += qd * k[j];
     }
   }
+  vnat* sn = reinterpret_cast<vnat*>(s);
   for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < NV; ++j) s[(r + i) * kTileVectors + j] = a[i][j];
+    for (int j = 0; j < N; ++j) sn[((r + i) * kTileVectors + j0) * kSplit + j] = a[i][j];
 }
 
+// The first nv score vectors of ROWS rows from r, kScoreVectors at a time.
 template <int ROWS>
 void block_scores(int nv, const float* qb, int64_t qs, const v16f* kt, int64_t dpad, int64_t r, v16f* s) {
-  switch (nv) {
-    case 0: break;
-    case 1: block_scores<ROWS, 1>(qb, qs, kt, dpad, r, s); break;
-    case 2: block_scores<ROWS, 2>(qb, qs, kt, dpad, r, s); break;
-    case 3: block_scores<ROWS, 3>(qb, qs, kt, dpad, r, s); break;
-    default: block_scores<ROWS, 4>(qb, qs, kt, dpad, r, s); break;
+  for (int j0 = 0; j0 < nv; j0 += kScoreVectors) {
+    switch (std::min(nv - j0, kScoreVectors)) {
+      case 1: block_scores<ROWS, 1>(qb, qs, kt, dpad, r, j0, s); break;
+      case 2: block_scores<ROWS, 2>(qb, qs, kt, dpad, r, j0, s); break;
+      case 3: block_scores<ROWS, 3>(qb, qs, kt, dpad, r, j0, s); break;
+      default: block_scores<ROWS, 4>(qb, qs, kt, dpad, r, j0, s); break;
+    }
   }
+}
+
+// o[r + i][c0 .. c0 + CB - 1] += sum over the first n_seen tokens t of p[r + i][t] v[t][c0 ..] (vectors of 16), for
+// RB rows from r: the accumulators stay in registers across the tokens.
+template <int RB, int CB>
+inline void block_pv(int n_seen, const float* sf, const v16f* vt, int dv, int64_t r, int c0, v16f* o) {
+  constexpr int N = CB * kSplit;
+  vnat* on = reinterpret_cast<vnat*>(o);
+  const vnat* vtn = reinterpret_cast<const vnat*>(vt);
+  vnat acc[RB][N];
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < N; ++c) acc[i][c] = on[((r + i) * dv + c0) * kSplit + c];
+  for (int t = 0; t < n_seen; ++t) {
+    vnat vv[N];
+    for (int c = 0; c < N; ++c) vv[c] = vtn[(t * dv + c0) * kSplit + c];
+    for (int i = 0; i < RB; ++i) {
+      const float pt = sf[(r + i) * kTile + t];
+      for (int c = 0; c < N; ++c) acc[i][c] += pt * vv[c];
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < N; ++c) on[((r + i) * dv + c0) * kSplit + c] = acc[i][c];
 }
 
 // The copying path, head by head: tiles of kTile tokens, each one's K transposed and V copied once (float32),
 // then shared by all the unit's rows of the head: scores, online softmax, then o += p v.
 template <typename T, int DV>
 void walk_copying(const UnitWalk<T>& w) {
-  constexpr int DVMAX = DV > 0 ? DV : kDirectMaxVectors;
-  constexpr int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;  // rows per register block of o += p v
+  // Register blocks of o += p v: RB rows x CB vectors of 16 accumulators, plus CB V vectors (AVX-512: 4 x 4 + 4
+  // or 2 x 8 + 8; AVX2: 2 x 2 x 2 + 2 x 2, over dv / 2 column blocks).
+  constexpr int CB = kNativeRegisters >= 32 ? (DV > 0 ? DV : 1) : 2;
+  constexpr int RB = kNativeRegisters >= 32 ? (DV == 4 ? 4 : DV == 8 ? 2 : 1) : 2;
   constexpr int kRowBlock = RB > kScoreRows ? RB : kScoreRows;
   const int dv = DV > 0 ? DV : w.dv;
   const int64_t D = w.sh.head_dim, hr = w.hr, heads = w.sh.num_kv_heads, dpad = dv * kChunk;
@@ -537,21 +585,9 @@ void walk_copying(const UnitWalk<T>& w) {
         // o[r] += sum_t p[r][t] v[t]: blocks of RB rows keep their accumulators in registers across the tokens
         // their last row sees; the rest, and heads wider than the register budget, row by row.
         r = r0;
-        for (; dv <= kDirectMaxVectors && r + RB <= r1; r += RB) {
+        for (; DV > 0 && DV % CB == 0 && r + RB <= r1; r += RB) {
           const int n_seen = tokens_seen(r + RB - 1);
-          v16f acc[RB][DVMAX];
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
-          for (int t = 0; t < n_seen; ++t) {
-            v16f vv[DVMAX];
-            for (int c = 0; c < dv; ++c) vv[c] = vt[t * dv + c];
-            for (int i = 0; i < RB; ++i) {
-              const float pt = sf[(r + i) * kTile + t];
-              for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
-            }
-          }
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
+          for (int c0 = 0; c0 < dv; c0 += CB) block_pv<RB, CB>(n_seen, sf, vt, dv, r, c0, o);
         }
         for (; r < r1; ++r) {
           v16f* orow = o + r * dv;

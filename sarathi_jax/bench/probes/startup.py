@@ -28,7 +28,8 @@ def _child(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, token_budget=args.token_budget,
                                     max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-                                    num_blocks=args.num_blocks, compilation_cache_dir=args.cache_dir))
+                                    num_blocks=args.num_blocks, compilation_cache_dir=args.cache_dir,
+                                    scan_layers=args.scan_layers))
     t0 = time.monotonic()
     engine.add_request("probe", list(range(1, 17)), SamplingParams(max_tokens=4, temperature=0.0))
     tokens: list[int] = []
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--scan-layers", default=None, action=argparse.BooleanOptionalAction,
+                        help="EngineConfig.scan_layers (default: the platform's)")
     parser.add_argument("--runs", type=int, default=2, help="fresh processes; the first one is cold")
     parser.add_argument("--cache-dir", type=cli_path, default=None, help="compilation cache (default: a new empty one)")
     parser.add_argument("--json", type=cli_path, metavar="PATH", help="write every run's stats here")
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="sarathi-startup-cache-")
     child_argv = [sys.executable, "-m", "sarathi_jax.bench.probes.startup", "--child", "--model", args.model,
                   "--dtype", args.dtype, "--attention-backend", args.attention_backend, "--cache-dir", cache_dir]
+    if args.scan_layers is not None:
+        child_argv.append("--scan-layers" if args.scan_layers else "--no-scan-layers")
     for flag, value in (("--token-budget", args.token_budget), ("--max-num-seqs", args.max_num_seqs),
                         ("--num-blocks", args.num_blocks)):
         if value is not None:
