@@ -196,6 +196,41 @@ inline v16f reduce16(const v16f* x) {
          __builtin_shuffle(c[0], c[1], v16i{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
 }
 
+// A native vector of elements of type T as float32 (bfloat16: the bits shifted into place).
+inline vnat load_nat(const float* p) {
+  vnat x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline vnat load_nat(const uint16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(sizeof(vnat) / 2)));
+  typedef uint32_t vu __attribute__((vector_size(sizeof(vnat))));
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vnat)(__builtin_convertvector(h, vu) << 16);
+}
+
+// out[t] = sum of the lanes of x[t] for 16 native vectors x[0..15] (lane t of the v16f result).
+inline void reduce_tokens(const vnat* x, v16f* out) {
+#if defined(__AVX512F__)
+  *out = reduce16(x);
+#else
+  vnat* on = reinterpret_cast<vnat*>(out);
+  for (int half = 0; half < 2; ++half) {  // tokens 8 half .. 8 half + 7: three shuffle levels
+    const vnat* y = x + 8 * half;
+    vnat a[4], b[2];
+    for (int i = 0; i < 4; ++i)
+      a[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], vnat_i{0, 8, 2, 10, 4, 12, 6, 14}) +
+             __builtin_shuffle(y[2 * i], y[2 * i + 1], vnat_i{1, 9, 3, 11, 5, 13, 7, 15});
+    for (int i = 0; i < 2; ++i)
+      b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], vnat_i{0, 1, 8, 9, 4, 5, 12, 13}) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], vnat_i{2, 3, 10, 11, 6, 7, 14, 15});
+    on[half] = __builtin_shuffle(b[0], b[1], vnat_i{0, 1, 2, 3, 8, 9, 10, 11}) +
+               __builtin_shuffle(b[0], b[1], vnat_i{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+#endif
+}
+
 // Per-thread scratch, grown to the largest unit seen. Matrix row r of a unit is (KV head r / hr, query row
 // (r % hr) / G, query head (r % hr) % G), hr = num_rows * G rows per head.
 struct Scratch {
@@ -206,7 +241,7 @@ struct Scratch {
     q.resize(rows * dv);              // [rows][D/16] scaled queries, zero-padded to whole vectors
     o.resize(rows * dv);              // [rows][D/16] unnormalised accumulators
     s.resize(rows * kTileVectors);    // [rows][tile tokens / 16] scores, then probabilities
-    tile.resize(rows * kChunk);       // [rows][16 tokens] per-token partial dot products (direct path)
+    tile.resize(rows * kChunk);       // [rows][16 tokens] per-token partial dot products (direct path, native)
     kt.resize(dv * kTile);            // [D][64 tokens]: one head's K tile transposed (copying path)
     vt.resize(kTile * dv);            // [64 tokens][D/16]: one head's V tile, zero-padded (copying path)
     m.resize(rows);
@@ -300,18 +335,26 @@ void softmax_step(int64_t r_begin, int64_t r_end, int64_t hr, int64_t G, int32_t
   }
 }
 
-// The direct path: 16-token chunks, K and V read straight from the cache.
+// The direct path: 16-token chunks, K and V read straight from the cache, on native vectors (a head's row of D
+// floats is dv * kSplit of them).
 template <typename T, int DV>
 void walk_direct(const UnitWalk<T>& w) {
-  constexpr int DVMAX = DV > 0 ? DV : kDirectMaxVectors;
-  // Rows per register block: RB x DV accumulators plus DV operands fit 32 registers.
-  constexpr int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;
+  constexpr int NMAX = (DV > 0 ? DV : kDirectMaxVectors) * kSplit;
+  // Heads with fewer rows than kTokenMajor (decodes of small groups) go token by token, every head of a token
+  // row in turn (the cache is read in address order). Otherwise per head and block of RB rows, their queries in
+  // registers: RB x DV x kSplit query vectors plus a few operands fit the registers.
+  constexpr int kTokenMajor = DV == 4 ? 4 : DV == 8 ? 2 : 1;
+  constexpr int RB = kNativeRegisters >= 32 ? kTokenMajor : 1;
   const int dv = DV > 0 ? DV : w.dv;
+  const int nn = dv * kSplit;  // native vectors per head row
   const int64_t D = w.sh.head_dim, hr = w.hr, rows = w.rows, heads = w.sh.num_kv_heads;
   Scratch& scr = w.scr;
-  const v16f* qv = scr.q.data();
-  v16f *o = scr.o.data(), *s = scr.s.data(), *tile = scr.tile.data();
+  const vnat* qv = reinterpret_cast<const vnat*>(scr.q.data());
+  vnat* o = reinterpret_cast<vnat*>(scr.o.data());
+  vnat* tile = reinterpret_cast<vnat*>(scr.tile.data());
+  v16f* s = scr.s.data();
   const T *k_pages = w.k_pages, *v_pages = w.v_pages;
+  const bool token_major = hr < kTokenMajor;
   int64_t tok[kChunk], next_tok[kChunk];
   int n_valid = w.u.kv_hi > w.u.kv_lo ? w.offsets(w.u.kv_lo, kChunk, tok) : 0;
   for (int32_t c0 = w.u.kv_lo; c0 < w.u.kv_hi; c0 += kChunk) {
@@ -320,96 +363,91 @@ void walk_direct(const UnitWalk<T>& w) {
       n_next = w.offsets(c0 + kChunk, kChunk, next_tok);
       w.template prefetch<3>(next_tok, n_next);
     }
-    // Scores s[r]: a 16-wide partial dot product per token, reduced across lanes once per chunk. With fewer
-    // than RB rows per head (decodes of small groups), token by token, every head of a token row in turn (the
-    // cache is read in address order); otherwise per head and block of RB rows, their queries in registers.
-    if (hr < RB) {
+    // Scores s[r]: a lane-wise partial dot product per token, reduced across lanes once per chunk.
+    if (token_major) {
       for (int t = 0; t < n_valid; ++t)
         for (int64_t h = 0; h < heads; ++h) {
           const T* kp = k_pages + tok[t] + h * D;
-          v16f kv[DVMAX];
-          for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
+          vnat kv[NMAX];
+          for (int c = 0; c < nn; ++c) kv[c] = load_nat(kp + c * kNativeLanes);
           for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
-            v16f acc = qv[r * dv] * kv[0];
-            for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * kv[c];
+            vnat acc = qv[r * nn] * kv[0];
+            for (int c = 1; c < nn; ++c) acc += qv[r * nn + c] * kv[c];
             tile[r * kChunk + t] = acc;
           }
         }
     }
-    for (int64_t h = 0; h < heads && hr >= RB; ++h) {
-      int64_t r = h * hr;
-      for (; r + RB <= (h + 1) * hr; r += RB) {
-        v16f qr[RB][DVMAX];
+    for (int64_t h = 0; h < heads && !token_major; ++h) {
+      for (int64_t r = h * hr; r + RB <= (h + 1) * hr; r += RB) {
+        vnat qr[RB][NMAX];
         for (int i = 0; i < RB; ++i)
-          for (int c = 0; c < dv; ++c) qr[i][c] = qv[(r + i) * dv + c];
+          for (int c = 0; c < nn; ++c) qr[i][c] = qv[(r + i) * nn + c];
         for (int t = 0; t < n_valid; ++t) {
           const T* kp = k_pages + tok[t] + h * D;
-          v16f kv[DVMAX];
-          for (int c = 0; c < dv; ++c) kv[c] = load16(kp + c * kChunk);
           for (int i = 0; i < RB; ++i) {
-            v16f acc = qr[i][0] * kv[0];
-            for (int c = 1; c < dv; ++c) acc += qr[i][c] * kv[c];
+            vnat acc = qr[i][0] * load_nat(kp);
+            for (int c = 1; c < nn; ++c) acc += qr[i][c] * load_nat(kp + c * kNativeLanes);
             tile[(r + i) * kChunk + t] = acc;
           }
         }
       }
-      for (; r < (h + 1) * hr; ++r)
+      for (int64_t r = (h + 1) * hr - hr % RB; r < (h + 1) * hr; ++r)  // rows past the last whole block
         for (int t = 0; t < n_valid; ++t) {
           const T* kp = k_pages + tok[t] + h * D;
-          v16f acc = qv[r * dv] * load16(kp);
-          for (int c = 1; c < dv; ++c) acc += qv[r * dv + c] * load16(kp + c * kChunk);
+          vnat acc = qv[r * nn] * load_nat(kp);
+          for (int c = 1; c < nn; ++c) acc += qv[r * nn + c] * load_nat(kp + c * kNativeLanes);
           tile[r * kChunk + t] = acc;
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      for (int t = n_valid; t < kChunk; ++t) tile[r * kChunk + t] = splat(0.0f);
-      s[r] = reduce16(tile + r * kChunk);
+      for (int t = n_valid; t < kChunk; ++t) tile[r * kChunk + t] = vnat{};
+      reduce_tokens(tile + r * kChunk, s + r);
     }
 
-    softmax_step<1>(0, rows, hr, w.sh.group, w.first_pos(), c0, n_valid, dv, s, o, scr.m.data(), scr.l.data());
+    softmax_step<1>(0, rows, hr, w.sh.group, w.first_pos(), c0, n_valid, dv, s, scr.o.data(), scr.m.data(),
+                    scr.l.data());
 
     // o[r] += sum_t p[r][t] * v[t], in the same order as the scores.
-    if (hr < RB) {
+    const float* sf = reinterpret_cast<const float*>(s);
+    if (token_major) {
       for (int t = 0; t < n_valid; ++t)
         for (int64_t h = 0; h < heads; ++h) {
           const T* vp = v_pages + tok[t] + h * D;
-          v16f vv[DVMAX];
-          for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
+          vnat vv[NMAX];
+          for (int c = 0; c < nn; ++c) vv[c] = load_nat(vp + c * kNativeLanes);
           for (int64_t r = h * hr; r < (h + 1) * hr; ++r) {
-            const float pt = s[r][t];
-            for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * vv[c];
+            const float pt = sf[r * kChunk + t];
+            for (int c = 0; c < nn; ++c) o[r * nn + c] += pt * vv[c];
           }
         }
     }
-    for (int64_t h = 0; h < heads && hr >= RB; ++h) {
-      int64_t r = h * hr;
-      for (; r + RB <= (h + 1) * hr; r += RB) {
-        v16f acc[RB][DVMAX];
+    for (int64_t h = 0; h < heads && !token_major; ++h) {
+      for (int64_t r = h * hr; r + RB <= (h + 1) * hr; r += RB) {
+        vnat acc[RB][NMAX];
         for (int i = 0; i < RB; ++i)
-          for (int c = 0; c < dv; ++c) acc[i][c] = o[(r + i) * dv + c];
+          for (int c = 0; c < nn; ++c) acc[i][c] = o[(r + i) * nn + c];
         for (int t = 0; t < n_valid; ++t) {
           const T* vp = v_pages + tok[t] + h * D;
-          v16f vv[DVMAX];
-          for (int c = 0; c < dv; ++c) vv[c] = load16(vp + c * kChunk);
           for (int i = 0; i < RB; ++i) {
-            const float pt = s[r + i][t];
-            for (int c = 0; c < dv; ++c) acc[i][c] += pt * vv[c];
+            const float pt = sf[(r + i) * kChunk + t];
+            for (int c = 0; c < nn; ++c) acc[i][c] += pt * load_nat(vp + c * kNativeLanes);
           }
         }
         for (int i = 0; i < RB; ++i)
-          for (int c = 0; c < dv; ++c) o[(r + i) * dv + c] = acc[i][c];
+          for (int c = 0; c < nn; ++c) o[(r + i) * nn + c] = acc[i][c];
       }
-      for (; r < (h + 1) * hr; ++r)
+      for (int64_t r = (h + 1) * hr - hr % RB; r < (h + 1) * hr; ++r)
         for (int t = 0; t < n_valid; ++t) {
           const T* vp = v_pages + tok[t] + h * D;
-          const float pt = s[r][t];
-          for (int c = 0; c < dv; ++c) o[r * dv + c] += pt * load16(vp + c * kChunk);
+          const float pt = sf[r * kChunk + t];
+          for (int c = 0; c < nn; ++c) o[r * nn + c] += pt * load_nat(vp + c * kNativeLanes);
         }
     }
     std::memcpy(tok, next_tok, sizeof(tok));
     n_valid = n_next;
   }
 }
+
 
 // x[i] (16 rows of 16) becomes its transpose, in place: four stages, stage k swapping bit k of the row index
 // with bit k of the lane index.
