@@ -476,6 +476,28 @@ inline void transpose16(v16f* x) {
 }
 
 
+// x[i] (8 rows of 8 lanes, AVX2's native vectors) becomes its transpose, in place: three stages, stage k
+// swapping bit k of the row index with bit k of the lane index.
+inline void transpose8(vnat* x) {
+#if !defined(__AVX512F__)
+  static const vnat_i kLo[3] = {{0, 8, 2, 10, 4, 12, 6, 14}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 1, 2, 3, 8, 9, 10, 11}};
+  static const vnat_i kHi[3] = {{1, 9, 3, 11, 5, 13, 7, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {4, 5, 6, 7, 12, 13, 14, 15}};
+#pragma GCC unroll 3
+  for (int stage = 0; stage < 3; ++stage) {
+    const int k = 1 << stage;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      if (i & k) continue;
+      const vnat a = x[i], b = x[i + k];
+      x[i] = __builtin_shuffle(a, b, kLo[stage]);
+      x[i + k] = __builtin_shuffle(a, b, kHi[stage]);
+    }
+  }
+#else
+  (void)x;
+#endif
+}
+
 // Scores by blocks of kScoreRows rows x kScoreVectors vectors of 16 tokens: the accumulators, the K vectors
 // and a broadcast query fit the registers (AVX-512: 4 x 4 + 4 + 1; AVX2: 2 x 2 x 2 + 2 x 2 + 1).
 constexpr int kScoreRows = kNativeRegisters >= 32 ? 4 : 2;
@@ -588,6 +610,7 @@ void walk_copying(const UnitWalk<T>& w) {
           const int nt = std::min(kChunk, n_valid - tb * kChunk);
           const int64_t* tb_tok = tok + tb * kChunk;
           if (whole_vectors) {
+#if defined(__AVX512F__)
             for (int64_t db = 0; db < dv; ++db) {
               v16f x[kChunk];
 #pragma GCC unroll 16
@@ -597,6 +620,21 @@ void walk_copying(const UnitWalk<T>& w) {
 #pragma GCC unroll 16
               for (int j = 0; j < kChunk; ++j) kt[(db * kChunk + j) * kTileVectors + tb] = x[j];
             }
+#else
+            // 8 x 8 blocks of native vectors: tokens t0 .. t0 + 7 by dims d0 .. d0 + 7, each dim's 8 tokens
+            // landing in half t0 / 8 of its score vector.
+            vnat* ktn = reinterpret_cast<vnat*>(kt);
+            for (int t0 = 0; t0 < kChunk; t0 += kNativeLanes)
+              for (int64_t d0 = 0; d0 < dpad; d0 += kNativeLanes) {
+                vnat x[kNativeLanes];
+#pragma GCC unroll 8
+                for (int t = 0; t < kNativeLanes; ++t)
+                  x[t] = t0 + t < nt ? load_nat(k_head + tb_tok[t0 + t] + d0) : vnat{};
+                transpose8(x);
+#pragma GCC unroll 8
+                for (int j = 0; j < kNativeLanes; ++j) ktn[((d0 + j) * kTileVectors + tb) * kSplit + t0 / kNativeLanes] = x[j];
+              }
+#endif
           } else {
             for (int t = 0; t < kChunk; ++t) {
               const T* ks = k_head + tb_tok[std::min(t, nt - 1)];
@@ -609,7 +647,8 @@ void walk_copying(const UnitWalk<T>& w) {
         for (int t = 0; t < n_valid; ++t) {
           const T* vs = v_head + tok[t];
           if (whole_vectors)
-            for (int c = 0; c < dv; ++c) vt[t * dv + c] = load16(vs + c * kChunk);
+            for (int c = 0; c < dv * kSplit; ++c)
+              reinterpret_cast<vnat*>(vt)[t * dv * kSplit + c] = load_nat(vs + c * kNativeLanes);
           else
             for (int64_t d = 0; d < dpad; ++d) vtf[t * dpad + d] = d < D ? to_f32(vs[d]) : 0.0f;
         }
