@@ -17,13 +17,15 @@
 // accumulator, float32). Two ways through a unit's KV range:
 //   * direct (fewer than kCopyRows matrix rows per head, head_dim a multiple of 16: decodes and short
 //     chunks): chunks of 16 tokens, K and V read straight from the cache, every head of a token row in turn
-//     (address order), a 16-wide partial dot product per token and row reduced across lanes once per chunk
-//     (reduce16), the next chunk's pages prefetched (a block table defeats hardware prefetchers);
+//     (address order), a lane-wise partial dot product per token and row reduced across lanes once per chunk
+//     (reduce_tokens), the next chunk's pages prefetched (a block table defeats hardware prefetchers);
 //   * copying (more rows, or another head_dim: prefills): head by head, tiles of 64 tokens; each tile's K is
-//     transposed ([D][64], 16 x 16 blocks in registers) and its V copied into float32 buffers once, then
-//     shared by all rows of the head: a score row is one FMA per d and 16 tokens, and blocks of rows keep
+//     transposed ([D][64], 16 x 16 blocks in registers; 8 x 8 on AVX2) and its V copied into float32 buffers
+//     once, then shared by all rows of the head: a score row is one FMA per d and 16 tokens, and blocks of rows keep
 //     their accumulators in registers. Blocks of rows on the causal diagonal stop at the last token their
 //     furthest row sees, and rows that see none of a tile skip it.
+// Arithmetic runs on native vectors (vnat: 16 floats with AVX-512, 8 with AVX2) with register blocks sized
+// for the ISA; the layout (chunks, tiles, score vectors) stays in units of 16 floats.
 // Either way only slots before the range's last valid token are read, so stale or non-finite cache contents
 // cannot leak.
 // Units are sorted longest first and handed out from an atomic counter to the calling thread and XLA's
@@ -481,7 +483,8 @@ inline void transpose16(v16f* x) {
 inline void transpose8(vnat* x) {
 #if !defined(__AVX512F__)
   static const vnat_i kLo[3] = {{0, 8, 2, 10, 4, 12, 6, 14}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 1, 2, 3, 8, 9, 10, 11}};
-  static const vnat_i kHi[3] = {{1, 9, 3, 11, 5, 13, 7, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {4, 5, 6, 7, 12, 13, 14, 15}};
+  static const vnat_i kHi[3] = {{1, 9, 3, 11, 5, 13, 7, 15}, {2, 3, 10, 11, 6, 7, 14, 15},
+                                {4, 5, 6, 7, 12, 13, 14, 15}};
 #pragma GCC unroll 3
   for (int stage = 0; stage < 3; ++stage) {
     const int k = 1 << stage;
@@ -632,7 +635,8 @@ void walk_copying(const UnitWalk<T>& w) {
                   x[t] = t0 + t < nt ? load_nat(k_head + tb_tok[t0 + t] + d0) : vnat{};
                 transpose8(x);
 #pragma GCC unroll 8
-                for (int j = 0; j < kNativeLanes; ++j) ktn[((d0 + j) * kTileVectors + tb) * kSplit + t0 / kNativeLanes] = x[j];
+                for (int j = 0; j < kNativeLanes; ++j)
+                  ktn[((d0 + j) * kTileVectors + tb) * kSplit + t0 / kNativeLanes] = x[j];
               }
 #endif
           } else {
