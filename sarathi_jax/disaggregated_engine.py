@@ -87,7 +87,8 @@ class DisaggregatedEngine(DisaggregationFlow):
         self.config, self.model_config, self.tokenizer = config, first.model_config, first.tokenizer
         self.budget_setup = first.budget_setup
         # A request must fit whole on every instance it may go to (the decode side reserves prompt + max_tokens).
-        smallest = min(prefill + decode, key=lambda i: i.block_manager.num_total_blocks - i.block_manager.watermark_blocks)
+        smallest = min(prefill + decode,
+                       key=lambda i: i.block_manager.num_total_blocks - i.block_manager.watermark_blocks)
         admission = Admission(
             vocab_size=self.model_config.vocab_size,
             max_model_len=min(i.engine.max_model_len for i in prefill + decode),
