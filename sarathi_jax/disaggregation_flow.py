@@ -157,8 +157,7 @@ class DisaggregationFlow:
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         assert request_id not in self._requests, request_id
-        if request.grammar is not None:  # its matcher would have to move with the K/V (not built: partial)
-            raise AdmissionError("structured_outputs", "not supported with disaggregation yet")
+        assert request.grammar is None, "admission refuses structured outputs here (`no_structured_outputs`)"
         if request.params.seed is None:
             seed = int(self._seed_rng.integers(0, 2**31 - 1))
             request = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed))
@@ -240,7 +239,9 @@ class DisaggregationFlow:
 
     def run_prefill(self, p: Instance) -> list[RequestOutput]:
         """One iteration of prefill instance `p`; requests whose prompt it finished are handed off (held)."""
-        tables = {s.seq_id: s.block_table for s in p.core.scheduler.running}  # freeing replaces, never clears one
+        # Each table as it stands: allocation appends to it, freeing replaces it (never clears it).
+        sched = p.core.scheduler
+        tables = {s.seq_id: s.block_table for s in (*sched.running, *sched.waiting)}
         outputs = self.run(p)
         now = self.now_of(p)
         for out in outputs:
