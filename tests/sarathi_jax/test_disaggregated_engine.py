@@ -8,6 +8,8 @@ either side; back-pressure with a decode cache of two requests; aborts; prefix-c
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -173,3 +175,28 @@ def test_llm_generate_runs_on_it(model_dir, prompts, expected):
 def test_bad_split_is_refused_at_start(model_dir, split, match):
     with pytest.raises(ValueError, match=match):
         make_engine(model_dir, split)
+
+
+def test_text_and_stop_strings_match_the_colocated_engine(hf_checkpoint):
+    """A model with a tokenizer: the decode side owns the text (the hand-off detokenizes the first token), so
+    `LLM.generate` gives the colocated engine's text, also when a stop string lies in the first token (the
+    request ends at the hand-off) or spans the first tokens."""
+    model = str(hf_checkpoint("llama"))
+    fields = dict(FIELDS, num_blocks=64, max_model_len=256)
+    colocated = LLM(model, warmup=False, **fields)
+    disaggregated = LLM(model, warmup=False, disaggregation="1:1", **fields)
+    prompts = ["The quick brown fox", "Once upon a time, in a land far away"]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = colocated.generate(prompts, dataclasses.replace(plain, max_tokens=1))
+    full = colocated.generate(prompts, plain)
+    stops = [first[0].text, full[1].text[len(first[1].text) - 1:len(first[1].text) + 2]]
+    assert all(stops), stops
+    cases = [plain] + [dataclasses.replace(plain, stop=(stop,)) for stop in stops]
+    ends = []
+    for params in cases:
+        want, got = colocated.generate(prompts, params), disaggregated.generate(prompts, params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+            (o.token_ids, o.text, o.finish_reason) for o in want]
+        ends.append([o.finish_reason for o in want])
+    assert ends[1][0] == "stop" and ends[2][1] == "stop"  # each stop string was hit
+    assert all(i.block_manager.num_used_blocks == 0 for i in disaggregated.engine.instances)
