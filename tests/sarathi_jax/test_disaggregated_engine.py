@@ -60,9 +60,12 @@ def engines() -> dict:
     return {}
 
 
-@pytest.mark.parametrize("split", ["1:1", "2:2", "4:4"])
-def test_tokens_match_hf_and_colocated(model_dir, prompts, expected, engines, split):
-    engine = engines[split] = make_engine(model_dir, split)
+@pytest.mark.parametrize("split,overlapped", [("1:1", True), ("2:2", True), ("4:4", True), ("1:1", False)],
+                         ids=["1:1", "2:2", "4:4", "1:1-synchronous"])
+def test_tokens_match_hf_and_colocated(model_dir, prompts, expected, engines, split, overlapped):
+    engine = make_engine(model_dir, split, async_scheduling=overlapped)
+    if overlapped:
+        engines[split] = engine
     assert run_staggered(engine, prompts, GREEDY) == expected
     assert no_blocks_held(engine) and not engine.has_unfinished_requests()
     # Each side on its own devices: prefill on the first P, decode on the next D.
@@ -80,6 +83,28 @@ def test_tokens_match_hf_and_colocated(model_dir, prompts, expected, engines, sp
     # Moves compile once per block-count bucket used (prompts of 1-3 blocks: buckets 1, 2 and 4), not per request.
     mover = engine.movers[("prefill0", "decode0")]
     assert mover.num_traces == 2 * 3
+
+
+def test_moves_never_compile_after_warmup(model_dir, prompts, expected, engines):
+    engine = engines.get("1:1") or make_engine(model_dir, "1:1")
+    prefill, decode = engine.prefill[0], engine.decode[0]
+    mover = engine.movers[("prefill0", "decode0")] = KVBlockMover(prefill.engine.runner, decode.engine.runner)
+    mover.warmup()  # writes nothing: every id of its scatters is padding
+    assert mover.buckets == (1, 2, 4, 8) and mover.num_traces == 2 * 4  # max_model_len 128: up to 8 blocks
+    assert run_staggered(engine, prompts, GREEDY) == expected
+    assert mover.num_traces == 2 * 4 and engine.stats()["num_transfers"] >= len(prompts)
+
+
+def test_instances_of_one_device_each_side(model_dir, prompts, expected):
+    """"2/1:2/1": two prefill and two decode instances of one device each, on devices 0-3, four movers."""
+    engine = make_engine(model_dir, "2/1:2/1")
+    assert run_staggered(engine, prompts, GREEDY) == expected
+    names = [i.name for i in engine.instances]
+    assert names == ["prefill0", "prefill1", "decode0", "decode1"]
+    for inst, device in zip(engine.instances, jax.devices()[:4]):
+        assert {d for a in inst.engine.runner.kv_caches[0] for d in a.devices()} == {device}
+    assert {r.instance for r in engine.iteration_log} == set(names)  # the work spread over every instance
+    assert no_blocks_held(engine)
 
 
 def test_the_copy_carries_the_kv(model_dir, prompts, expected, engines, monkeypatch):
