@@ -83,6 +83,7 @@ class Admission:
     and chat rendering.
 
     kv_cache: the cache a whole request must fit in (None: only max_model_len bounds a request).
+    no_structured_outputs: why the engine refuses structured outputs (None: it runs them).
     stop_strings: whether the engine ends requests on stop strings; None means when it has a tokenizer (its
     detokenizer finds them). The simulator says True: it stands for an engine that has one, and accepts what
     that engine would (its dummy tokens have no text, so they never match, as they never hit an EOS).
@@ -98,6 +99,7 @@ class Admission:
         eos_token_ids: Sequence[int] = (),
         chat_template: ChatTemplate | None = None,
         stop_strings: bool | None = None,
+        no_structured_outputs: str | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -107,7 +109,8 @@ class Admission:
         self.chat_template = chat_template  # a plain attribute: tests swap it
         self.stop_strings = tokenizer is not None if stop_strings is None else stop_strings
         # Built on the first constrained request; a str: why this tokenizer has none (kept, not retried).
-        self._grammar_compiler: GrammarCompiler | str | None = None
+        # A string: why structured outputs are refused (`no_structured_outputs`: the engine cannot run them).
+        self._grammar_compiler: GrammarCompiler | str | None = no_structured_outputs
         self._grammar_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------- prompts

@@ -148,6 +148,21 @@ class BlockManager:
         seq.block_table = []  # a new list, never the old one cleared: the runner knows a live table by identity
         seq.num_registered_blocks = 0
 
+    def retake(self, seq: Sequence, blocks: list[int]) -> None:
+        """Give `seq` (holding none) these blocks, which a finished sequence has just freed: they still hold its
+        K/V, because nothing was allocated since (a disaggregated prefill instance holds a prompt's blocks until
+        they have moved; sarathi_jax/disaggregation_flow.py). A block still referenced (a shared prefix) or
+        cached keeps its registration."""
+        assert not seq.block_table, seq
+        for block in blocks:
+            if self._ref[block] == 0:
+                if block in self._evictable:
+                    del self._evictable[block]
+                else:
+                    self._free.remove(block)
+            self._ref[block] += 1
+            seq.block_table.append(block)
+
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Release `seq`'s blocks past those holding its first `num_tokens` tokens (speculative decoding: the
         rejected drafts' K/V). Those blocks are never registered: registration needs computed, known tokens.

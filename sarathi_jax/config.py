@@ -157,8 +157,9 @@ class EngineConfig:
         Not with pipeline parallelism or tile_size. See docs/design.md, "Speculative decoding".
     disaggregation: "P:D" splits prefill from decode (DistServe, Splitwise): P devices run prompts and sample
         each request's first token, then its KV cache moves to the D decode devices (a side may be
-        DEVICES/TP: instances of TP devices; sarathi_jax/disaggregation_config.py). None: colocated. Simulator
-        only so far (`python -m sarathi_jax.bench --simulate --disaggregation P:D`); LLMEngine refuses it.
+        DEVICES/TP: instances of TP devices; sarathi_jax/disaggregation_config.py). None: colocated. Runs on
+        `DisaggregatedEngine` (one process; `LLM` and the server build it; partial, docs/design.md) and in the
+        simulator (`python -m sarathi_jax.bench --simulate --disaggregation P:D`); LLMEngine refuses it.
     """
 
     model: str = "tiny-llama"

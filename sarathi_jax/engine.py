@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,17 +51,22 @@ class LLMEngine(CoreFrontEnd):
 
     clock = WallClock()  # what metrics are stamped with: time.monotonic(), as `ModelRunner.now`
 
-    def __init__(self, config: EngineConfig, *, warmup: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, warmup: bool = True, devices: Sequence[Any] | None = None) -> None:
         """Build the engine: load the weights, size the KV cache and the scheduler, compile and warm up.
+
+        `devices`: the devices it runs on (default: the first tp x pp of `jax.devices()`); a disaggregated
+        engine gives each of its instances its own (sarathi_jax/disaggregated_engine.py).
 
         `self.config` is `config` as resolved on this machine: the dtype and attention backend that "auto"
         chose, the compilation cache directory in use (None: none), and the KV sizing used (the
         gpu_memory_utilization, or the fixed kv_cache_bytes; neither when num_blocks was given).
         `startup_stats()` reports the parts' times.
         """
-        if config.disaggregation is not None:  # partial (issue 33): the simulator has it, this engine not yet
-            raise ValueError(f"disaggregation={config.disaggregation!r} is simulator-only so far: run it with "
-                             "`python -m sarathi_jax.bench --simulate --disaggregation P:D` (LLMEngine is colocated)")
+        if config.disaggregation is not None:  # one instance of it: sarathi_jax.disaggregated_engine builds them
+            raise ValueError(f"disaggregation={config.disaggregation!r}: LLMEngine is colocated; build "
+                             "`DisaggregatedEngine` (sarathi_jax/disaggregated_engine.py), or use `LLM` or the server")
+        num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.devices = list(jax.devices()[:num_devices] if devices is None else devices)
         t_start = time.time()
         platform = jax.default_backend()
         # The CPU kernel's status makes one tiny call: before the compilation cache and the compile counts.
@@ -79,12 +86,12 @@ class LLMEngine(CoreFrontEnd):
         with record_compiles() as compiles:
             timer = PhaseTimer(compiles)
             with timer.phase("load"):
-                if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+                if num_devices > 1 or self.devices[0] != jax.devices()[0]:  # a mesh (of one device, off device 0)
                     from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
 
                     self.parallel_plan, self.model_config, params = load_parallel_model(
                         config.model, dtype, config.seed, config.tensor_parallel_size,
-                        config.pipeline_parallel_size,
+                        config.pipeline_parallel_size, devices=self.devices,
                     )
                 else:
                     self.model_config, params = load_model(config.model, dtype, seed=config.seed)
@@ -158,10 +165,9 @@ class LLMEngine(CoreFrontEnd):
             eos_token_ids=mc.eos_token_ids,
             chat_template=ChatTemplate.from_folder(config.model) if is_folder else None,
         )
-        num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
         store = self.runner.executable_cache
         loaded = store.hits if store is not None else 0  # ready-made executables: neither traced nor compiled
-        peak = [(m or {}).get("peak_bytes_in_use") for m in _memory_stats(num_devices)]
+        peak = [(m or {}).get("peak_bytes_in_use") for m in _memory_stats(self.devices)]
         self._startup_stats = {
             "load_s": timer.seconds["load"],
             "init_s": timer.seconds["init"],
@@ -211,7 +217,7 @@ class LLMEngine(CoreFrontEnd):
     def _kv_budget(self, config: EngineConfig, platform: str):
         """`sizing.kv_cache_budget` with this process's devices: their memory statistics (None on CPU) and
         JAX's allocator fraction (GPUs only; a TPU's bytes_limit is its whole memory)."""
-        stats = _memory_stats(config.tensor_parallel_size * config.pipeline_parallel_size)
+        stats = _memory_stats(self.devices)
         fraction = jax_mem_fraction() if platform in GPU_PLATFORMS else 1.0
         return kv_cache_budget(config, self.model_config, stats, fraction)
 
@@ -277,13 +283,13 @@ class LLMEngine(CoreFrontEnd):
                 "background_compile_s": background.seconds if background is not None and background.done else None}
 
 
-def _memory_stats(num_devices: int) -> list[dict | None]:
-    """`memory_stats()` of the engine's devices (the first `num_devices`, the mesh's order); None for a device
-    that keeps none (CPU). None of them when the engine spans processes: each would size its cache from its own
-    devices, and every process must build the same number of blocks."""
+def _memory_stats(devices: Sequence[Any]) -> list[dict | None]:
+    """`memory_stats()` of the engine's devices (the mesh's order); None for a device that keeps none (CPU).
+    None of them when the engine spans processes: each would size its cache from its own devices, and every
+    process must build the same number of blocks."""
     if jax.process_count() > 1:
         return [None]
-    return [d.memory_stats() for d in jax.devices()[:num_devices]]
+    return [d.memory_stats() for d in devices]
 
 
 def format_startup(stats: dict) -> str:

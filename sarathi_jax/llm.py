@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model).generate(prompts, params)` runs requests to completion on an `LLMEngine`."""
+"""Offline API: `LLM(model).generate(prompts, params)` runs requests to completion on an `LLMEngine` (or, with
+`disaggregation="P:D"`, a `DisaggregatedEngine`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from sarathi_jax.chat_template import ChatTemplate
 from sarathi_jax.config import EngineConfig
-from sarathi_jax.engine import LLMEngine
+from sarathi_jax.disaggregated_engine import build_engine
 from sarathi_jax.outputs import RequestOutput, TokenLogprob
 from sarathi_jax.sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ class LLM:
 
     def __init__(self, model: str, *, warmup: bool = True, **engine_config: Any) -> None:
         config = EngineConfig(model=model, **engine_config)
-        self.engine = LLMEngine(config, warmup=warmup)
+        self.engine = build_engine(config, warmup=warmup)
         self._next_id = 0
 
     @property

@@ -121,7 +121,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs = config.max_num_seqs
         self.max_blocks_per_seq = -(-sizing.max_model_len // block_size)
         self.buckets = platform_buckets(sizing.max_step_tokens, platform)  # ascending; the last holds the largest batch
-        self.plan = None if plan is None or plan.is_single_device else plan
+        # One device: the default device's plain path (a mesh of one other device keeps its plan: placement).
+        self.plan = None if plan is None or plan.is_single_device and plan.on_default_device else plan
         self.timeline = None
         if self.plan is None:
             self.model = get_model(model_config, dtype, attention_fn=attention_fn)

@@ -67,7 +67,8 @@ class _StartupInterrupted(Exception):
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from sarathi_jax.engine import LLMEngine, format_startup
+    from sarathi_jax.disaggregated_engine import build_engine
+    from sarathi_jax.engine import format_startup
 
     log = logging.getLogger("server")
     loop = asyncio.get_running_loop()
@@ -97,7 +98,7 @@ async def _serve(args: argparse.Namespace) -> None:
     # own thread, not the loop's default executor, which asyncio.run would wait for after a start-up SIGTERM.
     build = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-build")
     try:
-        engine = await loop.run_in_executor(build, LLMEngine, config)
+        engine = await loop.run_in_executor(build, build_engine, config)
         print(format_startup(engine.startup_stats()), flush=True)
         # engine.config names what "auto" resolved to (attention backend, cache directory).
         # The served name defaults to --model as typed (vLLM's rule); engine.config holds it made absolute.

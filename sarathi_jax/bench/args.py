@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "`python -m sarathi_jax.bench.step_cost --mode calibrate --cost-model-out PATH`) "
                         "instead of the simulator's default")
     g.add_argument("--disaggregation", default=None, metavar="P:D[,P:D...]",
-                   help="--simulate: also run each configuration disaggregated, prefill on P simulated devices and "
-                        "decode on D (a side may be DEVICES/TP: instances of TP devices), one run per split, on the "
-                        "same requests (EngineConfig.disaggregation; simulator-only so far)")
+                   help="also run each configuration disaggregated, prefill on P devices and decode on D (a side "
+                        "may be DEVICES/TP: instances of TP devices), one run per split, on the same requests "
+                        "(EngineConfig.disaggregation): simulated devices with --simulate, else this process's "
+                        "devices (DisaggregatedEngine; partial)")
     g.add_argument("--devices", type=int, default=None, metavar="N",
                    help="--simulate: N simulated devices; the colocated runs are tensor parallel over all N "
                         "(tensor_parallel_size N) and each --disaggregation split must fit in N")
@@ -207,9 +208,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.capacity and args.capacity_goodput is None and args.slo_tbt is None and args.slo_tbt_multiple is None:
         raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed), "
                          "or a goodput target: --capacity-goodput FRACTION with --slo-mix")
-    for flag, given in (("--disaggregation", args.disaggregation), ("--devices", args.devices)):
-        if given is not None and not args.simulate:
-            raise BenchError(f"{flag} is simulator-only so far: add --simulate")
+    if args.devices is not None and not args.simulate:
+        raise BenchError("--devices is simulator-only so far: add --simulate")
+    if args.disaggregation is not None and args.endpoint:
+        raise BenchError("--disaggregation builds the engines here: not with --endpoint (serve it with "
+                         "`python -m server --disaggregation P:D` instead)")
     if args.devices is not None and (args.devices < 1 or ENGINE_FLAGS.given(args).get("tensor_parallel_size")):
         raise BenchError("--devices N (N >= 1) sets the colocated runs' tensor_parallel_size: not both")
     if not 0.0 <= args.tp_serial_fraction <= 1.0:

@@ -1,5 +1,5 @@
-"""Engines the bench builds from an EngineConfig: LLMEngine (real), SimulatedEngine (--simulate) and
-DisaggregatedSimEngine (--simulate --disaggregation P:D)."""
+"""Engines the bench builds from an EngineConfig: LLMEngine or DisaggregatedEngine (real, --disaggregation P:D),
+SimulatedEngine (--simulate) and DisaggregatedSimEngine (--simulate --disaggregation P:D)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sarathi_jax.config import EngineConfig
+    from sarathi_jax.disaggregated_engine import DisaggregatedEngine
     from sarathi_jax.engine import LLMEngine
     from sarathi_jax.disaggregation import DisaggregatedSimEngine
     from sarathi_jax.disaggregation_config import KVLink
@@ -15,10 +16,11 @@ if TYPE_CHECKING:
     from sarathi_jax.simulator import IterationCost, SimulatedEngine
 
 
-def make_llm_engine(config: EngineConfig) -> LLMEngine:
-    from sarathi_jax.engine import LLMEngine
+def make_llm_engine(config: EngineConfig) -> LLMEngine | DisaggregatedEngine:
+    """The real engine `config` asks for: `LLMEngine`, or `DisaggregatedEngine` with `config.disaggregation`."""
+    from sarathi_jax.disaggregated_engine import build_engine
 
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     engine.wait_until_compiled()  # nothing is timed while background threads still compile
     return engine
 

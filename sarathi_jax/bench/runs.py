@@ -214,7 +214,9 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         if kwargs != engine_kwargs:  # configurations that differ only in --structured-share share an engine
             engine = engine_kwargs = None
             gc.collect()  # the previous engine's memory goes before the next is built
-            _log(quiet, f"[{cfg['label']}] building {'SimulatedEngine' if args.simulate else 'LLMEngine'} "
+            kind = {(False, False): "LLMEngine", (False, True): "DisaggregatedEngine", (True, False): "SimulatedEngine",
+                    (True, True): "DisaggregatedSimEngine"}[(bool(args.simulate), bool(kwargs.get("disaggregation")))]
+            _log(quiet, f"[{cfg['label']}] building {kind} "
                         f"({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ...")
             t0 = time.monotonic()
             engine, engine_kwargs = factory(kwargs), kwargs

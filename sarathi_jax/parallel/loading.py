@@ -14,6 +14,7 @@ staged in host memory first (see `ParallelPlan.param_shardings`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from sarathi_jax.models import PRESETS, ModelConfig, check_not_ambiguous, load_model
@@ -41,17 +42,19 @@ def load_parallel_model(
     seed: int,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
+    devices: Sequence[Any] | None = None,
 ) -> tuple[Any, ModelConfig, Any]:
     """`(plan, model_config, params)` for a parallel engine: start multi-host JAX if the SARATHI_* variables
     ask for it, read the config, check the split (ValueError before any weight is read), then restore the
     weights straight into their shards and fuse them. `params` are those of `plan.model_config` (replicated KV
-    heads already expanded in the fused q/k/v kernel); `place_params` splits them over the stages."""
+    heads already expanded in the fused q/k/v kernel); `place_params` splits them over the stages. `devices`: the
+    mesh's (default: the first tp x pp of `jax.devices()`)."""
     from sarathi_jax.parallel.distributed import initialize_distributed_from_env
     from sarathi_jax.parallel.plan import make_plan
 
     initialize_distributed_from_env()
     config = load_model_config(name_or_path)
-    plan = make_plan(config, tensor_parallel_size, pipeline_parallel_size)
+    plan = make_plan(config, tensor_parallel_size, pipeline_parallel_size, devices)
     loaded_config, params = load_model(
         name_or_path, dtype, seed=seed, shardings=plan.param_shardings(for_loading=True),
         kv_replication=plan.kv_replication,

@@ -117,6 +117,11 @@ class ParallelPlan:
     def is_single_device(self) -> bool:
         return self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1
 
+    @property
+    def on_default_device(self) -> bool:
+        """The mesh starts at `jax.devices()[0]`, where single-device arrays live."""
+        return self.mesh.devices.flat[0] == jax.devices()[0]
+
     def stage_mesh(self, stage: int) -> Mesh:
         """Stage `stage`'s devices as a 1-D mesh with axis "tp"."""
         return Mesh(self.mesh.devices[stage], (TP_AXIS,))

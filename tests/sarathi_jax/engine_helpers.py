@@ -22,3 +22,17 @@ def run_staggered(engine: LLMEngine, prompts, params: SamplingParams, arrive_eve
         steps += 1
         assert steps < max_steps
     return finished
+
+
+def hf_generate(model_dir, prompts, max_tokens: int) -> list[list[int]]:
+    """HF `generate` greedy continuations, one prompt at a time, EOS disabled: the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              bos_token_id=None)
+    with torch.no_grad():
+        outs = [model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids))
+                for ids in (torch.tensor([p]) for p in prompts)]
+    return [out[0, len(p):].tolist() for out, p in zip(outs, prompts)]

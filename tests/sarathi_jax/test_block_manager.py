@@ -216,3 +216,27 @@ def test_random_prefix_sharing_conserves_blocks(ops):
         bm.free(seq)
     bm.check_invariants([])
     assert bm.num_free_blocks == 12
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_retake_gives_back_the_blocks_just_freed(caching):
+    """A disaggregated prefill instance holds a finished prompt's own blocks (they hold its K/V): `retake` takes
+    exactly those back, a cached one keeps its registration, and freeing the holder returns them."""
+    bm = BlockManager(8, block_size=4, enable_prefix_caching=caching)
+    other = _seq("other")
+    bm.allocate(other, 4)
+    seq = Sequence("a", list(range(10)), SamplingParams(), 0.0)
+    bm.allocate(seq, 10)
+    seq.num_computed_tokens = 10  # two full blocks computed: registered when freed (with caching)
+    blocks = seq.block_table
+    bm.free(seq)
+    assert bm.num_free_blocks == 7 and bm.num_cached_blocks == (2 if caching else 0)
+    holder = Sequence("a", list(range(10)), SamplingParams(), 0.0)
+    bm.retake(holder, blocks)
+    assert holder.block_table == blocks and bm.num_free_blocks == 4
+    assert [bm.ref_count(b) for b in blocks] == [1, 1, 1]
+    assert [bm.is_cached(b) for b in blocks] == [caching, caching, False]
+    bm.check_invariants([other, holder])
+    bm.allocate(_seq("b"), 16)  # the other free blocks: none of the held ones
+    bm.free(holder)
+    assert bm.num_free_blocks == 3 and bm.num_cached_blocks == (2 if caching else 0)

@@ -179,7 +179,7 @@ def test_split_parse_and_checks():
     DisaggregationSplit.parse("3/1:1").check(4, 8, 4)  # three one-device prefill instances fit
 
 
-def test_engine_config_and_the_real_engine_refuse_what_they_cannot_run():
+def test_engine_config_and_the_colocated_engine_refuse_what_they_cannot_run():
     assert EngineConfig(disaggregation="2:2").disaggregation == "2:2"
     with pytest.raises(ValueError, match="disaggregation must be 'P:D'"):
         EngineConfig(disaggregation="22")
@@ -187,7 +187,7 @@ def test_engine_config_and_the_real_engine_refuse_what_they_cannot_run():
         EngineConfig(disaggregation="2:2", tensor_parallel_size=2)
     from sarathi_jax.engine import LLMEngine
 
-    with pytest.raises(ValueError, match="simulator-only so far"):
+    with pytest.raises(ValueError, match="LLMEngine is colocated; build `DisaggregatedEngine`"):
         LLMEngine(EngineConfig(disaggregation="1:1"))
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+from tests.sarathi_jax.engine_helpers import hf_generate
 
 BLOCK = 16
 MAX_TOKENS = 8
@@ -29,18 +29,6 @@ def shared_prefix_prompts() -> list[list[int]]:
         r(30),  # unrelated
         system[:5] + r(70),  # shares less than a block: nothing
     ]
-
-
-def hf_generate(model_dir, prompts, max_tokens: int) -> list[list[int]]:
-    """HF `generate` greedy continuations, one prompt at a time, EOS disabled: the oracle."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              bos_token_id=None)
-    with torch.no_grad():
-        return [model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
-                for ids in (torch.tensor([p]) for p in prompts)]
 
 
 @pytest.fixture(scope="module")

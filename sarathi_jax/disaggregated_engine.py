@@ -1,0 +1,164 @@
+"""The real disaggregated engine (issue 33; partial): `EngineConfig.disaggregation = "P:D"` on real devices.
+
+The first P devices run prefill instances, the next D decode instances (`disaggregation_config`: "P:D" is one
+instance per side, tensor parallel over its devices; "P/TP:D/TP" several). Each instance is an `LLMEngine`'s
+parts on its own devices: its weights, model runner and KV cache (tensor parallel over its mesh, the
+`parallel` path), scheduler and block manager, driven by its own `EngineCore`. The request flow (queue,
+prefill with max_tokens 1, hand-off, back-pressure, landing, aborts) is sarathi_jax/disaggregation_flow.py,
+the one copy the simulator shares; the K/V moves device to device (`disaggregation_kv.KVBlockMover`).
+
+`step()` on the wall clock: new requests enter the prefill cores (unless a finished prefill waits for decode
+room), each busy prefill instance runs one iteration, finished prompts move at once (the copy is dispatched,
+not waited for: the device orders it between the two sides' steps), each busy decode instance runs one
+iteration, and what that freed lets held prompts move. Both sides run the configured loop (overlapped by
+default); one thread drives them in turn, so the two sides' device work overlaps only as far as the dispatches
+run ahead.
+
+The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the first
+token (a stop string inside it ends the request there). Not built yet: prefix-cache hits move every block
+anyway; the decode side reserves whole requests, so it never preempts (no recompute through the prefill side);
+structured outputs are refused; one process (no jax.distributed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from sarathi_jax.admission import Admission, KVCapacity
+from sarathi_jax.chat_template import ChatTemplate
+from sarathi_jax.config import EngineConfig
+from sarathi_jax.disaggregation_config import DisaggregationSplit, InstanceGroup
+from sarathi_jax.disaggregation_flow import DisaggregationFlow, Handoff, Instance
+from sarathi_jax.disaggregation_kv import KVBlockMover
+from sarathi_jax.engine import LLMEngine
+from sarathi_jax.engine_api import WallClock
+from sarathi_jax.engine_core import EngineCore, LoopConfig
+from sarathi_jax.outputs import RequestOutput
+from sarathi_jax.parallel.loading import load_model_config
+
+
+class _RealInstance(Instance):
+    """An instance on its own devices: the `LLMEngine` whose parts it runs, and its own core over them."""
+
+    def __init__(self, name: str, engine: LLMEngine, *, text: bool) -> None:
+        config = engine.config
+        core = EngineCore(engine.scheduler, engine.runner, loop=LoopConfig(config.async_scheduling),
+                          eos_token_ids=engine.model_config.eos_token_ids,
+                          tokenizer=engine.tokenizer if text else None, seed=config.seed)
+        super().__init__(name, core)
+        self.engine = engine
+
+
+class DisaggregatedEngine(DisaggregationFlow):
+    """The engine API (`engine_api.Engine`) over prefill and decode instances on their own devices."""
+
+    clock = WallClock()  # as `LLMEngine`'s: the runners stamp metrics with time.monotonic()
+
+    def __init__(self, config: EngineConfig, *, warmup: bool = True, devices: Sequence[Any] | None = None) -> None:
+        """Check the split against the devices and the model's heads (ValueError naming both numbers), then
+        build every instance (`LLMEngine` on its devices) and the KV movers between them."""
+        if config.disaggregation is None:
+            raise ValueError("DisaggregatedEngine needs EngineConfig.disaggregation ('P:D'); use LLMEngine")
+        t_start = time.time()
+        devices = list(jax.devices() if devices is None else devices)
+        self.split = split = DisaggregationSplit.parse(config.disaggregation)
+        model = load_model_config(config.model)
+        split.check(len(devices), model.num_attention_heads, model.num_key_value_heads)
+        self.devices = devices[:split.num_devices]
+        side = dataclasses.replace(config, disaggregation=None, pipeline_parallel_size=1)
+
+        def build(role: str, group: InstanceGroup, first: int, caching: bool, text: bool) -> list[_RealInstance]:
+            tp = group.tensor_parallel_size
+            cfg = dataclasses.replace(side, tensor_parallel_size=tp, enable_prefix_caching=caching)
+            return [_RealInstance(f"{role}{i}", LLMEngine(cfg, warmup=warmup,
+                                                          devices=devices[first + i * tp:first + (i + 1) * tp]),
+                                  text=text) for i in range(group.num_instances)]
+
+        # Prefix caching on the prefill side only: decode blocks arrive by transfer.
+        prefill = build("prefill", split.prefill, 0, config.enable_prefix_caching, text=False)
+        decode = build("decode", split.decode, split.prefill.devices, False, text=True)
+        first = prefill[0].engine
+        self.config, self.model_config, self.tokenizer = config, first.model_config, first.tokenizer
+        self.budget_setup = first.budget_setup
+        # A request must fit whole on every instance it may go to (the decode side reserves prompt + max_tokens).
+        smallest = min(prefill + decode,
+                       key=lambda i: i.block_manager.num_total_blocks - i.block_manager.watermark_blocks)
+        admission = Admission(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=min(i.engine.max_model_len for i in prefill + decode),
+            kv_cache=KVCapacity.of(smallest.block_manager),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.model_config.eos_token_ids,
+            chat_template=ChatTemplate.from_folder(config.model) if Path(config.model).is_dir() else None,
+            no_structured_outputs="not supported with disaggregation yet (the grammar state would move with the "
+                                  "K/V; partial, issue 33)",
+        )
+        super().__init__(prefill, decode, admission, seed=config.seed)
+        self.movers = {(p.name, d.name): KVBlockMover(p.engine.runner, d.engine.runner)
+                       for p in prefill for d in decode}
+        if warmup:
+            for mover in self.movers.values():
+                mover.warmup()
+        self._startup_s = time.time() - t_start
+
+    # ----------------------------------------------------------------------------------- one iteration
+
+    def step(self) -> list[RequestOutput]:
+        """Prefill instances, the moves their finished prompts start, decode instances, then the moves the
+        decodes made room for (module docstring)."""
+        outputs, self._outputs = self._outputs, []
+        for p in self.prefill:
+            if not self.waiting_for_room():  # back-pressure: no new prefill while one waits for decode room
+                self.admit_arrivals(p, self.clock.now())
+            if p.busy:
+                outputs += self.run_prefill(p)
+        for d in self.decode:
+            if d.busy:
+                outputs += self.run_decode(d)
+        self.start_transfers(self.clock.now())
+        return outputs
+
+    def begin_transfer(self, h: Handoff, at: float) -> None:
+        """Copy the prompt's blocks now (dispatched) and land at once: the decode core's next step runs on the
+        cache the copy returns. The copy is not timed (it runs on the devices behind the dispatch), so
+        `stats()["transfer_seconds"]` stays 0 here; `num_transfers` counts the moves."""
+        holder, target = h.holder, h.target
+        self.movers[(h.source.name, target.name)].move(holder.block_table, h.state.seq.block_table)
+        h.start = h.end = at
+        self.land(h, at)
+
+    # ----------------------------------------------------------------------------------- the rest of the API
+
+    def pipeline_stats(self) -> None:
+        return None
+
+    def reset_pipeline_stats(self) -> None:
+        """No pipeline inside an instance."""
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        return all(i.engine.wait_until_compiled(timeout) for i in self.instances)
+
+    def stop_background_compile(self) -> None:
+        for i in self.instances:
+            i.engine.stop_background_compile()
+
+    def startup_stats(self) -> dict:
+        """The first prefill instance's `LLMEngine.startup_stats`, with the whole engine's devices, KV blocks and
+        time, and every instance's own under "instances"."""
+        per = {i.name: i.engine.startup_stats() for i in self.instances}
+        total = {k: sum(s[k] for s in per.values()) for k in ("num_kv_blocks", "kv_cache_bytes", "executables")}
+        return {**per[self.prefill[0].name], **total, "num_devices": self.split.num_devices,
+                "total_s": self._startup_s, "disaggregation": str(self.split), "instances": per}
+
+
+def build_engine(config: EngineConfig, *, warmup: bool = True) -> LLMEngine | DisaggregatedEngine:
+    """The engine `config` asks for: disaggregated when `config.disaggregation` is set, else `LLMEngine`."""
+    if config.disaggregation is not None:
+        return DisaggregatedEngine(config, warmup=warmup)
+    return LLMEngine(config, warmup=warmup)

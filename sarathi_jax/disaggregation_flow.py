@@ -1,0 +1,344 @@
+"""Prefill/decode disaggregation's request flow (issue 33), the one copy that the simulated engine
+(sarathi_jax/disaggregation.py: cost models on virtual clocks) and the real one (sarathi_jax/disaggregated_engine.py:
+model runners on their own devices, the wall clock) share. No JAX.
+
+Each instance is the engine's own core (`EngineCore`: scheduler, block manager, postprocessing) with its own KV
+blocks. A request:
+
+1. queues at the prefill instance with the least prompt work (`Queued`);
+2. enters that instance's core when it next steps, unless back-pressure (below) holds new prefills back; the core
+   runs it with max_tokens 1 (`prefill_only`): its prompt, chunked or whole as the policy does, and its first
+   token sampled there;
+3. is held (`Handoff`): the prefill core finished it and freed its blocks; they are taken back at once, the same
+   blocks (`BlockManager.retake`: they hold the prompt's K/V, and nothing was allocated in between), by `holder`
+   until the request has moved;
+4. moves (`start_transfers`): a decode instance with room reserves blocks for the whole request (prompt +
+   max_tokens, so it never grows into a preemption there), and the engine moves the K/V (`begin_transfer`: the
+   simulator prices it on its link, the real engine copies the blocks between the devices);
+5. decodes (`land`): the prefill blocks are freed and the decode core runs the request as a decode at once
+   (`Scheduler.add_sequence` of a sequence with its prompt computed), with the same `RequestMetrics`: TTFT is
+   the prefill side's, and the gap to the second token holds the wait and the transfer.
+
+Back-pressure: while a finished prefill waits for room on the decode side, no new request enters a prefill core
+(new prefills stop; those already in a core go on while its blocks last). Nothing is dropped. Aborts free the
+request's blocks on both sides at any stage. Records name their instance (`IterationRecord.instance`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
+from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.engine_api import Clock
+from sarathi_jax.engine_core import EngineCore, RequestState
+from sarathi_jax.outputs import IterationRecord, RequestMetrics, RequestOutput
+from sarathi_jax.sampling_params import AdmissionError, SamplingParams
+from sarathi_jax.sequence import Sequence, SequenceStatus
+from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+
+
+@dataclass
+class Queued:
+    request_id: str
+    request: AdmittedRequest
+    arrival: float
+
+
+class Instance:
+    """One instance: a core and (prefill) its queue of requests not yet in it."""
+
+    def __init__(self, name: str, core: EngineCore) -> None:
+        self.name, self.core = name, core
+        self.queue: deque[Queued] = deque()
+        self.stalled = False  # its last step ran nothing: it waits for blocks (a landing or an abort frees some)
+        self.incoming = 0  # transfers that reserved blocks here and have not landed
+        # What its last iteration freed (finished requests), visible from the iteration's end on (`room_at`): the
+        # simulator's clocks; the real engine leaves freed_until at 0 (what is freed is free at once).
+        self.freed_until, self.freed_blocks, self.freed_seqs = 0.0, 0, 0
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.core.scheduler.block_manager
+
+    @property
+    def busy(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    @property
+    def load(self) -> int:
+        """Prompt tokens queued here or not yet computed in its core."""
+        sched = self.core.scheduler
+        return (sum(len(q.request.prompt_token_ids) for q in self.queue)
+                + sum(s.num_uncomputed_tokens for s in (*sched.running, *sched.waiting)))
+
+    def room_at(self, t: float, num_blocks: int) -> bool:
+        """Room at time `t` for one more request of `num_blocks` blocks, above the watermark."""
+        late = self.freed_until > t
+        bm, sched = self.block_manager, self.core.scheduler
+        free = bm.num_free_blocks - bm.watermark_blocks - (self.freed_blocks if late else 0)
+        seqs = sched.num_running + self.incoming + (self.freed_seqs if late else 0)
+        return free >= num_blocks and seqs < sched.config.max_num_seqs
+
+
+@dataclass
+class Handoff:
+    """A request whose prompt is done: held on `source` until a decode instance has room, then moving."""
+
+    request_id: str
+    source: Instance
+    holder: Sequence  # holds the prompt's blocks on the prefill instance
+    state: RequestState  # the decode side's (its sequence: the prompt computed, the first token appended)
+    ready: float  # when its prefill iteration ended
+    target: Instance | None = None
+    start: float | None = None  # the transfer: decode blocks reserved at start, prefill blocks freed at end
+    end: float | None = None
+
+
+def prefill_only(request: AdmittedRequest) -> AdmittedRequest:
+    """The request as its prefill instance runs it: up to its first token. A min_tokens > 1 keeps that token from
+    being a stop (as the colocated engine would not stop there)."""
+    p = request.params
+    extra = {"stop_token_ids": (), "ignore_eos": True, "stop": ()} if p.min_tokens > 1 else {}
+    return dataclasses.replace(request, params=dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1),
+                                                                   **extra))
+
+
+def finished_output(request_id: str, prompt: tuple[int, ...], tokens: tuple[int, ...], metrics: RequestMetrics,
+                    now: float, reason: str = "abort", new: tuple[int, ...] = (), text_delta: str = "",
+                    text: str = "") -> RequestOutput:
+    """The last output of a request that ends outside any core (aborted while queued, held or moving; or
+    stopped by a stop string in its first token)."""
+    metrics.finished_time = now
+    return RequestOutput(request_id=request_id, prompt_token_ids=prompt, new_token_ids=new, token_ids=tokens,
+                         text_delta=text_delta, text=text, new_logprobs=(), finished=True, finish_reason=reason,
+                         metrics=metrics)
+
+
+class DisaggregationFlow:
+    """The request flow over `prefill` and `decode` instances (module docstring). A subclass says when things
+    run (`step`) and how the K/V moves (`begin_transfer`); `clock` stamps what happens outside the cores."""
+
+    clock: Clock
+    tokenizer: Tokenizer | None = None  # the decode side's text (None: outputs carry no text)
+
+    def __init__(self, prefill: list[Instance], decode: list[Instance], admission: Admission, seed: int = 0) -> None:
+        self.prefill, self.decode, self.admission = prefill, decode, admission
+        self.max_model_len = admission.max_model_len
+        self.iteration_log: list[IterationRecord] = []
+        self._requests: dict[str, AdmittedRequest] = {}  # unfinished, by id
+        self._handoffs: dict[str, Handoff] = {}  # held or moving, in the order their prefills ended
+        self._outputs: list[RequestOutput] = []  # ends outside a core, reported by the next step
+        # Seeds drawn here, as one colocated core would draw them (in arrival order), so both sides use the same.
+        self._seed_rng = np.random.default_rng(seed)
+        self.num_transfers, self.transfer_seconds = 0, 0.0
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.prefill + self.decode
+
+    # ----------------------------------------------------------------------------------- requests in
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, *, slo_ttft_s: float | None = None,
+                    slo_tbt_s: float | None = None) -> None:
+        """Admit and queue a request. Raises AdmissionError naming the field."""
+        self.check_new_id(request_id)
+        self.add_admitted(request_id, self.admission.admit(prompt, params, priority, slo_ttft_s=slo_ttft_s,
+                                                           slo_tbt_s=slo_tbt_s), arrival_time)
+
+    def check_new_id(self, request_id: str) -> None:
+        if request_id in self._requests:
+            raise AdmissionError("request_id", f"{request_id!r} is already in use")
+
+    def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
+        assert request_id not in self._requests, request_id
+        assert request.grammar is None, "admission refuses structured outputs here (`no_structured_outputs`)"
+        if request.params.seed is None:
+            seed = int(self._seed_rng.integers(0, 2**31 - 1))
+            request = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed))
+        self._requests[request_id] = request
+        arrival = self.clock.now() if arrival_time is None else arrival_time
+        min(self.prefill, key=lambda i: i.load).queue.append(Queued(request_id, request, arrival))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is: every block it holds, on either side, is freed now."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        now = self.clock.now()
+        for inst in self.instances:
+            queued = next((q for q in inst.queue if q.request_id == request_id), None)
+            if queued is not None:
+                inst.queue.remove(queued)
+                metrics = RequestMetrics(queued.arrival, slo_ttft_s=request.slo_ttft_s, slo_tbt_s=request.slo_tbt_s)
+                self._outputs.append(finished_output(request_id, request.prompt_token_ids, (), metrics, now))
+            elif request_id in inst.core:
+                inst.core.abort(request_id)  # its output comes with the instance's next step
+                inst.stalled = False
+            else:
+                continue
+            break
+        else:
+            h = self._handoffs.pop(request_id)
+            h.source.block_manager.free(h.holder)
+            h.source.stalled = False
+            seq = h.state.seq
+            if h.target is not None:  # moving: its decode blocks were reserved
+                h.target.block_manager.free(seq)
+                h.target.incoming -= 1
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            self._outputs.append(finished_output(request_id, request.prompt_token_ids, tuple(seq.output_token_ids),
+                                                 seq.metrics, now))
+        self.start_transfers(now)
+        return True
+
+    def stage_of(self, request_id: str) -> str | None:
+        """Where an unfinished request is: queued, prefill, held, moving or decode (None: unknown or finished)."""
+        if request_id not in self._requests:
+            return None
+        if request_id in self._handoffs:
+            return "held" if self._handoffs[request_id].start is None else "moving"
+        if any(q.request_id == request_id for p in self.prefill for q in p.queue):
+            return "queued"
+        return "prefill" if any(request_id in p.core for p in self.prefill) else "decode"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests or self._outputs or any(i.busy for i in self.instances))
+
+    # ----------------------------------------------------------------------------------- the flow
+
+    def waiting_for_room(self) -> bool:
+        """A finished prefill is held, waiting for decode room (back-pressure: no new prefill starts)."""
+        return any(h.start is None for h in self._handoffs.values())
+
+    def admit_arrivals(self, p: Instance, t: float) -> None:
+        """Requests queued at `p` that have arrived by `t` enter its core (the caller checked back-pressure)."""
+        while p.queue and p.queue[0].arrival <= t:
+            q = p.queue.popleft()
+            p.core.add_request(q.request_id, prefill_only(q.request), q.arrival)
+            p.stalled = False
+
+    def run(self, inst: Instance) -> list[RequestOutput]:
+        """One iteration of `inst`'s core; its record goes to the engine's log, named."""
+        log = inst.core.iteration_log
+        before = len(log)
+        outputs = inst.core.step()
+        inst.stalled = len(log) == before and not outputs
+        for rec in log[before:]:
+            self.iteration_log.append(dataclasses.replace(rec, iteration=len(self.iteration_log), instance=inst.name))
+        return outputs
+
+    def now_of(self, inst: Instance) -> float:
+        """The time at `inst` (the simulator's instances have clocks of their own)."""
+        return self.clock.now()
+
+    def run_prefill(self, p: Instance) -> list[RequestOutput]:
+        """One iteration of prefill instance `p`; requests whose prompt it finished are handed off (held)."""
+        # Each table as it stands: allocation appends to it, freeing replaces it (never clears it).
+        sched = p.core.scheduler
+        tables = {s.seq_id: s.block_table for s in (*sched.running, *sched.waiting)}
+        outputs = self.run(p)
+        now = self.now_of(p)
+        for out in outputs:
+            request = self._requests.get(out.request_id)
+            if not out.finished or request is None:
+                continue
+            if out.finish_reason == "length" and request.params.max_tokens > 1:
+                self._hand_off(p, out, request, tables[out.request_id], now)
+            else:
+                del self._requests[out.request_id]  # done on the prefill side (max_tokens 1, a stop, an abort)
+        self.start_transfers(now)
+        return outputs
+
+    def _hand_off(self, p: Instance, out: RequestOutput, request: AdmittedRequest, blocks: list[int],
+                  now: float) -> None:
+        """`out` (its first token; the prefill core finished it and freed `blocks`) continues on the decode side:
+        its blocks are taken back at once, held until the transfer ends, and `out` says unfinished."""
+        prompt, metrics, params, first = list(out.prompt_token_ids), out.metrics, request.params, out.token_ids[0]
+        holder = Sequence(out.request_id, prompt, params, metrics.arrival_time)
+        p.block_manager.retake(holder, blocks)
+        seq = Sequence(out.request_id, prompt, params, metrics.arrival_time, request.priority,
+                       request.slo_ttft_s, request.slo_tbt_s)
+        seq.metrics = metrics  # one request: TTFT from the prefill side, its TBTs from both
+        metrics.finished_time = None
+        seq.append_token(first)
+        seq.num_computed_tokens = len(prompt)
+        detok = checker = None
+        text_delta = ""
+        if self.tokenizer is not None:  # the first token's text, and a stop string in it, as the core would
+            detok, checker = IncrementalDetokenizer(self.tokenizer, prompt), StopStringChecker(params.stop)
+            text_delta = checker.add(detok.append(first), detect=params.min_tokens <= 1)
+        state = RequestState(seq, params.seed, request.banned_until_min_tokens, detok, checker, emitted_tokens=1,
+                             text_delta=text_delta)
+        out.finished, out.finish_reason = False, None
+        if checker is not None and checker.stopped:  # it ends here, as the colocated engine would end it
+            p.block_manager.free(holder)
+            del self._requests[out.request_id]
+            self._outputs.append(finished_output(out.request_id, out.prompt_token_ids, (first,), metrics, now,
+                                                 "stop", text_delta=text_delta, text=checker.text))
+            return
+        self._handoffs[out.request_id] = Handoff(out.request_id, p, holder, state, ready=now)
+
+    def start_transfers(self, t: float) -> None:
+        """Start the waiting hand-offs, in order, while a decode instance has room for the next one at its time."""
+        for h in list(self._handoffs.values()):
+            if h.start is not None:
+                continue
+            seq, at = h.state.seq, max(h.ready, t)
+            rooms = [d for d in self.decode
+                     if d.room_at(at, d.block_manager.blocks_for_tokens(seq.max_total_tokens))]
+            if not rooms:
+                return  # in order: a later one does not overtake it
+            d = min(rooms, key=lambda i: i.core.scheduler.num_running + i.incoming)
+            d.block_manager.allocate(seq, seq.max_total_tokens)
+            d.incoming += 1
+            h.target = d
+            self.begin_transfer(h, at)
+
+    def begin_transfer(self, h: Handoff, at: float) -> None:
+        """Move `h`'s K/V from `h.source` to `h.target` (whose blocks are reserved), starting at `at`: set
+        `h.start` and `h.end` (the landing, `land`, is the subclass's to call)."""
+        raise NotImplementedError
+
+    def land(self, h: Handoff, t: float) -> None:
+        """The KV cache has moved: free the prefill blocks; the decode instance runs the request from now on."""
+        del self._handoffs[h.request_id]
+        h.source.block_manager.free(h.holder)
+        h.source.stalled = False
+        d = h.target
+        d.incoming -= 1
+        d.core.add(h.state)
+        d.stalled = False
+        self.num_transfers += 1
+        self.transfer_seconds += h.end - h.start
+
+    def run_decode(self, d: Instance) -> list[RequestOutput]:
+        outputs = self.run(d)
+        for out in outputs:
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+        return outputs
+
+    # ----------------------------------------------------------------------------------- the rest of the API
+
+    def stats(self) -> dict:
+        """The instances' `Scheduler.stats` summed, each one's under "instances", and the transfers so far."""
+        per = {i.name: i.core.stats() for i in self.instances}
+        keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_preemptions",
+                "prefix_cache_queries", "prefix_cache_hits")
+        total = {k: sum(s[k] for s in per.values()) for k in keys}
+        total["kv_cache_usage"] = 1.0 - total["num_free_blocks"] / total["num_total_blocks"]
+        return {**total, "instances": per, "num_queued": sum(len(i.queue) for i in self.instances),
+                "num_held": sum(h.start is None for h in self._handoffs.values()),
+                "num_moving": sum(h.start is not None for h in self._handoffs.values()),
+                "num_transfers": self.num_transfers, "transfer_seconds": self.transfer_seconds,
+                "clock": self.clock.now()}
+
+    def reset_prefix_cache(self) -> None:
+        for i in self.instances:
+            i.block_manager.reset_prefix_cache()

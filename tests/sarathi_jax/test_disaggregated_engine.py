@@ -1,0 +1,227 @@
+"""The real disaggregated engine (issue 33) on 8 virtual CPU devices (XLA_FLAGS set in tests/conftest.py).
+
+Greedy tokens equal HF's and the colocated engine's for "1:1", "2:2" and "4:4" with chunked prefills (token
+budget 16, prompts up to 45 tokens), every prompt's K/V moved by the KV block mover; no KV block left on
+either side; back-pressure with a decode cache of two requests; aborts; prefix-cache hits on the prefill side;
+`LLM` on it; the refusals. Engines compile lazily (warmup=False) and one bucket, to keep compile time small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from sarathi_jax import LLM, EngineConfig, LLMEngine, SamplingParams
+from sarathi_jax.admission import AdmissionError
+from sarathi_jax.disaggregated_engine import DisaggregatedEngine
+from sarathi_jax.disaggregation_kv import KVBlockMover
+from tests.sarathi_jax.engine_helpers import hf_generate, run_staggered
+
+PROMPT_LENGTHS = (3, 17, 30, 9, 45, 1)
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+FIELDS = dict(token_budget=16, max_num_seqs=4, block_size=16, num_blocks=48, max_model_len=128)
+
+
+def make_engine(model_dir, split: str | None, **overrides):
+    config = EngineConfig(model=str(model_dir), disaggregation=split, **{**FIELDS, **overrides})
+    return (DisaggregatedEngine if split else LLMEngine)(config, warmup=False)
+
+
+def no_blocks_held(engine: DisaggregatedEngine) -> bool:
+    return all(i.block_manager.num_used_blocks == 0 for i in engine.instances)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint()  # Llama, 8 heads, 4 KV heads, 4 layers
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, 256, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, prompts) -> dict[str, list[int]]:
+    """HF's greedy tokens, checked equal to the colocated engine's."""
+    hf = {f"r{i}": tokens for i, tokens in enumerate(hf_generate(model_dir, prompts, MAX_TOKENS))}
+    assert run_staggered(make_engine(model_dir, None), prompts, GREEDY) == hf
+    return hf
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict:
+    """Engines built by test_tokens_match_hf_and_colocated, by split, reused by later tests."""
+    return {}
+
+
+@pytest.mark.parametrize("split,overlapped", [("1:1", True), ("2:2", True), ("4:4", True), ("1:1", False)],
+                         ids=["1:1", "2:2", "4:4", "1:1-synchronous"])
+def test_tokens_match_hf_and_colocated(model_dir, prompts, expected, engines, split, overlapped):
+    engine = make_engine(model_dir, split, async_scheduling=overlapped)
+    if overlapped:
+        engines[split] = engine
+    assert run_staggered(engine, prompts, GREEDY) == expected
+    assert no_blocks_held(engine) and not engine.has_unfinished_requests()
+    # Each side on its own devices: prefill on the first P, decode on the next D.
+    p, d = (int(n) for n in split.split(":"))
+    devices = jax.devices()
+    for inst, want in ((engine.prefill[0], devices[:p]), (engine.decode[0], devices[p:p + d])):
+        assert {dev for a in inst.engine.runner.kv_caches[0] for dev in a.devices()} == set(want)
+    # The prefill instance ran prompts only (chunked: 45 tokens at a budget of 16), the decode instance decodes.
+    log = engine.iteration_log
+    assert {r.instance for r in log} == {"prefill0", "decode0"}
+    assert all(r.num_decode_tokens == 0 for r in log if r.instance == "prefill0")
+    assert all(r.num_prefill_tokens == 0 and r.num_decode_tokens > 0 for r in log if r.instance == "decode0")
+    assert sum(r.num_prefill_tokens for r in log) == sum(PROMPT_LENGTHS)
+    assert engine.stats()["num_transfers"] == len(prompts)
+    # Moves compile once per block-count bucket used (prompts of 1-3 blocks: buckets 1, 2 and 4), not per request.
+    mover = engine.movers[("prefill0", "decode0")]
+    assert mover.num_traces == 2 * 3
+
+
+def test_moves_never_compile_after_warmup(model_dir, prompts, expected, engines):
+    engine = engines.get("1:1") or make_engine(model_dir, "1:1")
+    prefill, decode = engine.prefill[0], engine.decode[0]
+    mover = engine.movers[("prefill0", "decode0")] = KVBlockMover(prefill.engine.runner, decode.engine.runner)
+    mover.warmup()  # writes nothing: every id of its scatters is padding
+    assert mover.buckets == (1, 2, 4, 8) and mover.num_traces == 2 * 4  # max_model_len 128: up to 8 blocks
+    assert run_staggered(engine, prompts, GREEDY) == expected
+    assert mover.num_traces == 2 * 4 and engine.stats()["num_transfers"] >= len(prompts)
+
+
+def test_instances_of_one_device_each_side(model_dir, prompts, expected):
+    """"2/1:2/1": two prefill and two decode instances of one device each, on devices 0-3, four movers."""
+    engine = make_engine(model_dir, "2/1:2/1")
+    assert run_staggered(engine, prompts, GREEDY) == expected
+    names = [i.name for i in engine.instances]
+    assert names == ["prefill0", "prefill1", "decode0", "decode1"]
+    for inst, device in zip(engine.instances, jax.devices()[:4]):
+        assert {d for a in inst.engine.runner.kv_caches[0] for d in a.devices()} == {device}
+    assert {r.instance for r in engine.iteration_log} == set(names)  # the work spread over every instance
+    assert no_blocks_held(engine)
+
+
+def test_the_copy_carries_the_kv(model_dir, prompts, expected, engines, monkeypatch):
+    """With the device copy skipped, the decode side reads blocks that were never written: other tokens."""
+    engine = engines.get("1:1") or make_engine(model_dir, "1:1")
+    stage = engine.decode[0].engine.runner.stages[0]
+    stage.kv_cache = jax.tree.map(lambda a: a * 0, stage.kv_cache)  # no K/V left from an earlier run
+    monkeypatch.setattr(KVBlockMover, "move", lambda self, source, target: None)
+    got = run_staggered(engine, prompts, GREEDY)
+    assert [got[r][0] for r in expected] == [t[0] for t in expected.values()]  # first tokens: the prefill side's
+    assert got != expected
+    assert no_blocks_held(engine)
+
+
+def test_backpressure_decode_cache_of_two_requests(model_dir):
+    """Each request takes 3 blocks whole (20 + 28 tokens) and the decode instance has 6: room for two. Ten
+    requests all finish with HF's tokens, finished prefills wait (their blocks held) and no new prefill starts
+    meanwhile, no instance holds more than it can, and no block is left."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, size=20).tolist() for _ in range(10)]
+    engine = make_engine(model_dir, "1:1", num_blocks=6, max_model_len=96, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    decode, prefill = engine.decode[0], engine.prefill[0]
+    sched = prefill.core.scheduler
+    in_prefill = lambda: {s.seq_id for s in (*sched.running, *sched.waiting)}  # noqa: E731
+    finished, held_seen, entered_while_held, steps = {}, 0, 0, 0
+    while engine.has_unfinished_requests():
+        held, before = engine.stats()["num_held"], in_prefill()
+        for out in engine.step():
+            assert out.request_id not in finished
+            if out.finished:
+                finished[out.request_id] = list(out.token_ids)
+        if held:
+            entered_while_held += len(in_prefill() - before)
+        held_seen = max(held_seen, engine.stats()["num_held"])
+        assert decode.core.scheduler.num_running <= 2
+        steps += 1
+        assert steps < 2000
+    assert finished == {f"r{i}": t for i, t in enumerate(hf_generate(model_dir, prompts, 28))}
+    assert held_seen >= 1 and entered_while_held == 0
+    assert engine.stats()["num_preemptions"] == 0 and no_blocks_held(engine)
+    # Too long for the caches (prompt + max_tokens > 6 blocks above the watermark): refused at admission.
+    with pytest.raises(AdmissionError, match="max_tokens"):
+        engine.add_request("long", prompts[0], SamplingParams(max_tokens=80))
+    assert not engine.has_unfinished_requests() and no_blocks_held(engine)
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefill", "decode"])
+def test_abort_at_each_stage(model_dir, prompts, expected, engines, stage):
+    engine = engines.get("2:2") or make_engine(model_dir, "2:2")
+    engine.add_request("victim", prompts[4], GREEDY)  # 45 tokens: three prefill chunks
+    engine.add_request("other", prompts[1], GREEDY)
+    outputs = {}
+    while engine.stage_of("victim") != stage:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert engine.abort("victim") and not engine.abort("victim")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    last = outputs["victim"][-1]
+    assert last.finished and last.finish_reason == "abort"
+    assert all(not o.finished for o in outputs["victim"][:-1])  # nothing after the abort
+    assert list(outputs["other"][-1].token_ids) == expected["r1"]
+    assert no_blocks_held(engine)
+
+
+def test_prefix_cache_hits_on_the_prefill_side(model_dir):
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, 256, size=40).tolist()
+    prompts = [shared + rng.integers(3, 256, size=n).tolist() for n in (5, 12)]
+    engine = make_engine(model_dir, "1:1", enable_prefix_caching=True)
+    got = run_staggered(engine, prompts, GREEDY, arrive_every=40)  # the second arrives after the first is done
+    assert got == {f"r{i}": t for i, t in enumerate(hf_generate(model_dir, prompts, MAX_TOKENS))}
+    prefill = engine.prefill[0].block_manager
+    assert prefill.num_prefix_hits == 32  # two whole blocks of the shared 40 tokens
+    assert prefill.num_used_blocks == 0 and engine.decode[0].block_manager.num_used_blocks == 0
+
+
+def test_llm_generate_runs_on_it(model_dir, prompts, expected):
+    llm = LLM(str(model_dir), warmup=False, disaggregation="1:1", **FIELDS)
+    assert isinstance(llm.engine, DisaggregatedEngine)
+    outs = llm.generate(prompts[:2], GREEDY)
+    assert [list(o.token_ids) for o in outs] == [expected["r0"], expected["r1"]]
+
+
+@pytest.mark.parametrize("split,match", [
+    ("4:5", r"needs 9 devices .* only 8"),
+    ("3:1", r"tensor parallelism 3 does not divide the model's 8 attention heads"),
+])
+def test_bad_split_is_refused_at_start(model_dir, split, match):
+    with pytest.raises(ValueError, match=match):
+        make_engine(model_dir, split)
+
+
+def test_text_and_stop_strings_match_the_colocated_engine(hf_checkpoint):
+    """A model with a tokenizer: the decode side owns the text (the hand-off detokenizes the first token), so
+    `LLM.generate` gives the colocated engine's text, also when a stop string lies in the first token (the
+    request ends at the hand-off) or spans the first tokens."""
+    model = str(hf_checkpoint("llama"))
+    fields = dict(FIELDS, num_blocks=64, max_model_len=256)
+    colocated = LLM(model, warmup=False, **fields)
+    disaggregated = LLM(model, warmup=False, disaggregation="1:1", **fields)
+    prompts = ["The quick brown fox", "Once upon a time, in a land far away"]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = colocated.generate(prompts, dataclasses.replace(plain, max_tokens=1))
+    full = colocated.generate(prompts, plain)
+    stops = [first[0].text, full[1].text[len(first[1].text) - 1:len(first[1].text) + 2]]
+    assert all(stops), stops
+    cases = [plain] + [dataclasses.replace(plain, stop=(stop,)) for stop in stops]
+    ends = []
+    for params in cases:
+        want, got = colocated.generate(prompts, params), disaggregated.generate(prompts, params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+            (o.token_ids, o.text, o.finish_reason) for o in want]
+        ends.append([o.finish_reason for o in want])
+    assert ends[1][0] == "stop" and ends[2][1] == "stop"  # each stop string was hit
+    assert all(i.block_manager.num_used_blocks == 0 for i in disaggregated.engine.instances)
