@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sarathi_jax.bench.probes import layer_matmul_cost, out_major_steps
 
@@ -46,5 +47,16 @@ def test_out_major_steps_end_to_end(capsys):
     out_major_steps.main(["--model", "tiny-llama", "--mode", "decode", "--batch-sizes", "1,2", "--context", "8",
                           "--token-budget", "16", "--max-num-seqs", "4", "--max-model-len", "64", "--repeats", "2"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["composition", "in-major", "out-major", "median", "out/in"]
+    assert lines[1].split() == ["composition", "in-major", "out-major", "median", "ratio"]
     assert [line.split()[:2] for line in lines[2:]] == [["decode", "x1"], ["decode", "x2"]]
+
+
+def test_out_major_steps_compares_scanned_with_unrolled_layers(capsys):
+    out_major_steps.main(["--compare", "scan-layers", "--model", "tiny-llama", "--mode", "decode", "--batch-sizes",
+                          "1", "--context", "8", "--token-budget", "16", "--max-num-seqs", "4", "--max-model-len",
+                          "64", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["composition", "scanned", "unrolled", "median", "ratio"]
+    assert [line.split()[:2] for line in lines[2:]] == [["decode", "x1"]]
+    with pytest.raises(SystemExit, match="--compare must be one of"):
+        out_major_steps.main(["--compare", "fast", "--model", "tiny-llama"])
