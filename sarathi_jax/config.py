@@ -154,8 +154,9 @@ class EngineConfig:
     speculative_config: speculative decoding, vLLM's dict (JSON on a command line): {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup in the
         request's own tokens), or {"method": "self", "num_layers": L, "num_speculative_tokens": k} (the model's
-        first L layers as the draft). Unconstrained requests only; the loop is synchronous while one runs.
-        Not with pipeline parallelism or tile_size ("self": nor tensor parallelism). See docs/design.md,
+        first L layers as the draft), or {"model": PRESET_OR_FOLDER, "num_speculative_tokens": k} (a draft
+        model with the same vocabulary). Unconstrained requests only; the loop is synchronous while one runs.
+        Not with pipeline parallelism or tile_size (draft models: nor tensor parallelism). See docs/design.md,
         "Speculative decoding".
     disaggregation: "P:D" splits prefill from decode (DistServe, Splitwise): P devices run prompts and sample
         each request's first token, then its KV cache moves to the D decode devices (a side may be
@@ -237,10 +238,10 @@ class EngineConfig:
         if self.speculative_config is not None and (self.pipeline_parallel_size > 1 or self.tile_size):
             raise ValueError("speculative_config is not supported yet with pipeline_parallel_size > 1 (not "
                              "verified there) or with tile_size (draft tokens would unalign the batch)")
-        if self.speculative_config is not None and self.speculative_config.method == "self" and (
+        if self.speculative_config is not None and self.speculative_config.method != "ngram" and (
                 self.tensor_parallel_size > 1):
-            raise ValueError("speculative_config method 'self' is not supported yet with tensor_parallel_size > 1 "
-                             "(the draft runs on one device)")
+            raise ValueError(f"speculative_config method {self.speculative_config.method!r} is not supported yet "
+                             "with tensor_parallel_size > 1 (the draft runs on one device)")
         self._check_batch_limits()
         if self.disaggregation is not None:
             DisaggregationSplit.parse(self.disaggregation)  # ValueError naming the bad part

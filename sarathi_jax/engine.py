@@ -135,11 +135,15 @@ class LLMEngine(CoreFrontEnd):
                     mc, params, config, sizing, attention_fn=get_attention_fn(attention_backend),
                     plan=self.parallel_plan, executable_cache=ExecutableCache.in_compilation_cache(cache_dir),
                 )
-                self.draft_runner = None  # the "self" draft (sarathi_jax/draft_runner.py)
-                if spec is not None and spec.method == "self":
-                    from sarathi_jax.draft_runner import SelfDraftRunner  # off the request path unless speculating
+                self.draft_runner = None  # a draft model's (sarathi_jax/draft_runner.py)
+                if spec is not None and spec.method != "ngram":
+                    from sarathi_jax.draft_runner import DraftRunner  # off the request path unless speculating
 
-                    self.draft_runner = SelfDraftRunner(self.runner, spec.num_layers)
+                    if spec.method == "self":
+                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers)
+                    else:
+                        self.draft_runner = DraftRunner.draft_model(self.runner, *load_model(spec.model, dtype,
+                                                                                             seed=config.seed))
                 if spec is not None:
                     self.scheduler.speculation = Speculation.of(
                         spec, self.draft_runner.propose if self.draft_runner is not None else None)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from sarathi_jax.outputs import RequestMetrics
 from sarathi_jax.sampling_params import SamplingParams
 
-SPECULATIVE_METHODS = ("ngram", "self")
+SPECULATIVE_METHODS = ("ngram", "self", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32  # a chunk of 1 + k tokens is a small prefill; past this it is not speculation
 
 
@@ -33,18 +33,28 @@ class SpeculativeConfig:
     method "ngram" (the default): prompt lookup (the continuation of the last n-gram's most recent earlier
     match in the request's own tokens), n from prompt_lookup_max down to prompt_lookup_min.
     method "self": a self-speculative draft, the target's first `num_layers` decoder layers, its final norm
-    and LM head (`draft_runner`); 1 <= num_layers < the model's layers (checked when the model is loaded)."""
+    and LM head (`draft_runner`); 1 <= num_layers < the model's layers (checked when the model is loaded).
+    `model` (a preset or a folder, as `EngineConfig.model`; method "draft_model", the default when `model`
+    is given): a separate draft with the target's vocabulary (`draft_runner`)."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     num_layers: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS} (draft models are "
-                             f"not implemented yet), got {self.method!r}")
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' goes with a draft model, "
+                             f"{{'model': PRESET_OR_FOLDER, ...}}, and 'model' with no other method "
+                             f"(method {self.method!r}, model {self.model!r})")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a preset name or a folder, got {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             _check_positive(name, getattr(self, name))
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
