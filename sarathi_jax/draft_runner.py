@@ -116,11 +116,7 @@ class DraftRunner:
     @classmethod
     def self_draft(cls, runner: ModelRunner, num_layers: int) -> DraftRunner:
         """The "self" draft: `runner`'s first `num_layers` layers, final norm and LM head, over its KV cache."""
-        target = runner.model_config
-        if not 1 <= num_layers < target.num_hidden_layers:
-            raise ValueError(f"speculative_config.num_layers must be in [1, {target.num_hidden_layers}) for this "
-                             f"model's {target.num_hidden_layers} layers, got {num_layers}")
-        stage = runner.stages[0]
+        target, stage = runner.model_config, runner.stages[0]  # 1 <= num_layers < its layers: `check_model`
         model = stage.model.clone(config=dataclasses.replace(target, num_hidden_layers=num_layers),
                                   kv_cache_layers=target.num_hidden_layers)
         return cls(runner, model, stage.params, stage, functools.partial(draft_params, num_layers=num_layers))
