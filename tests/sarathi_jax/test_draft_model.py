@@ -12,23 +12,37 @@ import pytest
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from tests.sarathi_jax.engine_helpers import run_staggered
-from tests.sarathi_jax.test_draft_runner import (
+from tests.sarathi_jax.speculation_helpers import (
     GREEDY,
     MAX_TOKENS,
     assert_no_leak,
     hf_greedy,
     hf_model,
-    llama_dir,  # noqa: F401 (fixtures)
     make_engine,
+    make_prompts,
     observe,
-    prompts,  # noqa: F401
-    hf_outputs,  # noqa: F401
     serve,
 )
 
 
 def draft_spec(model, k: int = 4) -> dict:
     return {"model": str(model), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(hf_checkpoint):
+    return hf_checkpoint("llama")  # the target: 2 layers
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(llama_dir, prompts):
+    model = hf_model(llama_dir)
+    return [hf_greedy(model, prompt, MAX_TOKENS) for prompt in prompts]
 
 
 @pytest.fixture(scope="module")

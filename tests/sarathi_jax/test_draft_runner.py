@@ -7,20 +7,23 @@ bucket at warm-up and never while serving; bad configs are refused."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from tests.sarathi_jax.engine_helpers import run_staggered
-
-MAX_TOKENS = 24
-PATTERN_LENGTHS = (3, 5, 9, 13, 30, 70)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def self_spec(num_layers: int, k: int = 4) -> dict:
-    return {"method": "self", "num_layers": num_layers, "num_speculative_tokens": k}
+from tests.sarathi_jax.speculation_helpers import (
+    GREEDY,
+    MAX_TOKENS,
+    assert_drafts_are_the_cut_models,
+    assert_no_leak,
+    hf_greedy,
+    hf_model,
+    make_engine,
+    make_prompts,
+    observe,
+    self_spec,
+    serve,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,72 +38,13 @@ def deep_dir(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(7)
-    return [rng.integers(3, 256, size=n).tolist() * 2 for n in PATTERN_LENGTHS]
-
-
-def hf_model(model_dir, num_layers=None):
-    from transformers import AutoModelForCausalLM
-
-    extra = {} if num_layers is None else {"num_hidden_layers": num_layers}  # the first layers, norm, LM head
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **extra).eval()
-
-
-def hf_greedy(model, prompt, max_tokens):
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              bos_token_id=None)
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        return model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+    return make_prompts()
 
 
 @pytest.fixture(scope="module")
 def hf_outputs(llama_dir, prompts):
     model = hf_model(llama_dir)
     return [hf_greedy(model, prompt, MAX_TOKENS) for prompt in prompts]
-
-
-def make_engine(model_dir, speculative_config, **overrides) -> LLMEngine:
-    fields = dict(model=model_dir, token_budget=64, max_num_seqs=16, block_size=16, num_blocks=256, max_model_len=512,
-                  speculative_config=speculative_config, compilation_cache_dir=None)
-    fields.update(overrides)
-    return LLMEngine(EngineConfig(**fields), warmup=False)
-
-
-def observe(engine) -> list[list[tuple]]:
-    """Each dispatched step's chunks as (seq_id, num_new_tokens, draft tokens, is_decode, tokens before them)."""
-    steps = []
-    engine.runner.observe_steps(lambda chunks, packed, variant: steps.append(
-        [(c.seq.seq_id, c.num_new_tokens, c.draft_token_ids, c.is_decode, tuple(c.seq.token_ids)) for c in chunks]))
-    return steps
-
-
-def assert_no_leak(engine):
-    bm = engine.block_manager
-    bm.check_invariants([])
-    assert bm.num_free_blocks == bm.num_total_blocks
-
-
-def serve(engine, requests: dict) -> dict[str, list]:
-    """Serve the (prompt, params) of `requests` at once: each request's outputs."""
-    outs: dict[str, list] = {}
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
-    return outs
-
-
-def assert_drafts_are_the_cut_models(model_dir, num_layers, steps, most=40):
-    """Each proposal is the greedy continuation of HF's model cut to `num_layers` layers (the first `most`)."""
-    draft = hf_model(model_dir, num_layers)
-    proposals = [(tokens, d) for step in steps for _, _, d, _, tokens in step if d][:most]
-    assert proposals
-    same = sum(hf_greedy(draft, tokens, len(d)) == list(d) for tokens, d in proposals)
-    assert same >= 0.9 * len(proposals), (same, len(proposals))  # float32 near-ties may differ, rarely
 
 
 @pytest.mark.parametrize("token_budget, async_scheduling", [(16, True), (64, False)])
@@ -116,8 +60,8 @@ def test_self_draft_greedy_matches_hf_and_no_speculation(llama_dir, prompts, hf_
     if token_budget == 64:  # a batch mixed a speculating decode, a plain decode and a prefill chunk
         assert any(any(d for _, _, d, *_ in step) and any(dec and not d for _, _, d, dec, _ in step)
                    and any(not dec for _, _, _, dec, _ in step) for step in steps)
-        plain = run_staggered(make_engine(llama_dir, None, token_budget=token_budget), prompts, GREEDY, arrive_every=2)
-        assert plain == finished
+        plain_engine = make_engine(llama_dir, None, token_budget=token_budget)
+        assert run_staggered(plain_engine, prompts, GREEDY, arrive_every=2) == finished
     assert_drafts_are_the_cut_models(llama_dir, 1, steps)
     assert_no_leak(engine)
 
