@@ -29,6 +29,24 @@ def hf_model(model_dir, num_layers=None):
     return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **extra).eval()
 
 
+def with_idle_layers(model_dir, folder, first: int):
+    """A copy of the checkpoint in `model_dir` (into `folder`) whose layers from `first` on add nothing to the
+    residual stream (their output projections zeroed): its first `first` layers give exactly its tokens, so a
+    "self" draft of them is always accepted (float32 near-ties aside)."""
+    import shutil
+
+    for path in model_dir.iterdir():  # the tokenizer's files; the config and weights are written below
+        if path.name.startswith("tokenizer"):
+            shutil.copy(path, folder / path.name)
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        for layer in model.model.layers[first:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(folder)
+    return folder
+
+
 def hf_greedy(model, prompt, max_tokens):
     from transformers import GenerationConfig
 
@@ -61,14 +79,17 @@ def assert_no_leak(engine):
     assert bm.num_free_blocks == bm.num_total_blocks
 
 
-def serve(engine, requests: dict) -> dict[str, list]:
-    """Serve the (prompt, params) of `requests` at once: each request's outputs."""
+def serve(engine, requests: dict, group: int = 4) -> dict[str, list]:
+    """Serve the (prompt, params) of `requests`, `group` at a time (each draft needs a sampling row, and a step
+    has max_num_seqs of them): each request's outputs."""
     outs: dict[str, list] = {}
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
+    items = list(requests.items())
+    for first in range(0, len(items), group):
+        for rid, (prompt, params) in items[first : first + group]:
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).append(out)
     return outs
 
 
