@@ -81,7 +81,7 @@ def test_another_draft_proposes_its_own_greedy_tokens(llama_dir, other_dir, prom
 
 
 def test_preemption_prefix_cache_and_sampled_requests_with_a_draft_model(llama_dir, prompts, hf_outputs):
-    engine = make_engine(llama_dir, draft_spec(llama_dir), num_blocks=16)  # too few blocks for all: preempts
+    engine = make_engine(llama_dir, draft_spec(llama_dir), num_blocks=12)  # too few blocks for all: preempts
     finished = run_staggered(engine, prompts, GREEDY, arrive_every=1)
     stats = engine.stats()
     assert stats["num_preemptions"] > 0
