@@ -153,8 +153,11 @@ class EngineConfig:
         `ModelRunner.warmup` and `LLMEngine.wait_until_compiled`.
     speculative_config: speculative decoding, vLLM's dict (JSON on a command line): {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup in the
-        request's own tokens). Greedy, unconstrained requests only; the loop is synchronous while one runs.
-        Not with pipeline parallelism or tile_size. See docs/design.md, "Speculative decoding".
+        request's own tokens), or {"method": "self", "num_layers": L, "num_speculative_tokens": k} (the model's
+        first L layers as the draft), or {"model": PRESET_OR_FOLDER, "num_speculative_tokens": k} (a draft
+        model with the same vocabulary). Unconstrained requests only; the loop is synchronous while one runs.
+        Not with pipeline parallelism or tile_size (draft models: nor tensor parallelism). See docs/design.md,
+        "Speculative decoding".
     disaggregation: "P:D" splits prefill from decode (DistServe, Splitwise): P devices run prompts and sample
         each request's first token, then its KV cache moves to the D decode devices (a side may be
         DEVICES/TP: instances of TP devices; sarathi_jax/disaggregation_config.py). None: colocated. Runs on
@@ -236,6 +239,10 @@ class EngineConfig:
         if self.speculative_config is not None and (self.pipeline_parallel_size > 1 or self.tile_size):
             raise ValueError("speculative_config is not supported yet with pipeline_parallel_size > 1 (not "
                              "verified there) or with tile_size (draft tokens would unalign the batch)")
+        if self.speculative_config is not None and self.speculative_config.method != "ngram" and (
+                self.tensor_parallel_size > 1):
+            raise ValueError(f"speculative_config method {self.speculative_config.method!r} is not supported yet "
+                             "with tensor_parallel_size > 1 (the draft runs on one device)")
         self._check_batch_limits()
         if self.disaggregation is not None:
             DisaggregationSplit.parse(self.disaggregation)  # ValueError naming the bad part

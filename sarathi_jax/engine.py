@@ -135,15 +135,30 @@ class LLMEngine(CoreFrontEnd):
                     enable_prefix_caching=config.enable_prefix_caching,
                 )
                 self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
-                if config.speculative_config is not None:
-                    self.scheduler.speculation = Speculation.of(config.speculative_config)
+                spec = config.speculative_config
+                if spec is not None:
+                    spec.check_model(mc.num_hidden_layers)
                 self.runner = ModelRunner(
                     mc, params, config, sizing, attention_fn=get_attention_fn(attention_backend),
                     plan=self.parallel_plan, executable_cache=ExecutableCache.in_compilation_cache(cache_dir),
                 )
+                self.draft_runner = None  # a draft model's (sarathi_jax/draft_runner.py)
+                if spec is not None and spec.method != "ngram":
+                    from sarathi_jax.draft_runner import DraftRunner  # off the request path unless speculating
+
+                    if spec.method == "self":
+                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers)
+                    else:
+                        self.draft_runner = DraftRunner.draft_model(self.runner, *load_model(spec.model, dtype,
+                                                                                             seed=config.seed))
+                if spec is not None:
+                    self.scheduler.speculation = Speculation.of(
+                        spec, self.draft_runner.propose if self.draft_runner is not None else None)
             with timer.phase("warmup"):
                 if warmup:
                     self.runner.warmup(background=config.background_compile)
+                    if self.draft_runner is not None:
+                        self.draft_runner.warmup()
                 if isinstance(requested_budget, str) and cost_model is None:
                     self._calibrate_budget(dataclasses.replace(config, token_budget=requested_budget), cost_path)
                     config = self.config
@@ -212,7 +227,9 @@ class LLMEngine(CoreFrontEnd):
                                                               max_model_len=self.max_model_len)
         if self.budget_setup.budget != self.scheduler_config.token_budget:
             self.scheduler_config = dataclasses.replace(self.scheduler_config, token_budget=self.budget_setup.budget)
+            speculation = self.scheduler.speculation  # the new scheduler keeps the draft grants
             self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
+            self.scheduler.speculation = speculation
 
     def _kv_budget(self, config: EngineConfig, platform: str):
         """`sizing.kv_cache_budget` with this process's devices: their memory statistics (None on CPU) and

@@ -105,6 +105,9 @@ class ModelRunner:
     """Owns the parameters, the paged KV cache and the compiled step function(s) of one model."""
 
     _step_observer: StepObserver | None = None  # see `observe_steps`
+    # A separate draft model's (draft_runner.py): called with each step's host batch part and the tokens its
+    # pending rows read, before the step, so the draft's KV cache gets every token the target's does.
+    step_shadow: Callable[[np.ndarray, jax.Array], None] | None = None
 
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig, sizing: EngineSizing, *,
                  attention_fn: Callable, plan: Any = None, executable_cache: ExecutableCache | None = None) -> None:
@@ -361,6 +364,8 @@ class ModelRunner:
         table = self._table
         run_variant, rows = table.samplers[variant, rows, bucket_rows]
         record = timeline.begin(num_tokens) if timeline else None
+        if self.step_shadow is not None:
+            self.step_shadow(packed.batch, self._prev_tokens)
         single, on_mesh = len(self.stages) == 1, self.plan is not None
         executables, head, x = table.executables, self._lm_head, None
         # Off a mesh the one stage takes the host arrays, which its jitted call copies up (`Stage.upload`).

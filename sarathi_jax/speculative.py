@@ -23,35 +23,61 @@ from dataclasses import dataclass, fields
 from sarathi_jax.outputs import RequestMetrics
 from sarathi_jax.sampling_params import SamplingParams
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "self", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32  # a chunk of 1 + k tokens is a small prefill; past this it is not speculation
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's spelling. method "ngram": prompt lookup (the continuation of the last n-gram's most recent
-    earlier match in the request's own tokens), n from prompt_lookup_max down to prompt_lookup_min;
-    num_speculative_tokens: k, the most draft tokens a sequence gets per step."""
+    """vLLM's spelling. num_speculative_tokens: k, the most draft tokens a sequence gets per step.
+    method "ngram" (the default): prompt lookup (the continuation of the last n-gram's most recent earlier
+    match in the request's own tokens), n from prompt_lookup_max down to prompt_lookup_min.
+    method "self": a self-speculative draft, the target's first `num_layers` decoder layers, its final norm
+    and LM head (`draft_runner`); 1 <= num_layers < the model's layers (checked when the model is loaded).
+    `model` (a preset or a folder, as `EngineConfig.model`; method "draft_model", the default when `model`
+    is given): a separate draft with the target's vocabulary (`draft_runner`)."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    num_layers: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS} (draft models and "
-                             f"'self' are not implemented yet), got {self.method!r}")
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' goes with a draft model, "
+                             f"{{'model': PRESET_OR_FOLDER, ...}}, and 'model' with no other method "
+                             f"(method {self.method!r}, model {self.model!r})")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a preset name or a folder, got {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+            _check_positive(name, getattr(self, name))
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "self":
+            if self.num_layers is None:
+                raise ValueError("speculative_config: method 'self' needs num_layers (the target's first layers "
+                                 "that make the draft), e.g. {'method': 'self', 'num_layers': 4, "
+                                 "'num_speculative_tokens': 4}")
+            _check_positive("num_layers", self.num_layers)
+        elif self.num_layers is not None:
+            raise ValueError(f"speculative_config.num_layers is for method 'self' only, not {self.method!r}")
+
+    def check_model(self, num_hidden_layers: int) -> None:
+        """ValueError unless this config fits a target of `num_hidden_layers` layers (a "self" draft must be
+        shallower than its target: else it costs a target's step and proposes the target's own tokens)."""
+        if self.method == "self" and self.num_layers >= num_hidden_layers:
+            raise ValueError(f"speculative_config.num_layers must be less than the model's {num_hidden_layers} "
+                             f"layers, got {self.num_layers}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, object] | None) -> SpeculativeConfig | None:
@@ -66,6 +92,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
         return cls(**value)  # type: ignore[arg-type]
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
 
 
 def speculates(params: SamplingParams) -> bool:

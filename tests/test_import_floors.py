@@ -42,7 +42,7 @@ LAYERS: Layers = (
         "sarathi_jax.sampling_inputs", "sarathi_jax.sampling_vocab_major", "sarathi_jax.sampling", "sarathi_jax.step_inputs", "sarathi_jax.input_batch",
         "sarathi_jax.rejection_sampling",
         "sarathi_jax.compile_cache", "sarathi_jax.executable_cache", "sarathi_jax.precompile",
-        "sarathi_jax.model_runner",
+        "sarathi_jax.model_runner", "sarathi_jax.draft_runner",
     )),
     ("engine", ("sarathi_jax.admission", "sarathi_jax.engine_core", "sarathi_jax.engine_api", "sarathi_jax.engine",
                 "sarathi_jax.simulator", "sarathi_jax.cost_model", "sarathi_jax.arrival_loop",

@@ -224,6 +224,9 @@ class PagedDecoderLM(nn.Module):
     scan_layers: bool = True
     # The layers' projection weights stored [out..., in...] (on a CPU; `out_major.py`).
     out_major_projections: bool = False
+    # The stacked KV cache's layers when it holds more than this model runs (None: as many): a self-speculative
+    # draft (`draft_runner`) runs a target's first layers over the target's own cache, layer i at layer i.
+    kv_cache_layers: int | None = None
 
     # Name of the `[vocab, embed]` token embedding parameter (also the LM head when tied).
     embedding_name: ClassVar[str]
@@ -251,8 +254,9 @@ class PagedDecoderLM(nn.Module):
                 f"layer_range {self.layer_range} is not a non-empty range of {c.num_hidden_layers} layers"
             )
         num_layers = end - start
-        if kv_cache[0].ndim != 5 or kv_cache[0].shape[0] != num_layers:
-            raise ValueError(f"KV cache of shape {kv_cache[0].shape} is not [{num_layers}, blocks, block_size, "
+        cache_layers = self.kv_cache_layers or num_layers
+        if kv_cache[0].ndim != 5 or kv_cache[0].shape[0] != cache_layers or cache_layers < num_layers:
+            raise ValueError(f"KV cache of shape {kv_cache[0].shape} is not [{cache_layers}, blocks, block_size, "
                              "kv_heads, head_dim] for this model's layers")
         is_last = end == c.num_hidden_layers
         if start == 0 or (is_last and c.tie_word_embeddings):

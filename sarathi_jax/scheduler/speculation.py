@@ -7,6 +7,11 @@ batch as before, and a tight budget shrinks k per sequence (to 0 once the room i
 pressure k is 0: none while this schedule preempted anything, and a draft never takes a block from below
 the watermark (nor preempts for one). A sequence's k is also capped by its max_tokens (drafts past it could
 never be emitted) and by the step's sampling rows (each draft needs one: chunks + drafts <= max_num_seqs).
+
+Two kinds of proposer: a lookup (`Proposer`, n-gram) is asked per sequence as its room is decided, and may
+propose fewer tokens than asked (the rest of the room goes on to the next decode); a draft model
+(`BatchProposer`, `draft_runner`) always proposes as many as asked, so the grants are decided first and the
+draft then runs once for all of them, batched, after their blocks are allocated (it writes K/V there).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.speculative import SpeculativeConfig, speculates
 
 Proposer = Callable[[Seq, int], Sequence[int]]  # (sequence, most tokens) -> draft tokens
+# [(sequence, exactly n tokens)] -> each one's n draft tokens, in order
+BatchProposer = Callable[[Sequence[tuple[Seq, int]]], Sequence[Sequence[int]]]
 
 
 class DraftableBatch(Protocol):
@@ -37,15 +44,22 @@ def ngram_proposer(config: SpeculativeConfig) -> Proposer:
 
 
 class Speculation:
-    """Grants draft tokens to a batch's decodes (`extend`), from `propose(seq, k)`."""
+    """Grants draft tokens to a batch's decodes (`extend`), from a lookup `propose(seq, k)` or a draft model
+    `draft([(seq, n), ...])` (exactly one of the two)."""
 
-    def __init__(self, num_speculative_tokens: int, propose: Proposer) -> None:
+    def __init__(self, num_speculative_tokens: int, propose: Proposer | None = None,
+                 draft: BatchProposer | None = None) -> None:
+        assert (propose is None) != (draft is None), "one proposer"
         self.num_speculative_tokens = num_speculative_tokens
-        self.propose = propose
+        self.propose, self.draft = propose, draft
 
     @classmethod
-    def of(cls, config: SpeculativeConfig) -> Speculation:
-        return cls(config.num_speculative_tokens, ngram_proposer(config))
+    def of(cls, config: SpeculativeConfig, draft: BatchProposer | None = None) -> Speculation:
+        """The n-gram lookup, or `draft` for a draft-model method ("self")."""
+        if config.method == "ngram":
+            return cls(config.num_speculative_tokens, ngram_proposer(config))
+        assert draft is not None, f"method {config.method!r} needs its draft runner"
+        return cls(config.num_speculative_tokens, draft=draft)
 
     def extend(self, batch: DraftableBatch, bm: BlockManager, max_num_seqs: int, preempted: bool
                ) -> dict[str, tuple[int, ...]]:
@@ -55,24 +69,33 @@ class Speculation:
         if preempted:
             return drafts
         bs, rows_left = bm.block_size, max_num_seqs - len(batch.items)
+        granted: list[tuple[Seq, int]] = []  # a draft model's grants, proposed together below
         for item in batch.items:
             seq, n, is_prefill = item
             room = min(self.num_speculative_tokens, batch.room, rows_left,
                        seq.max_total_tokens - seq.num_tokens - 1)  # the bonus token may be the last one
             if is_prefill or n != 1 or room < 1 or seq.num_pending_tokens or not speculates(seq.sampling_params):
                 continue
-            proposal = tuple(int(t) for t in self.propose(seq, room))[:room]
-            end = seq.num_computed_tokens + 1 + len(proposal)  # tokens held once the chunk's K/V is written
+            proposal = tuple(int(t) for t in self.propose(seq, room))[:room] if self.propose else None
+            k = room if proposal is None else len(proposal)
+            end = seq.num_computed_tokens + 1 + k  # tokens held once the chunk's K/V is written
             need = bm.blocks_needed(seq, end)
             if need and not bm.can_allocate(need, use_watermark=True):
-                proposal = proposal[: len(seq.block_table) * bs - seq.num_computed_tokens - 1]  # what fits
+                k = min(k, len(seq.block_table) * bs - seq.num_computed_tokens - 1)  # what fits
                 need = 0
-            if not proposal:
+            if k < 1:
                 continue
             if need:
                 bm.allocate(seq, end)
-            item[1] += len(proposal)
-            batch.num_tokens += len(proposal)
-            rows_left -= len(proposal)
-            drafts[seq.seq_id] = proposal
+            item[1] += k
+            batch.num_tokens += k
+            rows_left -= k
+            if proposal is None:
+                granted.append((seq, k))
+            else:
+                drafts[seq.seq_id] = proposal[:k]
+        if granted:
+            for (seq, k), proposal in zip(granted, self.draft(granted)):
+                drafts[seq.seq_id] = tuple(int(t) for t in proposal)
+                assert len(drafts[seq.seq_id]) == k, (seq.seq_id, k, proposal)
         return drafts

@@ -29,7 +29,10 @@ def test_config_parses_vllm_dict_and_defaults():
 
 @pytest.mark.parametrize("value, words", [
     ({"method": "eagle"}, "method must be one of"),
-    ({"model": "tiny-llama"}, "unknown keys ['model']"),
+    ({"draft": "tiny-llama"}, "unknown keys ['draft']"),
+    ({"model": 3}, "speculative_config.model must be a preset name or a folder"),
+    ({"method": "draft_model"}, "method 'draft_model' goes with a draft model"),
+    ({"method": "ngram", "model": "tiny-llama"}, "method 'draft_model' goes with a draft model"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be a positive integer"),
     ({"num_speculative_tokens": 33}, "at most 32"),

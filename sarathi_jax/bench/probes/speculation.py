@@ -1,12 +1,13 @@
-"""`python -m sarathi_jax.bench.probes.speculation --model DIR`: n-gram speculative decoding against plain
-decoding on a chat model, side by side in one process.
+"""`python -m sarathi_jax.bench.probes.speculation --model DIR`: speculative decoding against plain decoding on
+a chat model, side by side in one process (`--drafts ngram,self:L,model:DIR`: which proposers, default ngram).
 
 Two workloads of chat requests (`--requests` each, `--max-tokens` each, all submitted at once; greedy, or
 sampled with `--temperature T`, all with seed `--seed`):
   copy   "repeat / fix this text": the answer copies spans of the prompt, so prompt lookup pays
   open   open questions: little to look up
-For each workload it runs the engine without speculation, then with `{"method": "ngram",
-"num_speculative_tokens": k}` for each k of `--k`, each after a warm-up pass of the same requests, and
+For each workload it runs the engine without speculation, then with each draft of `--drafts` (`ngram`:
+`{"method": "ngram", ...}`, `self:L`: the model's first L layers, `model:DIR`: a draft model) and each k of
+`--k` as num_speculative_tokens, each after a warm-up pass of the same requests, and
 reports output tokens per second (best of `--repeats`), the acceptance rate, mean accepted length, and how many
 requests' tokens equal the plain run's (greedy, and sampled with the same seed: all should; a float32 near-tie
 can flip one, as between chunk sizes). Wall time on this machine: run it on a quiet one.
@@ -42,10 +43,23 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, repeats: int
     return tokens / best, [o.token_ids for o in outs], llm.engine.stats()
 
 
+def draft_config(draft: str, k: int) -> dict:
+    """`--drafts` entry -> speculative_config."""
+    method, _, arg = draft.partition(":")
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k}
+    if method == "self" and arg:
+        return {"method": "self", "num_layers": int(arg), "num_speculative_tokens": k}
+    if method == "model" and arg:
+        return {"model": arg, "num_speculative_tokens": k}
+    raise ValueError(f"--drafts entries are ngram, self:L or model:DIR, got {draft!r}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a checkpoint folder with a tokenizer and a chat template")
     p.add_argument("--k", default="2,4,8", help="num_speculative_tokens values, comma-separated")
+    p.add_argument("--drafts", default="ngram", help="proposers, comma-separated: ngram, self:L, model:DIR")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
@@ -58,7 +72,7 @@ def main() -> None:
                             seed=args.seed if args.temperature > 0 else None)
     engine = dict(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs, max_model_len=1024,
                   compilation_cache_dir=None)
-    configs = [None] + [{"method": "ngram", "num_speculative_tokens": int(k)} for k in args.k.split(",")]
+    configs = [None] + [draft_config(d, int(k)) for d in args.drafts.split(",") for k in args.k.split(",")]
     rows = []
     for name, texts in (("copy", COPY), ("open", OPEN)):
         base_tokens = None
@@ -68,19 +82,27 @@ def main() -> None:
                        for t in (texts * args.requests)[: args.requests]]
             rate, tokens, stats = run(llm, prompts, params, args.repeats)
             base_tokens = tokens if spec is None else base_tokens
-            rows.append({"workload": name, "k": spec["num_speculative_tokens"] if spec else 0,
+            rows.append({"workload": name, "draft": _name(spec), "k": spec["num_speculative_tokens"] if spec else 0,
                          "tokens_per_s": round(rate, 1),
                          "acceptance_rate": stats.get("spec_acceptance_rate"),
                          "mean_accepted_length": stats.get("spec_mean_accepted_length"),
                          "same_tokens": sum(a == b for a, b in zip(tokens, base_tokens))})
             print(json.dumps(rows[-1]), flush=True)
-    print(f"{'workload':8} {'k':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'len':>5} same")
+    print(f"{'workload':8} {'draft':>10} {'k':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'len':>5} same")
     for row in rows:
         plain = next(r["tokens_per_s"] for r in rows if r["workload"] == row["workload"] and r["k"] == 0)
         acc, length = row["acceptance_rate"], row["mean_accepted_length"]
-        print(f"{row['workload']:8} {row['k']:>2} {row['tokens_per_s']:>8} {row['tokens_per_s'] / plain:>8.2f} "
+        print(f"{row['workload']:8} {row['draft']:>10} {row['k']:>2} {row['tokens_per_s']:>8} {row['tokens_per_s'] / plain:>8.2f} "
               f"{'-' if acc is None else f'{acc:.2f}':>7} {'-' if length is None else f'{length:.2f}':>5} "
               f"{row['same_tokens']}/{args.requests}")
+
+
+def _name(spec: dict | None) -> str:
+    if spec is None:
+        return "-"
+    if spec.get("method") == "self":
+        return f"self:{spec['num_layers']}"
+    return "model" if "model" in spec else "ngram"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,207 @@
+"""Draft models for speculative decoding: each speculating decode's k draft tokens, proposed greedily (a
+point-mass proposal) before the step that verifies them (`DraftRunner.propose`, asked by
+`scheduler.speculation.Speculation.extend` once its grants' blocks are allocated). Two drafts:
+
+  * "self" (`DraftRunner.self_draft`): the target's first L decoder layers, its final norm and LM head, run
+    over the target's own KV cache.
+  * "model" (`DraftRunner.draft_model`): a separate model with the target's vocabulary, its own parameters and
+    its own KV cache on the target's block tables (same blocks, same slots). It shadows every target step
+    (`ModelRunner.step_shadow`): the same packed batch runs through the draft, so its cache holds every token
+    the target's does (prompt chunks, prefix-cache hits, recomputed preemptions) and nothing else to track.
+
+Why the target's cache serves the "self" draft exactly (docs/design.md, "Speculative decoding"):
+  * Committed tokens' K/V in layers < L is what the draft's own layers would write: the draft's layers are
+    the target's layers, on the same tokens at the same positions. So the draft needs no cache and no
+    prefill of its own.
+  * The draft writes K/V (layers < L only) into the slots of positions p .. p + k - 1 of a decode at position
+    p: slots the scheduler has just allocated for the (1 + k)-token verification chunk, past every committed
+    token. The verification step writes all layers of slots p .. p + k before its attention reads them, so the
+    target never reads a value the draft wrote; rejected tokens' slots lie past the committed tokens and are
+    trimmed or rewritten before anything reads them, as with any proposer. The target's tokens are therefore
+    the non-speculative run's whatever the draft proposes; the draft only decides how many are accepted.
+The same holds for a separate draft's cache, which only the draft reads.
+
+The proposal is the draft's argmax, for greedy and sampled requests alike: a point mass, for which the
+verification's sample-and-compare is exact rejection sampling (`speculative`'s docstring).
+
+The k steps: step j runs one token per sequence still drafting (those granted more than j drafts; rows
+sorted by grant, so they are a prefix of the rows), position p + j, its token read on the device from the
+previous step's output row (the `src_rows` path the overlapped loop uses), so only the last step's tokens
+are fetched. Each step runs in the smallest of the draft's buckets that holds its rows: the runner's token
+buckets up to the first that holds max_num_seqs rows, each compiled once (`warmup`), never while serving (a
+separate draft's shadow step: once per runner bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sarathi_jax.model_runner import ModelRunner
+from sarathi_jax.models import ModelConfig, get_model, init_kv_cache, to_out_major
+from sarathi_jax.models.layers import unstack_layer_params
+from sarathi_jax.sequence import Sequence as Seq
+from sarathi_jax.sizing import bucket_for
+from sarathi_jax.step_inputs import BatchLayout
+
+
+def draft_params(params: Any, num_layers: int) -> Any:
+    """The draft's parameter tree: the target's `params` with its first `num_layers` layers (stacked `layers`
+    sliced; unrolled `layers_i` kept for i < num_layers), the embedding, final norm and LM head as they are."""
+    out = {name: leaf for name, leaf in params.items() if not name.startswith("layers")}
+    if "layers" in params:
+        out["layers"] = jax.tree.map(lambda x: x[:num_layers], params["layers"])
+    for i in range(num_layers):
+        if f"layers_{i}" in params:
+            out[f"layers_{i}"] = params[f"layers_{i}"]
+    return out
+
+
+class KVCacheHolder(Protocol):
+    """Where a draft's KV cache lives: the target's `Stage` ("self") or the draft runner itself."""
+
+    kv_cache: Any
+
+
+class DraftRunner:
+    """Proposes draft tokens with `model` (`propose`), over the KV cache that `cache` holds; `select(params)`
+    makes the model's parameter tree of `params` inside the jitted step."""
+
+    def __init__(self, runner: ModelRunner, model: nn.Module, params: Any, cache: KVCacheHolder,
+                 select: Callable[[Any], Any] = lambda params: params, shadow: bool = False) -> None:
+        if len(runner.stages) != 1 or runner.plan is not None:
+            raise ValueError("speculative_config with a draft model ('self' or 'model') runs on one device only "
+                             "(no tensor or pipeline parallelism yet)")
+        self.runner, self.params, self.cache = runner, params, cache
+        s = self.max_num_seqs = runner.max_num_seqs
+        b = self.max_blocks_per_seq = runner.max_blocks_per_seq
+        self.block_size = runner.block_size
+        top = bucket_for(runner.buckets, s) or runner.buckets[-1]
+        self.buckets = tuple(bucket for bucket in runner.buckets if bucket <= top)
+        self.num_traces = 0  # the draft's traces: one per bucket (and one per runner bucket of a shadow step)
+        self._no_tokens = jnp.zeros(s, jnp.int32)
+
+        def inputs(batch, prev_tokens):
+            layout = BatchLayout.of_packed(batch.shape[0], s, b)
+            token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
+            x = jnp.where(src_rows >= 0, prev_tokens[jnp.clip(src_rows, 0, s - 1)], token_ids)
+            return x, positions, metadata, logits_indices
+
+        def step(params, kv_cache, batch, prev_tokens):
+            self.num_traces += 1  # Python side effect: once per trace, never per call
+            x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
+            logits, kv_cache = model.apply({"params": select(params)}, x, positions, kv_cache, metadata,
+                                           logits_indices)
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_cache
+
+        def shadow_step(params, kv_cache, batch, prev_tokens):
+            self.num_traces += 1
+            x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
+            _, kv_cache = model.apply({"params": select(params)}, x, positions, kv_cache, metadata, logits_indices,
+                                      apply_lm_head=False)
+            return kv_cache
+
+        self._step = jax.jit(step, donate_argnums=(1,))  # the KV cache, updated in place
+        self._shadow_step = jax.jit(shadow_step, donate_argnums=(1,)) if shadow else None
+        if shadow:
+            runner.step_shadow = self._shadow
+
+    @classmethod
+    def self_draft(cls, runner: ModelRunner, num_layers: int) -> DraftRunner:
+        """The "self" draft: `runner`'s first `num_layers` layers, final norm and LM head, over its KV cache."""
+        target, stage = runner.model_config, runner.stages[0]  # 1 <= num_layers < its layers: `check_model`
+        model = stage.model.clone(config=dataclasses.replace(target, num_hidden_layers=num_layers),
+                                  kv_cache_layers=target.num_hidden_layers)
+        return cls(runner, model, stage.params, stage, functools.partial(draft_params, num_layers=num_layers))
+
+    @classmethod
+    def draft_model(cls, runner: ModelRunner, config: ModelConfig, params: Any) -> DraftRunner:
+        """A separate draft (`config`, `params` as `models.load_model` gives them) with the target's vocabulary,
+        laid out as `runner`'s model is (scanned or unrolled layers, out-major projections), its own KV cache
+        on the target's blocks."""
+        target, stage = runner.model_config, runner.stages[0]
+        if config.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model has a vocabulary of {config.vocab_size} tokens, the model "
+                             f"{target.vocab_size}: a draft must share the target's vocabulary")
+        model = get_model(config, stage.model.dtype, attention_fn=stage.model.attention_fn)
+        if not stage.model.scan_layers:
+            model, params = model.clone(scan_layers=False), unstack_layer_params(params)
+        if stage.model.out_major_projections:
+            model, params = to_out_major(model, params)
+        holder = _OwnCache(init_kv_cache(config, runner.num_blocks, runner.block_size, stage.model.dtype))
+        return cls(runner, model, params, holder, shadow=True)
+
+    def warmup(self) -> None:
+        """Compile every draft bucket (and shadow step): an all-padding batch writes nothing, proposes nothing."""
+        s, b = self.max_num_seqs, self.max_blocks_per_seq
+        for bucket in self.buckets:
+            self._run(BatchLayout(bucket, s, b).empty_batch(), self._no_tokens)
+        if self._shadow_step is not None:
+            for bucket in self.runner.buckets:
+                self._shadow(BatchLayout(bucket, s, b).empty_batch(), self._no_tokens)
+        jax.block_until_ready(self.cache.kv_cache)
+
+    def propose(self, granted: Sequence[tuple[Seq, int]]) -> list[list[int]]:
+        """Each (sequence, n)'s n draft tokens after its last token (known on the host: the scheduler grants
+        drafts only to decodes without a pending token), the K/V slots of positions p .. p + n - 1 allocated."""
+        order = sorted(range(len(granted)), key=lambda i: -granted[i][1])  # rows still drafting: a prefix
+        seqs = [granted[i][0] for i in order]
+        counts = np.asarray([granted[i][1] for i in order])
+        n, bs = len(seqs), self.block_size
+        starts = np.asarray([seq.num_computed_tokens for seq in seqs], np.int32)
+        tables = np.zeros((n, self.max_blocks_per_seq), np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        rows = np.arange(n, dtype=np.int32)
+        outputs, prev = [], self._no_tokens
+        for j in range(int(counts[0])):
+            m = int((counts > j).sum())  # the rows still drafting at step j
+            bucket = bucket_for(self.buckets, m)
+            layout = BatchLayout(bucket, self.max_num_seqs, self.max_blocks_per_seq)
+            batch = layout.empty_batch()
+            v = layout.host_views(batch)
+            positions = starts[:m] + j
+            v["kv_lens"][:m] = positions + 1
+            v["cu_q_lens"][1 : m + 1] = rows[:m] + 1
+            v["cu_q_lens"][m + 1 :] = m
+            v["num_seqs"][0] = m
+            v["logits_indices"][:m] = rows[:m]
+            v["block_tables"][:m] = tables[:m]
+            v["positions"][:m] = positions
+            v["slot_mapping"][:m] = tables[rows[:m], positions // bs] * bs + positions % bs
+            if j == 0:
+                v["token_ids"][:m] = [seq.token_ids[-1] for seq in seqs]
+            else:
+                v["src_rows"][:m] = rows[:m]  # the previous step's token in the same row
+            prev = self._run(batch, prev)
+            outputs.append(prev)
+        with jax.transfer_guard_device_to_host("allow"):
+            tokens = np.stack([np.asarray(out) for out in outputs])  # [steps, S]: one wait, for the last step
+        drafts: list[list[int]] = [[] for _ in granted]
+        for row, i in enumerate(order):
+            drafts[i] = tokens[: counts[row], row].tolist()
+        return drafts
+
+    def _run(self, batch: np.ndarray, prev_tokens: jax.Array) -> jax.Array:
+        cache = self.cache
+        with jax.transfer_guard_host_to_device("allow"):  # the packed host batch, only
+            tokens, cache.kv_cache = self._step(self.params, cache.kv_cache, batch, prev_tokens)
+        return tokens
+
+    def _shadow(self, batch: np.ndarray, prev_tokens: jax.Array) -> None:
+        """A target step's packed batch through the separate draft: its K/V into the draft's cache."""
+        cache = self.cache
+        with jax.transfer_guard_host_to_device("allow"):
+            cache.kv_cache = self._shadow_step(self.params, cache.kv_cache, batch, prev_tokens)
+
+
+@dataclasses.dataclass
+class _OwnCache:
+    kv_cache: Any
