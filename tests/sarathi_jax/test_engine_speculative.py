@@ -11,6 +11,7 @@ import torch
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from tests.sarathi_jax.engine_helpers import run_staggered
+from tests.sarathi_jax.speculation_helpers import serve
 
 MAX_TOKENS = 24
 PATTERN_LENGTHS = (3, 5, 9, 13, 30, 70)  # each prompt is its pattern 4 times: 12 ... 280 tokens
@@ -128,20 +129,6 @@ def test_prefix_cache_hits_with_speculation(llama_dir, prompts, hf_greedy):
     assert [first[f"r{i}"] for i in range(len(prompts))] == hf_greedy
     assert again == first
     engine.block_manager.check_invariants([])
-
-
-def serve(engine, requests: dict, group: int = 4) -> dict[str, list]:
-    """Serve the (prompt, params) of `requests`, `group` at a time (each draft needs a sampling row, and a step
-    has max_num_seqs of them: with 4 running, 12 rows are left for drafts): each request's outputs."""
-    outs: dict[str, list] = {}
-    items = list(requests.items())
-    for first in range(0, len(items), group):
-        for rid, (prompt, params) in items[first : first + group]:
-            engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                outs.setdefault(out.request_id, []).append(out)
-    return outs
 
 
 def cut_runs(engine) -> int:
