@@ -257,7 +257,7 @@ def test_engine_sizes_its_kv_cache_from_mocked_device_memory(monkeypatch):
     act = activation_bytes_estimate(EngineConfig(token_budget=64, max_model_len=128), mc)
     limit = 2 * GiB
     in_use = int(0.8 * limit / fraction) - act - (32 << 20)  # leaves 32 MiB for the KV cache
-    monkeypatch.setattr(engine_module, "_memory_stats", lambda n: [_stats(limit, in_use)] * n)
+    monkeypatch.setattr(engine_module, "_memory_stats", lambda devices: [_stats(limit, in_use)] * len(devices))
     llm = LLM("tiny-llama", token_budget=64, max_model_len=128, gpu_memory_utilization=0.8, warmup=False)
     engine = llm.engine
     expected = (32 << 20) // per_block
@@ -275,7 +275,7 @@ def test_unrolled_weights_are_unstacked_before_the_kv_cache_is_sized(monkeypatch
     events = []
     real_unstack = engine_module.unstack_layer_params
     monkeypatch.setattr(engine_module, "unstack_layer_params", lambda p: events.append("unstack") or real_unstack(p))
-    monkeypatch.setattr(engine_module, "_memory_stats", lambda n: events.append("memory") or [None] * n)
+    monkeypatch.setattr(engine_module, "_memory_stats", lambda devices: events.append("memory") or [None] * len(devices))
     llm = LLM("tiny-llama", token_budget=64, max_model_len=128, scan_layers=False, warmup=False)
     assert events.index("unstack") < events.index("memory")
     params = llm.engine.runner.stages[0].params

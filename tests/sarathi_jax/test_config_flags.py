@@ -113,7 +113,7 @@ def test_bench_has_a_flag_for_every_engine_field_and_round_trips():
 
 def test_llm_takes_exactly_the_engine_fields_as_keywords(monkeypatch):
     built = []
-    monkeypatch.setattr(llm_module, "LLMEngine", lambda config, warmup: built.append((config, warmup)))
+    monkeypatch.setattr(llm_module, "build_engine", lambda config, warmup: built.append((config, warmup)))
     for name in ENGINE_FIELDS[1:]:  # model: the positional argument
         value = other_value(EngineConfig, name)
         llm_module.LLM("tiny-llama", warmup=False, **{name: value})
