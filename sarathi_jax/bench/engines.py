@@ -69,11 +69,14 @@ def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None
     mc = _model_config(config)
     from sarathi_jax import token_budget
     from sarathi_jax.simulator import CostModel
-    from sarathi_jax.sizing import token_buckets
+    from sarathi_jax.sizing import SIMULATOR_PLATFORM, bucket_ladder, platform_buckets
+
+    def buckets(max_step_tokens: int, config: EngineConfig) -> tuple[int, ...]:  # the real engine's rule
+        return platform_buckets(max_step_tokens, SIMULATOR_PLATFORM, bucket_ladder(config))
 
     tp, dtype = config.tensor_parallel_size, resolve_dtype(config.dtype, "cpu")
     predictor = device_cost(cost_model or CostModel(), mc, dtype, tp, link or KV_LINKS["nvlink"], serial_fraction)
-    top_buckets = token_buckets(config.budget_ceiling)
+    top_buckets = buckets(config.budget_ceiling, config)
     source = ((cost_model.source.get("path") or "--cost-model") if isinstance(cost_model, BucketCostModel)
               else "the simulator's default")
     # "auto": the engine is sized for its pick; "dynamic": it pads to the ladder compiled for max_token_budget.
@@ -84,7 +87,7 @@ def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None
                                          max_model_len=top_len.max_model_len)
     sizing = size_engine(config, mc, kv_cache_bytes=kv_bytes)
     if isinstance(cost_model, BucketCostModel):
-        cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))
+        cost_model = cost_model.with_buckets(buckets(sizing.max_step_tokens, config))
     if cost_model is not None or tp > 1:
         cost_model = device_cost(cost_model or CostModel(), mc, dtype, tp, link or KV_LINKS["nvlink"], serial_fraction)
     engine = SimulatedEngine(sizing.scheduler_config, sizing.num_blocks, config.block_size, cost_model=cost_model,
