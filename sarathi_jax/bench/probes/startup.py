@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from sarathi_jax.config import BUCKET_LADDERS
 from sarathi_jax.paths import cli_path
 
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--scan-layers", default=None, action=argparse.BooleanOptionalAction,
                         help="EngineConfig.scan_layers (default: the platform's)")
-    parser.add_argument("--bucket-ladder", default=None, choices=("coarse", "fine"),
+    parser.add_argument("--bucket-ladder", default=None, choices=BUCKET_LADDERS,
                         help="EngineConfig.bucket_ladder: the token buckets compiled (default: the budget's)")
     parser.add_argument("--runs", type=int, default=2, help="fresh processes; the first one is cold")
     parser.add_argument("--cache-dir", type=cli_path, default=None, help="compilation cache (default: a new empty one)")
