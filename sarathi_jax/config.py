@@ -26,6 +26,7 @@ DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NUM_SEQS = 128  # the most; lowered to the batch token limit when that is smaller
 TOKEN_BUDGET_MODES = ("auto", "dynamic")  # token budgets from the TBT target slo_tbt_s (scheduler/budget.py)
 DEFAULT_MAX_TOKEN_BUDGET = 2048  # "auto"'s largest candidate and "dynamic"'s compiled maximum
+BUCKET_LADDERS = ("coarse", "fine")  # the token buckets compiled below the largest (sarathi_jax/sizing.py)
 
 
 def token_budget_arg(text: str) -> int | str:
@@ -143,6 +144,10 @@ class EngineConfig:
         the room left for what the cost model misses (its fit's error, the host's time per iteration, noise).
     max_token_budget: "auto"'s largest candidate and "dynamic"'s compiled maximum (a multiple of 16);
         None: 2048.
+    bucket_ladder: the token buckets compiled below the largest (sarathi_jax/sizing.py, `platform_buckets`):
+        "coarse" (powers of two; on a CPU also 1.5x each from 96 up) or "fine" (every multiple of 16 up to 128,
+        then steps of at most 1.25x: a budget picked per iteration runs close to its own size, at the price of
+        more executables to compile). None: "fine" under token_budget="dynamic", "coarse" otherwise.
     cost_profile: a saved cost model (`BucketCostModel` JSON, e.g. from `python -m sarathi_jax.bench.step_cost
         --mode calibrate --cost-model-out PATH`) for "auto" and "dynamic"; None: calibrated at start-up with a
         few timed steps through the model runner, and cached beside the compilation cache.
@@ -193,6 +198,7 @@ class EngineConfig:
     slo_tbt_s: float | None = None
     slo_margin: float = 0.9
     max_token_budget: int | None = None
+    bucket_ladder: str | None = field(default=None, metadata={"choices": BUCKET_LADDERS})
     cost_profile: str | None = None
     speculative_config: SpeculativeConfig | Mapping[str, object] | None = field(
         default=None, metadata={"cli": {"type": json.loads, "metavar": "JSON"}})  # parsed in __post_init__
@@ -278,6 +284,8 @@ class EngineConfig:
             if self.token_budget == "dynamic" and self.scheduler != "sarathi":
                 raise ValueError(f"token_budget='dynamic' is the sarathi policy's (decodes first), got "
                                  f"{self.scheduler!r}")
+        if self.bucket_ladder is not None and self.bucket_ladder not in BUCKET_LADDERS:
+            raise ValueError(f"bucket_ladder must be one of {BUCKET_LADDERS} or None, got {self.bucket_ladder!r}")
         if self.cost_profile is not None and not isinstance(self.cost_profile, (str, os.PathLike)):
             raise ValueError(f"cost_profile must be a path, got {self.cost_profile!r}")
 

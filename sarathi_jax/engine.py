@@ -42,7 +42,8 @@ from sarathi_jax.models import load_model
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.scheduler.speculation import Speculation
-from sarathi_jax.sizing import jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, platform_buckets, size_engine
+from sarathi_jax.sizing import (
+    bucket_ladder, jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, platform_buckets, size_engine)
 from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -113,9 +114,10 @@ class LLMEngine(CoreFrontEnd):
                 kv_bytes = kv_budget.kv_cache_bytes if kv_budget else None
                 cost_path, cost_model, cost_source = None, None, None
                 if isinstance(requested_budget, str):  # "auto" / "dynamic": resolve before sizing when a cost
-                    top = dataclasses.replace(config, token_budget=config.budget_ceiling)  # model is at hand
+                    top = dataclasses.replace(config, token_budget=config.budget_ceiling,  # model is at hand;
+                                              bucket_ladder=bucket_ladder(config))  # "dynamic"'s, pinned
                     top_sizing = size_engine(top, mc, kv_bytes)
-                    buckets = platform_buckets(top_sizing.max_step_tokens, platform)
+                    buckets = platform_buckets(top_sizing.max_step_tokens, platform, top.bucket_ladder)
                     cost_path = token_budget.cache_path(cache_dir, config, jax.devices()[0].device_kind, buckets)
                     cost_model, cost_source = token_budget.saved_cost_model(config, cost_path)
                     if cost_model is None:  # calibrated after warm-up, on the runner compiled for the ceiling

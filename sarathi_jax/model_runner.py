@@ -51,7 +51,7 @@ from sarathi_jax.sampling_inputs import constrained_variant, padded_bitmask
 from sarathi_jax.sampling_params import RequestSampling
 from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
-from sarathi_jax.sizing import EngineSizing, platform_buckets
+from sarathi_jax.sizing import EngineSizing, bucket_ladder, platform_buckets
 from sarathi_jax.step_inputs import BatchLayout, PackedStep, row_ladder, sample_rows
 from sarathi_jax.structured_outputs import bitmask_width
 
@@ -123,7 +123,7 @@ class ModelRunner:
         self.num_blocks = num_blocks = sizing.num_blocks
         self.max_num_seqs = max_num_seqs = config.max_num_seqs
         self.max_blocks_per_seq = -(-sizing.max_model_len // block_size)
-        self.buckets = platform_buckets(sizing.max_step_tokens, platform)  # ascending; the last holds the largest batch
+        self.buckets = platform_buckets(sizing.max_step_tokens, platform, bucket_ladder(config))  # ascending
         # One device: the default device's plain path (a mesh of one other device keeps its plan: placement).
         self.plan = None if plan is None or plan.is_single_device and plan.on_default_device else plan
         self.timeline = None

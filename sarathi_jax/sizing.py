@@ -36,15 +36,65 @@ CPU_SMALLEST_BUCKET = 4
 CPU_MID_BUCKETS_FROM = 96
 
 
+# The fine ladder (EngineConfig.bucket_ladder="fine", the default under token_budget="dynamic"): a budget picked
+# per iteration runs in the smallest bucket that holds it, so on powers of two a batch that fits 80 tokens
+# beside its decodes had to drop to 64 (docs/results-cpu.md section 15). Every multiple of FINE_STEP up to
+# FINE_EVERY_STEP_UNTIL, then each bucket at most FINE_GROWTH x the one below (a multiple of FINE_STEP).
+FINE_STEP = 16  # a matmul tile of rows: the token budget's granularity (scheduler/budget.py TILE)
+FINE_EVERY_STEP_UNTIL = 128
+FINE_GROWTH = 1.25
+# The simulator pads like an accelerator engine (16-token tiles; powers of two for the coarse ladder): every
+# simulated figure in docs/ was made so, also with the cost model calibrated on a CPU.
+SIMULATOR_PLATFORM = "gpu"
+
+
 def smallest_bucket(platform: str) -> int:
     """The smallest token bucket on `platform` (`jax.default_backend()`)."""
     return CPU_SMALLEST_BUCKET if platform == "cpu" else SMALLEST_BUCKET
 
 
-def platform_buckets(max_step_tokens: int, platform: str) -> tuple[int, ...]:
-    """The token buckets an engine on `platform` compiles (`token_buckets` with the platform's ladder)."""
-    return token_buckets(max_step_tokens, smallest_bucket(platform),
-                         mid_from=CPU_MID_BUCKETS_FROM if platform == "cpu" else None)
+def bucket_ladder(config: EngineConfig) -> str:
+    """The ladder `config` compiles (`EngineConfig.bucket_ladder`; None: "fine" under token_budget="dynamic").
+    Engines pin it in their config before "dynamic" resolves to an integer budget."""
+    if config.bucket_ladder is not None:
+        return config.bucket_ladder
+    return "fine" if config.token_budget == "dynamic" else "coarse"
+
+
+def platform_buckets(max_step_tokens: int, platform: str, ladder: str = "coarse") -> tuple[int, ...]:
+    """The token buckets an engine on `platform` compiles for steps of up to `max_step_tokens` tokens, on
+    `ladder` ("coarse": `token_buckets` with the platform's mid buckets; "fine": `fine_token_buckets`). The one
+    rule for the real engine's warm-up and the simulator's padding."""
+    smallest = smallest_bucket(platform)
+    if ladder == "fine":
+        return fine_token_buckets(max_step_tokens, smallest)
+    if ladder != "coarse":
+        raise ValueError(f"bucket ladder must be 'coarse' or 'fine', got {ladder!r}")
+    return token_buckets(max_step_tokens, smallest, mid_from=CPU_MID_BUCKETS_FROM if platform == "cpu" else None)
+
+
+def fine_token_buckets(max_step_tokens: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
+    """The fine ladder: powers of two from `smallest` below FINE_STEP (a CPU's 4 and 8), every multiple of
+    FINE_STEP up to FINE_EVERY_STEP_UNTIL, then steps of at most FINE_GROWTH x (multiples of FINE_STEP), then
+    `max_step_tokens` rounded up to a multiple of `smallest` (at most FINE_GROWTH x the bucket below it, plus
+    FINE_STEP)."""
+    top = -(-max_step_tokens // smallest) * smallest
+    buckets = []
+    size = smallest
+    while size < min(FINE_STEP, top):
+        buckets.append(size)
+        size *= 2
+    size = max(size, FINE_STEP)
+    while size < top:
+        buckets.append(size)
+        if size < FINE_EVERY_STEP_UNTIL:
+            size += FINE_STEP
+        elif size * FINE_GROWTH + FINE_STEP >= top:  # the top is close enough: no bucket just below it
+            break
+        else:
+            size = max(size + FINE_STEP, int(size * FINE_GROWTH) // FINE_STEP * FINE_STEP)
+    buckets.append(top)
+    return tuple(buckets)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from sarathi_jax.scheduler.budget import (
     pick_auto_budget,
 )
 from sarathi_jax.sequence import ScheduledChunk, Sequence
+from sarathi_jax.sizing import bucket_ladder
 
 CACHE_SUBDIR = "sarathi-cost-models"
 CALIBRATION_REPEATS = 3  # timed runs of each batch (after one untimed); the median is kept
@@ -105,7 +106,7 @@ def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: 
         return (dataclasses.replace(config, token_budget=choice.budget),
                 BudgetSetup("auto", choice.budget, choice, config.slo_tbt_s, source))
     policy = SloTokenBudget(predictor, max_budget=top, default_slo_tbt_s=config.slo_tbt_s, margin=config.slo_margin)
-    return (dataclasses.replace(config, token_budget=top),
+    return (dataclasses.replace(config, token_budget=top, bucket_ladder=bucket_ladder(config)),
             BudgetSetup("dynamic", top, None, config.slo_tbt_s, source, policy))
 
 

@@ -50,6 +50,14 @@ def device_cost(cost_model: IterationCost, model_config: ModelConfig, dtype: str
                               serial_fraction=serial_fraction)
 
 
+def simulated_buckets(max_step_tokens: int, config: EngineConfig) -> tuple[int, ...]:
+    """The buckets a simulated engine pads to: the real engine's rule (`sizing.platform_buckets`, the config's
+    ladder) for the simulator's accelerator platform."""
+    from sarathi_jax.sizing import SIMULATOR_PLATFORM, bucket_ladder, platform_buckets
+
+    return platform_buckets(max_step_tokens, SIMULATOR_PLATFORM, bucket_ladder(config))
+
+
 def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None = None, *,
                           link: KVLink | None = None, serial_fraction: float = 0.0) -> SimulatedEngine:
     """A SimulatedEngine sized like the LLMEngine that `config` would build: same scheduler settings, same
@@ -69,11 +77,10 @@ def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None
     mc = _model_config(config)
     from sarathi_jax import token_budget
     from sarathi_jax.simulator import CostModel
-    from sarathi_jax.sizing import token_buckets
 
     tp, dtype = config.tensor_parallel_size, resolve_dtype(config.dtype, "cpu")
     predictor = device_cost(cost_model or CostModel(), mc, dtype, tp, link or KV_LINKS["nvlink"], serial_fraction)
-    top_buckets = token_buckets(config.budget_ceiling)
+    top_buckets = simulated_buckets(config.budget_ceiling, config)
     source = ((cost_model.source.get("path") or "--cost-model") if isinstance(cost_model, BucketCostModel)
               else "the simulator's default")
     # "auto": the engine is sized for its pick; "dynamic": it pads to the ladder compiled for max_token_budget.
@@ -84,7 +91,7 @@ def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None
                                          max_model_len=top_len.max_model_len)
     sizing = size_engine(config, mc, kv_cache_bytes=kv_bytes)
     if isinstance(cost_model, BucketCostModel):
-        cost_model = cost_model.with_buckets(token_buckets(sizing.max_step_tokens))
+        cost_model = cost_model.with_buckets(simulated_buckets(sizing.max_step_tokens, config))
     if cost_model is not None or tp > 1:
         cost_model = device_cost(cost_model or CostModel(), mc, dtype, tp, link or KV_LINKS["nvlink"], serial_fraction)
     engine = SimulatedEngine(sizing.scheduler_config, sizing.num_blocks, config.block_size, cost_model=cost_model,
@@ -106,7 +113,7 @@ def make_disaggregated_engine(config: EngineConfig, cost_model: IterationCost | 
     from sarathi_jax.disaggregation import DisaggregatedSimEngine
     from sarathi_jax.disaggregation_config import KV_LINKS, DisaggregationSplit
     from sarathi_jax.simulator import CostModel
-    from sarathi_jax.sizing import kv_bytes_per_block, size_engine, token_buckets
+    from sarathi_jax.sizing import kv_bytes_per_block, size_engine
 
     split = DisaggregationSplit.parse(config.disaggregation)
     mc = _model_config(config)
@@ -117,7 +124,7 @@ def make_disaggregated_engine(config: EngineConfig, cost_model: IterationCost | 
     sizing, dtype, link = size_engine(config, mc), resolve_dtype(config.dtype, "cpu"), link or KV_LINKS["nvlink"]
     base = cost_model or CostModel()
     if isinstance(base, BucketCostModel):
-        base = base.with_buckets(token_buckets(sizing.max_step_tokens))
+        base = base.with_buckets(simulated_buckets(sizing.max_step_tokens, config))
     return DisaggregatedSimEngine(
         split, sizing.scheduler_config, sizing.num_blocks,
         lambda tp: device_cost(base, mc, dtype, tp, link, serial_fraction), link=link,

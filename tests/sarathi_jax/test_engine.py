@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.engine import format_startup
 from sarathi_jax.precompile import BackgroundBuild
 from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS
+from sarathi_jax.sizing import platform_buckets
 from tests.sarathi_jax.engine_helpers import run_staggered
 
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 129, 200, 300)  # ragged, crossing block and budget boundaries
@@ -247,22 +249,46 @@ def _profile(tmp_path) -> str:
 @pytest.mark.parametrize("mode", ["auto", "dynamic"])
 def test_greedy_matches_hf_under_slo_token_budgets(llama_dir, prompts, hf_greedy, tmp_path, mode):
     """token_budget "auto" (0.01 + 1e-4 x B <= 0.9 x 20 ms: B = 80, the top bucket of its engine) and "dynamic"
-    (compiled for 256, whose buckets put B = 80 in the 96 bucket: 64-token batches while requests decode) from
-    a saved profile: HF's tokens either way."""
+    (compiled for 256 on the fine ladder, whose 80 bucket holds B = 80: on the coarse one's 64, 96, ... it was
+    64-token batches while requests decode) from a saved profile: HF's tokens either way. "dynamic" predicts
+    with the buckets its runner compiled."""
     engine = make_engine(llama_dir, token_budget=mode, slo_tbt_s=0.02, max_token_budget=256,
                          cost_profile=_profile(tmp_path))
     assert engine.config.token_budget == (80 if mode == "auto" else 256)
     assert engine.startup_stats()["token_budget"]["mode"] == mode
     assert f"token budget {mode}" in format_startup(engine.startup_stats())
+    if mode == "dynamic":
+        assert engine.runner.buckets == platform_buckets(256, jax.default_backend(), "fine")
+        assert engine.budget_setup.policy.predictor.buckets == engine.runner.buckets
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     finished = run_staggered(engine, prompts, params)
     for i, expected in enumerate(hf_greedy):
         assert finished[f"r{i}"] == expected, f"prompt {i} (length {PROMPT_LENGTHS[i]}) diverged"
     sizes = [(r.num_prefill_tokens + r.num_decode_tokens, r.num_decode_tokens) for r in engine.iteration_log]
-    limit = 80 if mode == "auto" else 64
+    limit = 80
     assert max(total for total, decodes in sizes if decodes) == limit  # the target holds while requests decode
     assert any(decodes and total > decodes for total, decodes in sizes)  # chunks ran beside decodes
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_dynamic_budget_on_the_fine_ladder_never_compiles_after_warm_up(llama_dir, prompts, hf_greedy, tmp_path):
+    """"dynamic"'s fine ladder (every multiple of 16 to 128, then 1.25x steps): one step executable per bucket,
+    all built at warm-up; serving then compiles nothing, whatever budget each iteration picks, and gives HF's
+    tokens."""
+    engine = LLMEngine(EngineConfig(model=llama_dir, token_budget="dynamic", slo_tbt_s=0.02, max_token_budget=256,
+                                    cost_profile=_profile(tmp_path), max_num_seqs=8, num_blocks=256,
+                                    max_model_len=512), warmup=True)
+    assert engine.wait_until_compiled(timeout=600)
+    runner = engine.runner
+    assert engine.config.bucket_ladder == "fine"
+    assert runner.buckets == platform_buckets(256, jax.default_backend(), "fine") and 160 in runner.buckets
+    assert runner.num_step_compilations == len(runner.buckets)
+    compiled = runner.num_compilations
+    finished = run_staggered(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [finished[f"r{i}"] for i in range(len(prompts))] == hf_greedy
+    assert runner.num_compilations == compiled
+    ran = {runner.bucket_for(r.num_prefill_tokens + r.num_decode_tokens) for r in engine.iteration_log}
+    assert {48, 80} <= ran  # buckets the coarse ladder lacks; 80: the target's, beside decodes
 
 
 def test_auto_budget_calibrates_at_start_up_and_caches_the_cost_model(llama_dir, prompts, hf_greedy, tmp_path):

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from sarathi_jax.config import BUCKET_LADDERS
 from sarathi_jax.paths import cli_path
 
 
@@ -29,7 +30,7 @@ def _child(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, token_budget=args.token_budget,
                                     max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
                                     num_blocks=args.num_blocks, compilation_cache_dir=args.cache_dir,
-                                    scan_layers=args.scan_layers))
+                                    scan_layers=args.scan_layers, bucket_ladder=args.bucket_ladder))
     t0 = time.monotonic()
     engine.add_request("probe", list(range(1, 17)), SamplingParams(max_tokens=4, temperature=0.0))
     tokens: list[int] = []
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--scan-layers", default=None, action=argparse.BooleanOptionalAction,
                         help="EngineConfig.scan_layers (default: the platform's)")
+    parser.add_argument("--bucket-ladder", default=None, choices=BUCKET_LADDERS,
+                        help="EngineConfig.bucket_ladder: the token buckets compiled (default: the budget's)")
     parser.add_argument("--runs", type=int, default=2, help="fresh processes; the first one is cold")
     parser.add_argument("--cache-dir", type=cli_path, default=None, help="compilation cache (default: a new empty one)")
     parser.add_argument("--json", type=cli_path, metavar="PATH", help="write every run's stats here")
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.scan_layers is not None:
         child_argv.append("--scan-layers" if args.scan_layers else "--no-scan-layers")
     for flag, value in (("--token-budget", args.token_budget), ("--max-num-seqs", args.max_num_seqs),
-                        ("--num-blocks", args.num_blocks)):
+                        ("--num-blocks", args.num_blocks), ("--bucket-ladder", args.bucket_ladder)):
         if value is not None:
             child_argv += [flag, str(value)]
     runs = []

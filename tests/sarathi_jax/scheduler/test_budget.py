@@ -21,6 +21,7 @@ from sarathi_jax.scheduler import SchedulerConfig
 from sarathi_jax.scheduler.budget import TILE, SloTokenBudget, largest_budget, pick_auto_budget, reference_batch
 from sarathi_jax.scheduler.registry import SCHEDULERS
 from sarathi_jax.sequence import Sequence
+from sarathi_jax.sizing import bucket_for, bucket_ladder, platform_buckets
 from scheduler_harness import complete
 
 MAX_MODEL_LEN = 256
@@ -158,7 +159,14 @@ def dynamic_scenarios(draw):
     max_num_seqs = draw(st.integers(1, 40))
     max_budget = draw(st.sampled_from([32, 64, 128, 256]))
     max_budget = max(max_budget, -(-max_num_seqs // TILE) * TILE)
-    model = Linear(draw(st.floats(1e-3, 2e-2)), draw(st.floats(1e-5, 5e-4)), draw(st.floats(0, 1e-6)))
+    overhead, per_token, per_key = draw(st.floats(1e-3, 2e-2)), draw(st.floats(1e-5, 5e-4)), draw(st.floats(0, 1e-6))
+    ladder = draw(st.sampled_from([None, "cpu", "gpu"]))
+    if ladder is None:
+        model = Linear(overhead, per_token, per_key)
+    else:  # an engine's cost model: a batch costs its padded bucket of the fine ladder compiled for max_budget
+        buckets = platform_buckets(max_budget, ladder, "fine")
+        measured = [b for b in buckets if b in (16, 64, 256) or b == buckets[-1]]
+        model = BucketCostModel({b: overhead + per_token * b for b in measured}, per_key, per_key, buckets=buckets)
     default = draw(st.sampled_from([None, 0.01, 0.03, 0.1]))
     arrivals = sorted(draw(st.lists(st.integers(0, 10), min_size=1, max_size=40)))
     reqs = [DReq(a, draw(st.integers(1, 120)), draw(st.integers(1, 30)),
@@ -172,7 +180,8 @@ def test_dynamic_budget_stays_in_bounds_and_never_displaces_a_decode(scenario):
     """Each iteration: the limit is a multiple of TILE in [the ready decodes rounded up to TILE, max_budget];
     above that floor, its predicted time is within margin x the tightest target among running requests past
     their first token; the batch holds at most the limit; every ready running decode is in the batch (memory is
-    ample: nothing is preempted); and every request finishes."""
+    ample: nothing is preempted); and every request finishes. With an engine's cost model (the fine ladder), the
+    prediction is of the batch padded to its compiled bucket, and no batch needs a bucket past the ladder."""
     max_num_seqs, max_budget, model, default, reqs = scenario
     cfg = SchedulerConfig(policy="sarathi", token_budget=max_budget, max_num_seqs=max_num_seqs,
                           max_model_len=MAX_MODEL_LEN, watermark=0.0)
@@ -207,6 +216,8 @@ def test_dynamic_budget_stays_in_bounds_and_never_displaces_a_decode(scenario):
         if tightest is not None and limit < max_budget:  # the next candidate would not have fit
             assert model.mixed_batch_time(positions, prefill_start, limit + TILE - len(ready)) > 0.9 * tightest
         assert sum(c.num_new_tokens for c in out.chunks) <= limit and not out.preempted
+        if isinstance(model, BucketCostModel):  # limit and batch within the compiled ladder
+            assert bucket_for(model.buckets, limit) in model.buckets and model.buckets[-1] == max_budget
         scheduled = {c.seq.seq_id for c in out.chunks if c.is_decode}
         assert all(s.seq_id in scheduled for s in ready)
         complete(sched, out)
@@ -246,3 +257,26 @@ def test_dynamic_budget_never_drops_a_decode_even_when_no_budget_meets_the_targe
     out = sched.schedule()
     assert sum(c.is_decode for c in out.chunks) == 20 and sum(c.num_new_tokens for c in out.chunks) == 32
     assert sched.budget_policy.last == (32, 1e-4)
+
+
+@pytest.mark.parametrize("ladder, chunk_budget", [("coarse", 64), ("fine", 80)])
+def test_dynamic_budget_runs_in_the_largest_compiled_bucket_its_target_allows(ladder, chunk_budget):
+    """10 ms + 0.1 ms per token of the padded bucket <= 0.9 x 20 ms: a bucket of at most 80 tokens. On powers of
+    two (16, 32, 64, 128, 256) a batch of 65 to 80 tokens pads to 128, so the budget is 64; the fine ladder,
+    "dynamic"'s default, compiles 80. The resolved config pins the ladder the predictor padded to."""
+    model = BucketCostModel({16: 0.0116, 256: 0.0356}, 0.0, 0.0)
+    config = EngineConfig(token_budget="dynamic", slo_tbt_s=0.02, max_token_budget=256, max_num_seqs=8,
+                          bucket_ladder=None if ladder == "fine" else ladder)
+    buckets = platform_buckets(256, "gpu", bucket_ladder(config))
+    resolved, setup = token_budget.resolve(config, model, "test", buckets, max_model_len=1024)
+    assert resolved.bucket_ladder == ladder and resolved.token_budget == 256
+    assert setup.policy is not None and setup.policy.predictor.buckets == buckets
+    bm = BlockManager(256, 16)
+    sched = SCHEDULERS["sarathi"](SchedulerConfig(token_budget=256, max_num_seqs=8, max_model_len=1024), bm)
+    token_budget.install(setup, sched)
+    sched.add_sequence(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=50), 0.0))
+    complete(sched, sched.schedule())  # a's prefill: a decodes from now on
+    sched.add_sequence(Sequence("b", list(range(1, 900)), SamplingParams(max_tokens=1), 1.0))
+    out = sched.schedule()
+    assert sum(c.num_new_tokens for c in out.chunks) == chunk_budget
+    assert bucket_for(buckets, chunk_budget) == chunk_budget
