@@ -32,97 +32,18 @@ request's blocks on both sides at any stage. Records name their instance (`Itera
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
 from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
-from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.disaggregation_parts import (Handoff, Instance, Queued, TransferRecord, aborted_output,
+                                              prefill_params)
 from sarathi_jax.engine_api import Clock
-from sarathi_jax.engine_core import EngineCore, RequestState
+from sarathi_jax.engine_core import RequestState
 from sarathi_jax.outputs import IterationRecord, RequestMetrics, RequestOutput
 from sarathi_jax.sampling_params import AdmissionError, SamplingParams
 from sarathi_jax.sequence import Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
-
-
-@dataclass
-class Queued:
-    request_id: str
-    request: AdmittedRequest
-    arrival: float  # when it may enter a prefill core (a recompute: when it was preempted)
-    resume: RequestState | None = None  # a recompute: the decode side's state (its sequence keeps its outputs)
-
-
-class Instance:
-    """One instance: a core and (prefill) its queue of requests not yet in it."""
-
-    def __init__(self, name: str, core: EngineCore) -> None:
-        self.name, self.core = name, core
-        self.queue: deque[Queued] = deque()
-        self.stalled = False  # its last step ran nothing: it waits for blocks (a landing or an abort frees some)
-        self.incoming = 0  # transfers that reserved blocks here and have not landed
-        # What its last iteration freed (finished requests), visible from the iteration's end on (`room_at`): the
-        # simulator's clocks; the real engine leaves freed_until at 0 (what is freed is free at once).
-        self.freed_until, self.freed_blocks, self.freed_seqs = 0.0, 0, 0
-
-    @property
-    def block_manager(self) -> BlockManager:
-        return self.core.scheduler.block_manager
-
-    @property
-    def busy(self) -> bool:
-        return self.core.has_unfinished_requests()
-
-    @property
-    def load(self) -> int:
-        """Prompt tokens queued here or not yet computed in its core."""
-        sched = self.core.scheduler
-        return (sum(len(q.request.prompt_token_ids) for q in self.queue)
-                + sum(s.num_uncomputed_tokens for s in (*sched.running, *sched.waiting)))
-
-    def room_at(self, t: float, num_blocks: int) -> bool:
-        """Room at time `t` for one more request of `num_blocks` blocks, above the watermark."""
-        late = self.freed_until > t
-        bm, sched = self.block_manager, self.core.scheduler
-        free = bm.num_free_blocks - bm.watermark_blocks - (self.freed_blocks if late else 0)
-        seqs = sched.num_running + self.incoming + (self.freed_seqs if late else 0)
-        return free >= num_blocks and seqs < sched.config.max_num_seqs
-
-
-@dataclass
-class Handoff:
-    """A request whose prompt is done: held on `source` until a decode instance has room, then moving."""
-
-    request_id: str
-    source: Instance
-    holder: Sequence  # holds the prompt's blocks on the prefill instance
-    state: RequestState  # the decode side's (its sequence: the prompt computed, the first token appended)
-    ready: float  # when its prefill iteration ended
-    target: Instance | None = None
-    start: float | None = None  # the transfer: decode blocks reserved at start, prefill blocks freed at end
-    end: float | None = None
-
-
-def prefill_params(p: SamplingParams, num_outputs: int = 0) -> SamplingParams:
-    """`p` as a prefill instance runs a request with `num_outputs` outputs so far (0, or a recompute's): up to one
-    more token. A min_tokens past it keeps that token from being a stop (the colocated engine would not stop
-    there); EOS and stop ids stay banned for it all the same (the sampler bans them while outputs < min_tokens)."""
-    n = num_outputs + 1
-    extra = {"stop_token_ids": (), "ignore_eos": True, "stop": ()} if p.min_tokens > n else {}
-    return dataclasses.replace(p, max_tokens=n, min_tokens=min(p.min_tokens, n), **extra)
-
-
-def finished_output(request_id: str, prompt: tuple[int, ...], tokens: tuple[int, ...], metrics: RequestMetrics,
-                    now: float, reason: str = "abort", new: tuple[int, ...] = (), text_delta: str = "",
-                    text: str = "") -> RequestOutput:
-    """The last output of a request that ends outside any core (aborted while queued, held or moving; or
-    stopped by a stop string in its first token)."""
-    metrics.finished_time = now
-    return RequestOutput(request_id=request_id, prompt_token_ids=prompt, new_token_ids=new, token_ids=tokens,
-                         text_delta=text_delta, text=text, new_logprobs=(), finished=True, finish_reason=reason,
-                         metrics=metrics)
 
 
 class DisaggregationFlow:
@@ -142,7 +63,8 @@ class DisaggregationFlow:
         self._resuming: dict[str, RequestState] = {}  # recomputes queued or in a prefill core: decode-side state
         # Seeds drawn here, as one colocated core would draw them (in arrival order), so both sides use the same.
         self._seed_rng = np.random.default_rng(seed)
-        self.num_transfers, self.transfer_seconds = 0, 0.0
+        self.transfer_log: list[TransferRecord] = []  # every transfer that landed, in order
+        self.num_transfers, self.transfer_bytes, self.transfer_seconds = 0, 0, 0.0
 
     @property
     def instances(self) -> list[Instance]:
@@ -188,7 +110,7 @@ class DisaggregationFlow:
                     tokens: tuple[int, ...] = ()
                 else:  # a recompute: its outputs so far were reported
                     metrics, tokens = queued.resume.seq.metrics, tuple(queued.resume.seq.output_token_ids)
-                self._outputs.append(finished_output(request_id, request.prompt_token_ids, tokens, metrics, now))
+                self._outputs.append(aborted_output(request_id, request.prompt_token_ids, tokens, metrics, now))
             elif request_id in inst.core:
                 inst.core.abort(request_id)  # its output comes with the instance's next step
                 inst.stalled = False
@@ -204,7 +126,7 @@ class DisaggregationFlow:
                 h.target.block_manager.free(seq)
                 h.target.incoming -= 1
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            self._outputs.append(finished_output(request_id, request.prompt_token_ids, tuple(seq.output_token_ids),
+            self._outputs.append(aborted_output(request_id, request.prompt_token_ids, tuple(seq.output_token_ids),
                                                  seq.metrics, now))
         self.start_transfers(now)
         return True
@@ -254,7 +176,10 @@ class DisaggregationFlow:
         outputs = inst.core.step()
         inst.stalled = len(log) == before and not outputs
         for rec in log[before:]:
-            self.iteration_log.append(dataclasses.replace(rec, iteration=len(self.iteration_log), instance=inst.name))
+            landed, inst.landed = inst.landed, []
+            self.iteration_log.append(dataclasses.replace(
+                rec, iteration=len(self.iteration_log), instance=inst.name,
+                transfer_bytes=sum(t.num_bytes for t in landed), transfer_seconds=sum(t.seconds for t in landed)))
         return outputs
 
     def now_of(self, inst: Instance) -> float:
@@ -339,20 +264,25 @@ class DisaggregationFlow:
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
         """Move `h`'s K/V from `h.source` to `h.target` (whose blocks are reserved), starting at `at`: set
-        `h.start` and `h.end` (the landing, `land`, is the subclass's to call)."""
+        `h.start`, `h.end` and `h.num_bytes` (the landing, `land`, is the subclass's to call)."""
         raise NotImplementedError
 
     def land(self, h: Handoff, t: float) -> None:
         """The KV cache has moved: free the prefill blocks; the decode instance runs the request from now on."""
+        d = h.target
+        record = TransferRecord(h.request_id, h.source.name, d.name, len(h.holder.block_table), h.num_bytes,
+                                h.start, h.end - h.start)
         del self._handoffs[h.request_id]
         h.source.block_manager.free(h.holder)
         h.source.stalled = False
-        d = h.target
         d.incoming -= 1
         d.core.add(h.state)
         d.stalled = False
+        self.transfer_log.append(record)
+        d.landed.append(record)
         self.num_transfers += 1
-        self.transfer_seconds += h.end - h.start
+        self.transfer_bytes += record.num_bytes
+        self.transfer_seconds += record.seconds
 
     def run_decode(self, d: Instance) -> list[RequestOutput]:
         """One iteration of decode instance `d`; what it preempted goes back to a prefill instance (step 6)."""
@@ -388,7 +318,8 @@ class DisaggregationFlow:
         return {**total, "instances": per, "num_queued": sum(len(i.queue) for i in self.instances),
                 "num_held": sum(h.start is None for h in self._handoffs.values()),
                 "num_moving": sum(h.start is not None for h in self._handoffs.values()),
-                "num_transfers": self.num_transfers, "transfer_seconds": self.transfer_seconds,
+                "num_transfers": self.num_transfers, "transfer_bytes": self.transfer_bytes,
+                "transfer_seconds": self.transfer_seconds,
                 "clock": self.clock.now()}
 
     def reset_prefix_cache(self) -> None:

@@ -68,6 +68,14 @@ def test_timeline_matches_hand_computed_times():
     assert [r.iteration for r in eng.iteration_log] == list(range(5))
     s = eng.stats()
     assert s["num_transfers"] == 2 and s["transfer_seconds"] == pytest.approx(2.1)
+    assert s["transfer_bytes"] == 2000  # 100 tokens x 10 bytes each
+    assert [(t.request_id, t.source, t.target, t.num_blocks, t.num_bytes, t.start, t.seconds)
+            for t in eng.transfer_log] == [("A", "prefill0", "decode0", 7, 1000, pytest.approx(0.6), pytest.approx(1.05)),
+                                           ("B", "prefill0", "decode0", 7, 1000, pytest.approx(1.65), pytest.approx(1.05))]
+    # Each transfer is on the record of the receiving instance's first iteration after it landed.
+    moved = [(r.instance, round(r.start_time, 9), r.transfer_bytes, round(r.transfer_seconds, 9))
+             for r in eng.iteration_log if r.transfer_bytes]
+    assert sorted(moved) == [("decode0", 1.65, 1000, 1.05), ("decode0", 2.7, 1000, 1.05)]
     assert _no_blocks_held(eng) and not eng.has_unfinished_requests()
 
 
