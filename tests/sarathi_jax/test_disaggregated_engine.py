@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -80,7 +81,18 @@ def test_tokens_match_hf_and_colocated(model_dir, prompts, expected, engines, sp
     assert all(r.num_decode_tokens == 0 for r in log if r.instance == "prefill0")
     assert all(r.num_prefill_tokens == 0 and r.num_decode_tokens > 0 for r in log if r.instance == "decode0")
     assert sum(r.num_prefill_tokens for r in log) == sum(PROMPT_LENGTHS)
-    assert engine.stats()["num_transfers"] == len(prompts)
+    stats = engine.stats()
+    assert stats["num_transfers"] == len(prompts) == len(engine.transfer_log)
+    # Each move: the padded bucket's blocks, K and V, in the decode cache's layout; timed (gather and copy).
+    k_cache = engine.decode[0].engine.runner.kv_caches[0][0]
+    per_block = 2 * k_cache.nbytes // k_cache.shape[1]
+    bucket = engine.movers[("prefill0", "decode0")].bucket_for
+    assert [t.num_bytes for t in engine.transfer_log] == [bucket(t.num_blocks) * per_block
+                                                          for t in engine.transfer_log]
+    assert sorted(t.num_blocks for t in engine.transfer_log) == sorted(-(-n // 16) for n in PROMPT_LENGTHS)
+    assert all(t.seconds > 0 for t in engine.transfer_log)
+    assert stats["transfer_bytes"] == sum(r.transfer_bytes for r in log if r.instance == "decode0") > 0
+    assert stats["transfer_seconds"] == pytest.approx(sum(r.transfer_seconds for r in log))
     # Moves compile once per block-count bucket used (prompts of 1-3 blocks: buckets 1, 2 and 4), not per request.
     mover = engine.movers[("prefill0", "decode0")]
     assert mover.num_traces == 2 * 3
@@ -272,13 +284,13 @@ def test_text_and_stop_strings_match_the_colocated_engine(hf_checkpoint):
     assert all(i.block_manager.num_used_blocks == 0 for i in disaggregated.engine.instances)
 
 
-@pytest.mark.parametrize("num_blocks", [128, 12], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("num_blocks", [128, 5], ids=["roomy", "preempting"])
 def test_structured_outputs_match_the_colocated_engine(ascii_llama, num_blocks):
     """Structured outputs (regex, choice, grammar, a JSON schema; greedy and seeded sampling): the request's
     grammar state is one matcher that the prefill core advances with the first token and the decode core goes
-    on with, so outputs equal the colocated engine's. With 12 blocks (192 tokens) both engines preempt, and the
+    on with, so outputs equal the colocated engine's. With 5 blocks (80 tokens) both engines preempt, and the
     disaggregated one recomputes through its prefill side with the grammar state where the decode side left it."""
-    fields = dict(token_budget=64, max_num_seqs=8, num_blocks=num_blocks, max_model_len=192, warmup=False)
+    fields = dict(token_budget=64, max_num_seqs=8, num_blocks=num_blocks, max_model_len=80, warmup=False)
     colocated, disaggregated = LLM(str(ascii_llama), **fields), LLM(str(ascii_llama), disaggregation="1:1", **fields)
     schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
                                                "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
@@ -295,10 +307,13 @@ def test_structured_outputs_match_the_colocated_engine(ascii_llama, num_blocks):
     want, got = colocated.generate(prompts, params), disaggregated.generate(prompts, params)
     assert [(o.token_ids, o.text, o.finish_reason, o.error) for o in got] == [
         (o.token_ids, o.text, o.finish_reason, o.error) for o in want]
-    assert all(o.finish_reason == "stop" for o in want[:3])  # the grammars ended them (the JSON may run long)
-    assert all(json.loads(o.text) is not None for o in want[3:] if o.finish_reason == "stop")
+    # Each output that its grammar ended satisfies it (random weights may run to max_tokens instead).
+    valid = [lambda t: re.fullmatch("[a-z]+( [0-9]{1,3}){2,8}", t), lambda t: t in ("red", "green", "blue"),
+             lambda t: re.fullmatch("id=[0-9]{1,4};", t)] + [json.loads] * 5
+    assert all(ok(o.text) is not None for ok, o in zip(valid, want) if o.finish_reason == "stop")
+    assert sum(o.finish_reason == "stop" for o in want) >= 4, [(o.finish_reason, o.text) for o in want]
     engine = disaggregated.engine
-    if num_blocks == 12:
+    if num_blocks == 5:
         assert colocated.engine.stats()["num_preemptions"] >= 1
         assert engine.stats()["instances"]["decode0"]["num_preemptions"] >= 1
     assert all(i.block_manager.num_used_blocks == 0 for i in engine.instances)
