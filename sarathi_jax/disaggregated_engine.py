@@ -8,16 +8,17 @@ prefill with max_tokens 1, hand-off, back-pressure, landing, aborts) is sarathi_
 the one copy the simulator shares; the K/V moves device to device (`disaggregation_kv.KVBlockMover`).
 
 `step()` on the wall clock: new requests enter the prefill cores (unless a finished prefill waits for decode
-room), each busy prefill instance runs one iteration, finished prompts move at once (the copy is dispatched,
-not waited for: the device orders it between the two sides' steps), each busy decode instance runs one
-iteration, and what that freed lets held prompts move. Both sides run the configured loop (overlapped by
+room), each busy prefill instance runs one iteration, finished prompts move at once (the gather and copy are
+waited for and timed, the scatter dispatched: the device orders it before the decode side's next step), each
+busy decode instance runs one iteration (a request it preempts goes back to a prefill instance as a recompute),
+and what that freed lets held prompts move. Both sides run the configured loop (overlapped by
 default); one thread drives them in turn, so the two sides' device work overlaps only as far as the dispatches
 run ahead.
 
-The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the first
-token (a stop string inside it ends the request there). Not built yet: prefix-cache hits move every block
-anyway; the decode side reserves whole requests, so it never preempts (no recompute through the prefill side);
-structured outputs are refused; one process (no jax.distributed).
+The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the token it
+sampled (a stop string inside it ends the request there). Structured outputs: one grammar matcher per request,
+advanced by whichever core samples. Not built yet: prefix-cache hits move every block anyway; one process (no
+jax.distributed).
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ blocks. A request:
 
 Back-pressure: while a finished prefill waits for room on the decode side, no new request enters a prefill core
 (new prefills stop; those already in a core go on while its blocks last). Nothing is dropped. Aborts free the
-request's blocks on both sides at any stage. Records name their instance (`IterationRecord.instance`).
+request's blocks on both sides at any stage. Records name their instance (`IterationRecord.instance`); each
+landed transfer is a `TransferRecord` (`transfer_log`, summed in `stats()`, and on the receiving instance's next
+record).
 """
 
 from __future__ import annotations
