@@ -171,12 +171,14 @@ class DisaggregationFlow:
                                         emitted_tokens=done.num_output_tokens, grammar=state.grammar))
             p.stalled = False
 
-    def run(self, inst: Instance) -> list[RequestOutput]:
-        """One iteration of `inst`'s core; its record goes to the engine's log, named."""
+    def run(self, inst: Instance, *, step: bool = True) -> list[RequestOutput]:
+        """One iteration of `inst`'s core (step=False: only what it retires before it schedules,
+        `EngineCore.retire_for_schedule`); its records go to the engine's log, named."""
         log = inst.core.iteration_log
         before = len(log)
-        outputs = inst.core.step()
-        inst.stalled = len(log) == before and not outputs
+        outputs = inst.core.step() if step else inst.core.retire_for_schedule()
+        if step:
+            inst.stalled = len(log) == before and not outputs
         for rec in log[before:]:
             landed, inst.landed = inst.landed, []
             self.iteration_log.append(dataclasses.replace(
@@ -189,16 +191,21 @@ class DisaggregationFlow:
         return self.clock.now()
 
     def run_prefill(self, p: Instance) -> list[RequestOutput]:
-        """One iteration of prefill instance `p`; requests whose prompt it finished are handed off (held)."""
-        # Each table as it stands: allocation appends to it, freeing replaces it (never clears it).
-        sched = p.core.scheduler
-        tables = {s.seq_id: s.block_table for s in (*sched.running, *sched.waiting)}
-        outputs = self.run(p)
-        now = self.now_of(p)
-        for out in outputs:
-            request = self._requests.get(out.request_id)
-            if out.finished and request is not None and out.finish_reason != "abort":
-                self._after_prefill(p, out, request, tables[out.request_id], now)
+        """One iteration of prefill instance `p`; requests whose prompt it finished are handed off (held). What
+        it retires before it schedules (a constrained request's batch) is handed off first: the blocks a finished
+        request frees must be taken back before that schedule could give them to another request."""
+        outputs = []
+        for step in (False, True):
+            # Each table as it stands: allocation appends to it, freeing replaces it (never clears it).
+            sched = p.core.scheduler
+            tables = {s.seq_id: s.block_table for s in (*sched.running, *sched.waiting)}
+            done = self.run(p, step=step)
+            now = self.now_of(p)
+            for out in done:
+                request = self._requests.get(out.request_id)
+                if out.finished and request is not None and out.finish_reason != "abort":
+                    self._after_prefill(p, out, request, tables[out.request_id], now)
+            outputs += done
         self.start_transfers(now)
         return outputs
 

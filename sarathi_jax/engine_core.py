@@ -104,16 +104,8 @@ class EngineCore:
     of requests that set none are drawn from (drawn once, so a preempted request resamples the same tokens).
     """
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        executor: Executor,
-        *,
-        loop: LoopConfig = LoopConfig(),
-        eos_token_ids: SequenceOf[int] = (),
-        tokenizer: Tokenizer | None = None,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, loop: LoopConfig = LoopConfig(),
+                 eos_token_ids: SequenceOf[int] = (), tokenizer: Tokenizer | None = None, seed: int = 0) -> None:
         self.scheduler = scheduler
         self.executor, self.loop, self.eos_token_ids, self.tokenizer = executor, loop, tuple(eos_token_ids), tokenizer
         self._seed_rng = np.random.default_rng(seed)
@@ -188,8 +180,7 @@ class EngineCore:
         """Schedule and dispatch one batch, then retire what the loop mode says (see the module docstring).
         When nothing new could be scheduled, the oldest batch in flight is retired, so every call progresses."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        while self._num_synchronous and self._in_flight and self.loop.done_at_dispatch:
-            outputs.extend(self._retire(self._in_flight.popleft()))  # masks and proposals need the last tokens
+        outputs.extend(self.retire_for_schedule())
         sched = self.scheduler.schedule(self.executor.now())  # now: the priority policy's aging
         if sched.chunks:
             self._dispatch(sched)
@@ -197,6 +188,15 @@ class EngineCore:
             outputs.extend(self._retire(self._in_flight.popleft()))
             if not sched.chunks:
                 break
+        return outputs
+
+    def retire_for_schedule(self) -> list[RequestOutput]:
+        """Retire the batches in flight when the next schedule needs their tokens on the host (masks, proposals).
+        A disaggregated prefill instance calls it before `step`, to hold the blocks of what it finishes before
+        that step could give them to another request."""
+        outputs = []
+        while self._num_synchronous and self._in_flight and self.loop.done_at_dispatch:
+            outputs.extend(self._retire(self._in_flight.popleft()))
         return outputs
 
     def _dispatch(self, sched: SchedulerOutput) -> None:
