@@ -125,7 +125,7 @@ def test_the_copy_carries_the_kv(model_dir, prompts, expected, engines, monkeypa
     engine = engines.get("1:1") or make_engine(model_dir, "1:1")
     stage = engine.decode[0].engine.runner.stages[0]
     stage.kv_cache = jax.tree.map(lambda a: a * 0, stage.kv_cache)  # no K/V left from an earlier run
-    monkeypatch.setattr(KVBlockMover, "move", lambda self, source, target: None)
+    monkeypatch.setattr(KVBlockMover, "move", lambda self, source, target: (0, 0.0))  # nothing copied
     got = run_staggered(engine, prompts, GREEDY)
     assert [got[r][0] for r in expected] == [t[0] for t in expected.values()]  # first tokens: the prefill side's
     assert got != expected
