@@ -272,7 +272,9 @@ def transfer_line(transfer: dict, *, virtual: bool) -> str:
     """A disaggregated run's KV transfers: count, bytes, time (the link model's, or measured), mean rate."""
     n, nbytes, seconds = transfer["num_transfers"], transfer["bytes"], transfer["seconds"]
     rate = f", {nbytes / seconds / 1e9:.3g} GB/s" if seconds > 0 else ""
-    mean = f" (mean {seconds / n * 1e6:.3g} us, {nbytes / n / 2**20:.3g} MiB each{rate})" if n else ""
+    each = seconds / n if n else 0.0
+    each_text = f"{each * 1e6:.3g} us" if each < 1e-3 else fmt_seconds(each)
+    mean = f" (mean {each_text}, {nbytes / n / 2**20:.3g} MiB each{rate})" if n else ""
     how = "the link model's time" if virtual else "gather + device-to-device copy, measured"
     return f"transfer: {n} KV moves, {nbytes / 2**20:.4g} MiB, {fmt_seconds(seconds)} in all{mean}; {how}"
 
