@@ -155,6 +155,8 @@ class BlockManager:
         cached keeps its registration."""
         assert not seq.block_table, seq
         for block in blocks:
+            # Free, or a shared (registered) prefix: an unregistered block in use went to another request since.
+            assert self._ref[block] == 0 or self._hash_of[block] is not None, f"block {block} was taken again"
             if self._ref[block] == 0:
                 if block in self._evictable:
                     del self._evictable[block]

@@ -8,16 +8,17 @@ prefill with max_tokens 1, hand-off, back-pressure, landing, aborts) is sarathi_
 the one copy the simulator shares; the K/V moves device to device (`disaggregation_kv.KVBlockMover`).
 
 `step()` on the wall clock: new requests enter the prefill cores (unless a finished prefill waits for decode
-room), each busy prefill instance runs one iteration, finished prompts move at once (the copy is dispatched,
-not waited for: the device orders it between the two sides' steps), each busy decode instance runs one
-iteration, and what that freed lets held prompts move. Both sides run the configured loop (overlapped by
+room), each busy prefill instance runs one iteration, finished prompts move at once (the gather and copy are
+waited for and timed, the scatter dispatched: the device orders it before the decode side's next step), each
+busy decode instance runs one iteration (a request it preempts goes back to a prefill instance as a recompute),
+and what that freed lets held prompts move. Both sides run the configured loop (overlapped by
 default); one thread drives them in turn, so the two sides' device work overlaps only as far as the dispatches
 run ahead.
 
-The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the first
-token (a stop string inside it ends the request there). Not built yet: prefix-cache hits move every block
-anyway; the decode side reserves whole requests, so it never preempts (no recompute through the prefill side);
-structured outputs are refused; one process (no jax.distributed).
+The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the token it
+sampled (a stop string inside it ends the request there). Structured outputs: one grammar matcher per request,
+advanced by whichever core samples. Not built yet: prefix-cache hits move every block anyway; one process (no
+jax.distributed).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class DisaggregatedEngine(DisaggregationFlow):
         first = prefill[0].engine
         self.config, self.model_config, self.tokenizer = config, first.model_config, first.tokenizer
         self.budget_setup = first.budget_setup
-        # A request must fit whole on every instance it may go to (the decode side reserves prompt + max_tokens).
+        # A request must fit whole on every instance it may go to (as colocated: it may grow to prompt + max_tokens).
         smallest = min(prefill + decode,
                        key=lambda i: i.block_manager.num_total_blocks - i.block_manager.watermark_blocks)
         admission = Admission(
@@ -96,8 +97,6 @@ class DisaggregatedEngine(DisaggregationFlow):
             tokenizer=self.tokenizer,
             eos_token_ids=self.model_config.eos_token_ids,
             chat_template=ChatTemplate.from_folder(config.model) if Path(config.model).is_dir() else None,
-            no_structured_outputs="not supported with disaggregation yet (the grammar state would move with the "
-                                  "K/V; partial, issue 33)",
         )
         super().__init__(prefill, decode, admission, seed=config.seed)
         self.movers = {(p.name, d.name): KVBlockMover(p.engine.runner, d.engine.runner)
@@ -125,13 +124,15 @@ class DisaggregatedEngine(DisaggregationFlow):
         return outputs
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
-        """Copy the prompt's blocks now (dispatched) and land at once: the decode core's next step runs on the
-        cache the copy returns. The copy is not timed (it runs on the devices behind the dispatch), so
-        `stats()["transfer_seconds"]` stays 0 here; `num_transfers` counts the moves."""
+        """Copy the computed tokens' blocks now and land at once: the decode core's next step runs on the cache
+        the copy returns. The gather and the device-to-device copy are timed (`KVBlockMover.move`): `h.start`
+        is when they began, `h.end` when they were done."""
         holder, target = h.holder, h.target
-        self.movers[(h.source.name, target.name)].move(holder.block_table, h.state.seq.block_table)
-        h.start = h.end = at
-        self.land(h, at)
+        h.start = self.clock.now()
+        h.num_bytes, seconds = self.movers[(h.source.name, target.name)].move(holder.block_table,
+                                                                             h.state.seq.block_table)
+        h.end = h.start + seconds
+        self.land(h, h.end)
 
     # ----------------------------------------------------------------------------------- the rest of the API
 

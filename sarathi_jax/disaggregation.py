@@ -4,7 +4,8 @@
 aborts) is sarathi_jax/disaggregation_flow.py, shared with the real engine (sarathi_jax/disaggregated_engine.py);
 this module owns the time. Each instance's core runs on its own cost model (`CostModelExecutor` on its own
 virtual clock; on tp devices a `tp_cost.TensorParallelCost`); a KV transfer takes
-`link.transfer_time(prompt tokens x KV bytes per token)`, one transfer at a time (one shared link).
+`link.transfer_time(computed tokens x KV bytes per token)` (the prompt; a recompute's prompt and outputs), one
+transfer at a time (one shared link); each is in `transfer_log` and the receiving instance's next record.
 
 `step()` runs the earliest pending event (a landing, decode room, an instance's next iteration) once the engine's
 clock (the driver's: arrivals are added up to it) has reached it, so nothing runs before an event it depends on;
@@ -67,7 +68,7 @@ class DisaggregatedSimEngine(DisaggregationFlow):
         prefill = side("prefill", split.prefill, enable_prefix_caching)
         decode = side("decode", split.decode, False)
         smallest = min(prefill + decode, key=lambda i: i.block_manager.num_total_blocks)
-        # A request must fit whole on every instance it may go to (the decode side reserves prompt + max_tokens).
+        # A request must fit whole on every instance it may go to (as colocated: it may grow to prompt + max_tokens).
         admission = Admission(vocab_size=vocab_size, max_model_len=scheduler_config.max_model_len,
                               kv_cache=KVCapacity.of(smallest.block_manager), stop_strings=True)
         super().__init__(prefill, decode, admission)
@@ -137,9 +138,11 @@ class DisaggregatedSimEngine(DisaggregationFlow):
         return inst.clock.now()
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
-        seq = h.state.seq
+        """The computed tokens' K/V (a prompt's; a recompute's prompt and outputs) over the link, after what it
+        was given before."""
+        h.num_bytes = h.state.seq.num_computed_tokens * self.kv_bytes_per_token
         h.start = max(at, self._link_free)
-        h.end = self._link_free = h.start + self.link.transfer_time(seq.num_prompt_tokens * self.kv_bytes_per_token)
+        h.end = self._link_free = h.start + self.link.transfer_time(h.num_bytes)
 
     def _room(self, d: _SimInstance, t: float) -> list[RequestOutput]:
         d.room_seen = d.freed_until

@@ -7,116 +7,45 @@ blocks. A request:
 
 1. queues at the prefill instance with the least prompt work (`Queued`);
 2. enters that instance's core when it next steps, unless back-pressure (below) holds new prefills back; the core
-   runs it with max_tokens 1 (`prefill_only`): its prompt, chunked or whole as the policy does, and its first
-   token sampled there;
+   runs it up to one more token (`prefill_params`: max_tokens 1): its prompt, chunked or whole as the policy
+   does, and its first token sampled there (a structured output's grammar state is the request's one matcher:
+   the prefill core advances it, the decode core goes on from there);
 3. is held (`Handoff`): the prefill core finished it and freed its blocks; they are taken back at once, the same
    blocks (`BlockManager.retake`: they hold the prompt's K/V, and nothing was allocated in between), by `holder`
-   until the request has moved;
-4. moves (`start_transfers`): a decode instance with room reserves blocks for the whole request (prompt +
-   max_tokens, so it never grows into a preemption there), and the engine moves the K/V (`begin_transfer`: the
-   simulator prices it on its link, the real engine copies the blocks between the devices);
+   until the request has moved. The decode side's state takes the token (its text, a stop string in it);
+4. moves (`start_transfers`): a decode instance with room reserves the blocks of its computed tokens (as a
+   colocated engine holds them after a prefill; decodes grow them), and the engine moves the K/V
+   (`begin_transfer`: the simulator prices it on its link, the real engine copies the blocks between devices);
 5. decodes (`land`): the prefill blocks are freed and the decode core runs the request as a decode at once
    (`Scheduler.add_sequence` of a sequence with its prompt computed), with the same `RequestMetrics`: TTFT is
    the prefill side's, and the gap to the second token holds the wait and the transfer.
+6. A decode core that runs out of blocks preempts as any core does (its scheduler's victim order: blocks freed,
+   outputs kept); the flow takes the victim out of it (`EngineCore.release`) and queues it at a prefill instance
+   as a recompute (`Queued.resume`): its prompt and outputs so far are prefilled there, the next token sampled,
+   and it moves again (steps 3-5), as a colocated recompute re-prefills the same tokens.
 
 Back-pressure: while a finished prefill waits for room on the decode side, no new request enters a prefill core
 (new prefills stop; those already in a core go on while its blocks last). Nothing is dropped. Aborts free the
-request's blocks on both sides at any stage. Records name their instance (`IterationRecord.instance`).
+request's blocks on both sides at any stage. Records name their instance (`IterationRecord.instance`); each
+landed transfer is a `TransferRecord` (`transfer_log`, summed in `stats()`, and on the receiving instance's next
+record).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
 from sarathi_jax.admission import Admission, AdmittedRequest, Prompt
-from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.disaggregation_parts import (Handoff, Instance, Queued, TransferRecord, aborted_output,
+                                              prefill_params)
 from sarathi_jax.engine_api import Clock
-from sarathi_jax.engine_core import EngineCore, RequestState
+from sarathi_jax.engine_core import RequestState
 from sarathi_jax.outputs import IterationRecord, RequestMetrics, RequestOutput
 from sarathi_jax.sampling_params import AdmissionError, SamplingParams
 from sarathi_jax.sequence import Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
-
-
-@dataclass
-class Queued:
-    request_id: str
-    request: AdmittedRequest
-    arrival: float
-
-
-class Instance:
-    """One instance: a core and (prefill) its queue of requests not yet in it."""
-
-    def __init__(self, name: str, core: EngineCore) -> None:
-        self.name, self.core = name, core
-        self.queue: deque[Queued] = deque()
-        self.stalled = False  # its last step ran nothing: it waits for blocks (a landing or an abort frees some)
-        self.incoming = 0  # transfers that reserved blocks here and have not landed
-        # What its last iteration freed (finished requests), visible from the iteration's end on (`room_at`): the
-        # simulator's clocks; the real engine leaves freed_until at 0 (what is freed is free at once).
-        self.freed_until, self.freed_blocks, self.freed_seqs = 0.0, 0, 0
-
-    @property
-    def block_manager(self) -> BlockManager:
-        return self.core.scheduler.block_manager
-
-    @property
-    def busy(self) -> bool:
-        return self.core.has_unfinished_requests()
-
-    @property
-    def load(self) -> int:
-        """Prompt tokens queued here or not yet computed in its core."""
-        sched = self.core.scheduler
-        return (sum(len(q.request.prompt_token_ids) for q in self.queue)
-                + sum(s.num_uncomputed_tokens for s in (*sched.running, *sched.waiting)))
-
-    def room_at(self, t: float, num_blocks: int) -> bool:
-        """Room at time `t` for one more request of `num_blocks` blocks, above the watermark."""
-        late = self.freed_until > t
-        bm, sched = self.block_manager, self.core.scheduler
-        free = bm.num_free_blocks - bm.watermark_blocks - (self.freed_blocks if late else 0)
-        seqs = sched.num_running + self.incoming + (self.freed_seqs if late else 0)
-        return free >= num_blocks and seqs < sched.config.max_num_seqs
-
-
-@dataclass
-class Handoff:
-    """A request whose prompt is done: held on `source` until a decode instance has room, then moving."""
-
-    request_id: str
-    source: Instance
-    holder: Sequence  # holds the prompt's blocks on the prefill instance
-    state: RequestState  # the decode side's (its sequence: the prompt computed, the first token appended)
-    ready: float  # when its prefill iteration ended
-    target: Instance | None = None
-    start: float | None = None  # the transfer: decode blocks reserved at start, prefill blocks freed at end
-    end: float | None = None
-
-
-def prefill_only(request: AdmittedRequest) -> AdmittedRequest:
-    """The request as its prefill instance runs it: up to its first token. A min_tokens > 1 keeps that token from
-    being a stop (as the colocated engine would not stop there)."""
-    p = request.params
-    extra = {"stop_token_ids": (), "ignore_eos": True, "stop": ()} if p.min_tokens > 1 else {}
-    return dataclasses.replace(request, params=dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1),
-                                                                   **extra))
-
-
-def finished_output(request_id: str, prompt: tuple[int, ...], tokens: tuple[int, ...], metrics: RequestMetrics,
-                    now: float, reason: str = "abort", new: tuple[int, ...] = (), text_delta: str = "",
-                    text: str = "") -> RequestOutput:
-    """The last output of a request that ends outside any core (aborted while queued, held or moving; or
-    stopped by a stop string in its first token)."""
-    metrics.finished_time = now
-    return RequestOutput(request_id=request_id, prompt_token_ids=prompt, new_token_ids=new, token_ids=tokens,
-                         text_delta=text_delta, text=text, new_logprobs=(), finished=True, finish_reason=reason,
-                         metrics=metrics)
 
 
 class DisaggregationFlow:
@@ -133,9 +62,11 @@ class DisaggregationFlow:
         self._requests: dict[str, AdmittedRequest] = {}  # unfinished, by id
         self._handoffs: dict[str, Handoff] = {}  # held or moving, in the order their prefills ended
         self._outputs: list[RequestOutput] = []  # ends outside a core, reported by the next step
+        self._resuming: dict[str, RequestState] = {}  # recomputes queued or in a prefill core: decode-side state
         # Seeds drawn here, as one colocated core would draw them (in arrival order), so both sides use the same.
         self._seed_rng = np.random.default_rng(seed)
-        self.num_transfers, self.transfer_seconds = 0, 0.0
+        self.transfer_log: list[TransferRecord] = []  # every transfer that landed, in order
+        self.num_transfers, self.transfer_bytes, self.transfer_seconds = 0, 0, 0.0
 
     @property
     def instances(self) -> list[Instance]:
@@ -157,7 +88,6 @@ class DisaggregationFlow:
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         assert request_id not in self._requests, request_id
-        assert request.grammar is None, "admission refuses structured outputs here (`no_structured_outputs`)"
         if request.params.seed is None:
             seed = int(self._seed_rng.integers(0, 2**31 - 1))
             request = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed))
@@ -170,13 +100,19 @@ class DisaggregationFlow:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        self._resuming.pop(request_id, None)
         now = self.clock.now()
         for inst in self.instances:
             queued = next((q for q in inst.queue if q.request_id == request_id), None)
             if queued is not None:
                 inst.queue.remove(queued)
-                metrics = RequestMetrics(queued.arrival, slo_ttft_s=request.slo_ttft_s, slo_tbt_s=request.slo_tbt_s)
-                self._outputs.append(finished_output(request_id, request.prompt_token_ids, (), metrics, now))
+                if queued.resume is None:
+                    metrics = RequestMetrics(queued.arrival, slo_ttft_s=request.slo_ttft_s,
+                                             slo_tbt_s=request.slo_tbt_s)
+                    tokens: tuple[int, ...] = ()
+                else:  # a recompute: its outputs so far were reported
+                    metrics, tokens = queued.resume.seq.metrics, tuple(queued.resume.seq.output_token_ids)
+                self._outputs.append(aborted_output(request_id, request.prompt_token_ids, tokens, metrics, now))
             elif request_id in inst.core:
                 inst.core.abort(request_id)  # its output comes with the instance's next step
                 inst.stalled = False
@@ -192,7 +128,7 @@ class DisaggregationFlow:
                 h.target.block_manager.free(seq)
                 h.target.incoming -= 1
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            self._outputs.append(finished_output(request_id, request.prompt_token_ids, tuple(seq.output_token_ids),
+            self._outputs.append(aborted_output(request_id, request.prompt_token_ids, tuple(seq.output_token_ids),
                                                  seq.metrics, now))
         self.start_transfers(now)
         return True
@@ -220,17 +156,34 @@ class DisaggregationFlow:
         """Requests queued at `p` that have arrived by `t` enter its core (the caller checked back-pressure)."""
         while p.queue and p.queue[0].arrival <= t:
             q = p.queue.popleft()
-            p.core.add_request(q.request_id, prefill_only(q.request), q.arrival)
+            request, state = q.request, q.resume
+            if state is None:
+                p.core.add_request(q.request_id, dataclasses.replace(request, params=prefill_params(request.params)),
+                                   q.arrival)
+            else:  # a recompute: prompt + outputs re-prefilled, the next token sampled (the same seed and step)
+                done = state.seq
+                seq = Sequence(q.request_id, done.prompt_token_ids, prefill_params(request.params,
+                               done.num_output_tokens), done.metrics.arrival_time, request.priority)
+                seq.metrics = done.metrics
+                for token in done.output_token_ids:
+                    seq.append_token(token)
+                p.core.add(RequestState(seq, state.seed, state.banned_until_min_tokens, None, None,
+                                        emitted_tokens=done.num_output_tokens, grammar=state.grammar))
             p.stalled = False
 
-    def run(self, inst: Instance) -> list[RequestOutput]:
-        """One iteration of `inst`'s core; its record goes to the engine's log, named."""
+    def run(self, inst: Instance, *, step: bool = True) -> list[RequestOutput]:
+        """One iteration of `inst`'s core (step=False: only what it retires before it schedules,
+        `EngineCore.retire_for_schedule`); its records go to the engine's log, named."""
         log = inst.core.iteration_log
         before = len(log)
-        outputs = inst.core.step()
-        inst.stalled = len(log) == before and not outputs
+        outputs = inst.core.step() if step else inst.core.retire_for_schedule()
+        if step:
+            inst.stalled = len(log) == before and not outputs
         for rec in log[before:]:
-            self.iteration_log.append(dataclasses.replace(rec, iteration=len(self.iteration_log), instance=inst.name))
+            landed, inst.landed = inst.landed, []
+            self.iteration_log.append(dataclasses.replace(
+                rec, iteration=len(self.iteration_log), instance=inst.name,
+                transfer_bytes=sum(t.num_bytes for t in landed), transfer_seconds=sum(t.seconds for t in landed)))
         return outputs
 
     def now_of(self, inst: Instance) -> float:
@@ -238,50 +191,68 @@ class DisaggregationFlow:
         return self.clock.now()
 
     def run_prefill(self, p: Instance) -> list[RequestOutput]:
-        """One iteration of prefill instance `p`; requests whose prompt it finished are handed off (held)."""
-        # Each table as it stands: allocation appends to it, freeing replaces it (never clears it).
-        sched = p.core.scheduler
-        tables = {s.seq_id: s.block_table for s in (*sched.running, *sched.waiting)}
-        outputs = self.run(p)
-        now = self.now_of(p)
-        for out in outputs:
-            request = self._requests.get(out.request_id)
-            if not out.finished or request is None:
-                continue
-            if out.finish_reason == "length" and request.params.max_tokens > 1:
-                self._hand_off(p, out, request, tables[out.request_id], now)
-            else:
-                del self._requests[out.request_id]  # done on the prefill side (max_tokens 1, a stop, an abort)
+        """One iteration of prefill instance `p`; requests whose prompt it finished are handed off (held). What
+        it retires before it schedules (a constrained request's batch) is handed off first: the blocks a finished
+        request frees must be taken back before that schedule could give them to another request."""
+        outputs = []
+        for step in (False, True):
+            # Each table as it stands: allocation appends to it, freeing replaces it (never clears it).
+            sched = p.core.scheduler
+            tables = {s.seq_id: s.block_table for s in (*sched.running, *sched.waiting)}
+            done = self.run(p, step=step)
+            now = self.now_of(p)
+            for out in done:
+                request = self._requests.get(out.request_id)
+                if out.finished and request is not None and out.finish_reason != "abort":
+                    self._after_prefill(p, out, request, tables[out.request_id], now)
+            outputs += done
         self.start_transfers(now)
         return outputs
 
-    def _hand_off(self, p: Instance, out: RequestOutput, request: AdmittedRequest, blocks: list[int],
-                  now: float) -> None:
-        """`out` (its first token; the prefill core finished it and freed `blocks`) continues on the decode side:
-        its blocks are taken back at once, held until the transfer ends, and `out` says unfinished."""
-        prompt, metrics, params, first = list(out.prompt_token_ids), out.metrics, request.params, out.token_ids[0]
-        holder = Sequence(out.request_id, prompt, params, metrics.arrival_time)
-        p.block_manager.retake(holder, blocks)
-        seq = Sequence(out.request_id, prompt, params, metrics.arrival_time, request.priority,
+    def _decode_state(self, out: RequestOutput, request: AdmittedRequest) -> RequestState:
+        """The decode side's state of a request whose first prefill just ended (no token yet)."""
+        prompt, params = list(out.prompt_token_ids), request.params
+        seq = Sequence(out.request_id, prompt, params, out.metrics.arrival_time, request.priority,
                        request.slo_ttft_s, request.slo_tbt_s)
-        seq.metrics = metrics  # one request: TTFT from the prefill side, its TBTs from both
-        metrics.finished_time = None
-        seq.append_token(first)
-        seq.num_computed_tokens = len(prompt)
-        detok = checker = None
-        text_delta = ""
-        if self.tokenizer is not None:  # the first token's text, and a stop string in it, as the core would
-            detok, checker = IncrementalDetokenizer(self.tokenizer, prompt), StopStringChecker(params.stop)
-            text_delta = checker.add(detok.append(first), detect=params.min_tokens <= 1)
-        state = RequestState(seq, params.seed, request.banned_until_min_tokens, detok, checker, emitted_tokens=1,
-                             text_delta=text_delta)
-        out.finished, out.finish_reason = False, None
-        if checker is not None and checker.stopped:  # it ends here, as the colocated engine would end it
-            p.block_manager.free(holder)
+        seq.metrics = out.metrics  # one request: TTFT from the prefill side, its TBTs from both
+        text = self.tokenizer is not None
+        return RequestState(seq, params.seed, request.banned_until_min_tokens,
+                            IncrementalDetokenizer(self.tokenizer, prompt) if text else None,
+                            StopStringChecker(params.stop) if text else None, grammar=request.grammar)
+
+    def _after_prefill(self, p: Instance, out: RequestOutput, request: AdmittedRequest, blocks: list[int],
+                       now: float) -> None:
+        """The prefill core finished `out`'s run (one more token: its first, or a recompute's next) and freed
+        `blocks`. The decode side's state takes the token and its text (a stop string in it, as the colocated
+        core would find it); `out` carries that text. The request ends here (a stop, or its max_tokens), or goes
+        on: its blocks are taken back at once and held until moved, and `out` says unfinished."""
+        resume = self._resuming.pop(out.request_id, None)
+        state = resume if resume is not None else self._decode_state(out, request)
+        seq, params, token = state.seq, request.params, out.token_ids[-1]
+        seq.append_token(token)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        reason = out.finish_reason if len(out.token_ids) >= params.max_tokens or out.finish_reason != "length" \
+            else None
+        checker = state.stop_checker
+        if checker is not None:
+            state.text_delta += checker.add(state.detokenizer.append(token),
+                                            detect=seq.num_output_tokens >= params.min_tokens)
+            grammar_end = reason == "stop" and state.grammar is not None and state.grammar.is_finished()
+            if checker.stopped:
+                reason = "stop"
+            elif reason is not None and (reason != "stop" or grammar_end):  # release held-back text, as the core
+                state.text_delta += checker.add(state.detokenizer.flush(), detect=False) + checker.flush()
+                reason = "stop" if checker.stopped else reason
+            out.text_delta, out.text, state.text_delta = state.text_delta, checker.text, ""
+        state.emitted_tokens = seq.num_output_tokens
+        if reason is not None:  # it ends here, as the colocated engine would end it
             del self._requests[out.request_id]
-            self._outputs.append(finished_output(out.request_id, out.prompt_token_ids, (first,), metrics, now,
-                                                 "stop", text_delta=text_delta, text=checker.text))
+            out.finish_reason, seq.status, seq.finish_reason = reason, SequenceStatus.FINISHED, reason
             return
+        out.metrics.finished_time = None
+        out.finished, out.finish_reason = False, None
+        holder = Sequence(out.request_id, list(out.prompt_token_ids), params, out.metrics.arrival_time)
+        p.block_manager.retake(holder, blocks)
         self._handoffs[out.request_id] = Handoff(out.request_id, p, holder, state, ready=now)
 
     def start_transfers(self, t: float) -> None:
@@ -291,38 +262,58 @@ class DisaggregationFlow:
                 continue
             seq, at = h.state.seq, max(h.ready, t)
             rooms = [d for d in self.decode
-                     if d.room_at(at, d.block_manager.blocks_for_tokens(seq.max_total_tokens))]
+                     if d.room_at(at, d.block_manager.blocks_for_tokens(seq.num_computed_tokens))]
             if not rooms:
                 return  # in order: a later one does not overtake it
             d = min(rooms, key=lambda i: i.core.scheduler.num_running + i.incoming)
-            d.block_manager.allocate(seq, seq.max_total_tokens)
+            d.block_manager.allocate(seq, seq.num_computed_tokens)  # what it holds colocated; decodes grow it
             d.incoming += 1
             h.target = d
             self.begin_transfer(h, at)
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
         """Move `h`'s K/V from `h.source` to `h.target` (whose blocks are reserved), starting at `at`: set
-        `h.start` and `h.end` (the landing, `land`, is the subclass's to call)."""
+        `h.start`, `h.end` and `h.num_bytes` (the landing, `land`, is the subclass's to call)."""
         raise NotImplementedError
 
     def land(self, h: Handoff, t: float) -> None:
         """The KV cache has moved: free the prefill blocks; the decode instance runs the request from now on."""
+        d = h.target
+        record = TransferRecord(h.request_id, h.source.name, d.name, len(h.holder.block_table), h.num_bytes,
+                                h.start, h.end - h.start)
         del self._handoffs[h.request_id]
         h.source.block_manager.free(h.holder)
         h.source.stalled = False
-        d = h.target
         d.incoming -= 1
         d.core.add(h.state)
         d.stalled = False
+        self.transfer_log.append(record)
+        d.landed.append(record)
         self.num_transfers += 1
-        self.transfer_seconds += h.end - h.start
+        self.transfer_bytes += record.num_bytes
+        self.transfer_seconds += record.seconds
 
     def run_decode(self, d: Instance) -> list[RequestOutput]:
+        """One iteration of decode instance `d`; what it preempted goes back to a prefill instance (step 6)."""
         outputs = self.run(d)
         for out in outputs:
             if out.finished:
                 self._requests.pop(out.request_id, None)
+        now = self.now_of(d)
+        # Its waiting sequences are the preempted ones (a landing runs at once); their tokens are all resolved
+        # here (a victim is in no batch in flight: the scheduler skips those, and a step retires the previous).
+        for seq in d.core.scheduler.waiting:
+            if not seq.num_pending_tokens:
+                self.recompute(d.core.release(seq.seq_id), now)
         return outputs
+
+    def recompute(self, state: RequestState, now: float) -> None:
+        """Queue a request preempted on the decode side at the prefill instance with the least work, first."""
+        request_id = state.seq.seq_id
+        self._resuming[request_id] = state
+        p = min(self.prefill, key=lambda i: i.load)
+        p.queue.appendleft(Queued(request_id, self._requests[request_id], now, resume=state))
+        p.stalled = False
 
     # ----------------------------------------------------------------------------------- the rest of the API
 
@@ -336,7 +327,8 @@ class DisaggregationFlow:
         return {**total, "instances": per, "num_queued": sum(len(i.queue) for i in self.instances),
                 "num_held": sum(h.start is None for h in self._handoffs.values()),
                 "num_moving": sum(h.start is not None for h in self._handoffs.values()),
-                "num_transfers": self.num_transfers, "transfer_seconds": self.transfer_seconds,
+                "num_transfers": self.num_transfers, "transfer_bytes": self.transfer_bytes,
+                "transfer_seconds": self.transfer_seconds,
                 "clock": self.clock.now()}
 
     def reset_prefix_cache(self) -> None:

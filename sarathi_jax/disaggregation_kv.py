@@ -2,7 +2,8 @@
 instance's paged KV cache to the blocks a decode instance reserved for it, device to device.
 
 `KVBlockMover(source, target)` between two model runners (one stage each: no pipeline parallelism). A move is
-three dispatches, none of which waits:
+three dispatches; the first two are waited for, to time the transfer (`move` returns its bytes and seconds;
+the blocks' prefill has run by then: its sampled token was on the host before the hand-off):
 
 1. gather: a jitted function takes the source cache's blocks `[layers, n, block_size, kv_heads, head_dim]`
    (n padded to a power of two, `bucket_for`, with block 0, so nothing compiles per request), on the source's
@@ -20,6 +21,7 @@ heads so the target receives its own layout.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,9 +87,10 @@ class KVBlockMover:
     def bucket_for(self, num_blocks: int) -> int:
         return next(b for b in self.buckets if b >= num_blocks)
 
-    def move(self, source_blocks: list[int], target_blocks: list[int]) -> None:
+    def move(self, source_blocks: list[int], target_blocks: list[int]) -> tuple[int, float]:
         """Copy the K/V of `source_blocks` (the source cache) into `target_blocks` (the target's, reserved),
-        in order. Returns once dispatched."""
+        in order. Returns (bytes copied, seconds): the gather and the device-to-device copy are waited for and
+        timed (the copy's bytes: the bucket's blocks, K and V); the scatter is dispatched, not waited for."""
         n = len(source_blocks)
         assert 0 < n <= len(target_blocks), (n, len(target_blocks))
         bucket = self.bucket_for(n)
@@ -95,11 +98,14 @@ class KVBlockMover:
         dst = np.full(bucket, self._pad_dst, np.int32)
         src[:n], dst[:n] = source_blocks, target_blocks[:n]
         src_ids, dst_ids = jax.device_put(src, self._src_ids), jax.device_put(dst, self._dst_ids)
+        start = time.perf_counter()
         blocks = self._gather(self.source.kv_cache, src_ids)
-        moved = jax.device_put(blocks, self._dst_kv)  # device to device
+        moved = jax.block_until_ready(jax.device_put(blocks, self._dst_kv))  # device to device
+        seconds = time.perf_counter() - start
         # The runner's next step takes the updated cache (the runner owns its stages; this is the one other
         # writer of a stage's cache, between its steps).
         self.target.kv_cache = self._scatter(self.target.kv_cache, moved, dst_ids)
+        return sum(x.nbytes for x in moved), seconds
 
     def warmup(self) -> None:
         """Compile every bucket's gather and scatter (ids all padding: the scatter writes nothing)."""

@@ -104,16 +104,8 @@ class EngineCore:
     of requests that set none are drawn from (drawn once, so a preempted request resamples the same tokens).
     """
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        executor: Executor,
-        *,
-        loop: LoopConfig = LoopConfig(),
-        eos_token_ids: SequenceOf[int] = (),
-        tokenizer: Tokenizer | None = None,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, loop: LoopConfig = LoopConfig(),
+                 eos_token_ids: SequenceOf[int] = (), tokenizer: Tokenizer | None = None, seed: int = 0) -> None:
         self.scheduler = scheduler
         self.executor, self.loop, self.eos_token_ids, self.tokenizer = executor, loop, tuple(eos_token_ids), tokenizer
         self._seed_rng = np.random.default_rng(seed)
@@ -165,6 +157,16 @@ class EngineCore:
         self._pending_outputs.append(self._make_output(state))
         return True
 
+    def release(self, request_id: str) -> RequestState:
+        """Take a preempted request (waiting, nothing pending) out with no output: another core runs it on
+        (a disaggregated decode instance's recompute goes through a prefill instance: disaggregation_flow.py)."""
+        state = self._requests.pop(request_id)
+        assert state.seq.status is SequenceStatus.WAITING and not state.seq.num_pending_tokens, state.seq
+        self._forget(state)
+        self.scheduler.finish_sequence(state.seq, "moved")  # forgotten there (it holds no blocks)
+        state.seq.status, state.seq.finish_reason = SequenceStatus.WAITING, None
+        return state
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._pending_outputs or self._in_flight)
 
@@ -178,8 +180,7 @@ class EngineCore:
         """Schedule and dispatch one batch, then retire what the loop mode says (see the module docstring).
         When nothing new could be scheduled, the oldest batch in flight is retired, so every call progresses."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        while self._num_synchronous and self._in_flight and self.loop.done_at_dispatch:
-            outputs.extend(self._retire(self._in_flight.popleft()))  # masks and proposals need the last tokens
+        outputs.extend(self.retire_for_schedule())
         sched = self.scheduler.schedule(self.executor.now())  # now: the priority policy's aging
         if sched.chunks:
             self._dispatch(sched)
@@ -187,6 +188,15 @@ class EngineCore:
             outputs.extend(self._retire(self._in_flight.popleft()))
             if not sched.chunks:
                 break
+        return outputs
+
+    def retire_for_schedule(self) -> list[RequestOutput]:
+        """Retire the batches in flight when the next schedule needs their tokens on the host (masks, proposals).
+        A disaggregated prefill instance calls it before `step`, to hold the blocks of what it finishes before
+        that step could give them to another request."""
+        outputs = []
+        while self._num_synchronous and self._in_flight and self.loop.done_at_dispatch:
+            outputs.extend(self._retire(self._in_flight.popleft()))
         return outputs
 
     def _dispatch(self, sched: SchedulerOutput) -> None:
@@ -279,11 +289,8 @@ class EngineCore:
         if params.logprobs is not None:
             n = params.logprobs
             state.pending_logprobs.append(TokenLogprob(
-                token_id,
-                float(sampled.logprobs[row]),
-                tuple(int(t) for t in sampled.top_token_ids[row, :n]),
-                tuple(float(x) for x in sampled.top_logprobs[row, :n]),
-            ))
+                token_id, float(sampled.logprobs[row]), tuple(int(t) for t in sampled.top_token_ids[row, :n]),
+                tuple(float(x) for x in sampled.top_logprobs[row, :n])))
 
         reason = grammar_end = None
         num_outputs = len(seq.output_token_ids)
@@ -325,18 +332,11 @@ class EngineCore:
         if state.pending_logprobs:
             logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
         return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=state.prompt_token_ids,
-            new_token_ids=new_ids,
-            token_ids=tuple(output_ids),
-            text_delta=text_delta,
-            text=state.stop_checker.text if state.stop_checker is not None else "",
-            new_logprobs=logprobs,
-            finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            metrics=seq.metrics,
-            error=seq.error,
-        )
+            request_id=seq.seq_id, prompt_token_ids=state.prompt_token_ids, new_token_ids=new_ids,
+            token_ids=tuple(output_ids), text_delta=text_delta,
+            text=state.stop_checker.text if state.stop_checker is not None else "", new_logprobs=logprobs,
+            finished=finished, finish_reason=seq.finish_reason if finished else None, metrics=seq.metrics,
+            error=seq.error)
 
     def stats(self) -> dict:
         stats = self.scheduler.stats()
@@ -372,7 +372,6 @@ class CoreFrontEnd:
         Synchronous loop: the batch dispatched is also retired. Overlapped loop (the default): call N+1
         queues its batch before it fetches and postprocesses batch N (a token is reported one call after its
         batch was dispatched); with pipeline parallelism up to pp micro-batches are in flight."""
-
         return self.core.step()
 
     def check_new_id(self, request_id: str) -> None:
@@ -392,8 +391,7 @@ class CoreFrontEnd:
         return self.core.iteration_log
 
     def stats(self) -> dict:
-        """Queue and KV-cache occupancy (`Scheduler.stats`)."""
-        return self.core.stats()
+        return self.core.stats()  # queue and KV-cache occupancy (`Scheduler.stats`)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their requests; nothing is reused after)."""

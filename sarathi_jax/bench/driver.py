@@ -44,6 +44,7 @@ class RunResult:
     pipeline: dict | None = None  # engine.pipeline_stats() of the run (bubble fraction) under pipeline parallelism
     first_completion: str | None = None  # the text of request 0's output, when the engine detokenizes
     prefix_cache: dict | None = None  # this run's prefix-cache "queries" and "hits" (tokens), when the engine counts them
+    transfer: dict | None = None  # disaggregation: this run's KV transfers ("num_transfers", "bytes", "seconds")
 
     def to_json(self) -> dict:
         """Plain JSON types; `from_json` gives the run back."""
@@ -104,6 +105,8 @@ def _iteration_dict(it: IterationRecord, t0: float) -> dict:
         "num_preemptions": it.num_preemptions,
         "num_padded_tokens": it.num_padded_tokens,
         "instance": it.instance,
+        "transfer_bytes": it.transfer_bytes,
+        "transfer_seconds": it.transfer_seconds,
     }
 
 
@@ -187,6 +190,9 @@ def run_workload(
         prefix_cache={k: int(after[f"prefix_cache_{k}"]) - int(before[f"prefix_cache_{k}"])
                       for k in ("queries", "hits")},
         first_completion=(first.text or None) if first is not None else None,
+        transfer=({k: after[f"transfer_{k}"] - before[f"transfer_{k}"] for k in ("bytes", "seconds")}
+                  | {"num_transfers": after["num_transfers"] - before["num_transfers"]}
+                  if "num_transfers" in after else None),
     )
 
 

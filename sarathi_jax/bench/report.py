@@ -177,7 +177,8 @@ REQUEST_COLUMNS = ("request_id", "arrival_time", "prompt_len", "max_tokens", "nu
                    "ttft", "scheduling_delay", "e2e_latency", "normalized_latency", "tbt_mean", "tbt_max",
                    "num_preemptions", "error")
 ITERATION_COLUMNS = ("iteration", "start_time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
-                     "num_padded_tokens", "num_preemptions", "chunk_sizes", "instance")
+                     "num_padded_tokens", "num_preemptions", "chunk_sizes", "instance", "transfer_bytes",
+                     "transfer_seconds")
 
 
 def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any = None) -> list[str]:
@@ -196,6 +197,7 @@ def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any =
         "requests": [r.to_dict() for r in run.records],
         "iterations": run.iterations,
         "prefix_cache": run.prefix_cache,
+        "transfer": run.transfer,
     }
     write_json(base + ".json", doc, indent=None)  # large: one line
     with open(base + "_requests.csv", "w", newline="") as f:
@@ -266,6 +268,17 @@ def write_summary(out_dir: str, runs: Sequence[RunResult], capacities: dict | No
     return [csv_path, json_path]
 
 
+def transfer_line(transfer: dict, *, virtual: bool) -> str:
+    """A disaggregated run's KV transfers: count, bytes, time (the link model's, or measured), mean rate."""
+    n, nbytes, seconds = transfer["num_transfers"], transfer["bytes"], transfer["seconds"]
+    rate = f", {nbytes / seconds / 1e9:.3g} GB/s" if seconds > 0 else ""
+    each = seconds / n if n else 0.0
+    each_text = f"{each * 1e6:.3g} us" if each < 1e-3 else fmt_seconds(each)
+    mean = f" (mean {each_text}, {nbytes / n / 2**20:.3g} MiB each{rate})" if n else ""
+    how = "the link model's time" if virtual else "gather + device-to-device copy, measured"
+    return f"transfer: {n} KV moves, {nbytes / 2**20:.4g} MiB, {fmt_seconds(seconds)} in all{mean}; {how}"
+
+
 def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
     """The comparison table and notes on stdout; with --out, per-run JSON/CSV, the summary and plots."""
     runs, capacities, fitted, slo_tbt = results.runs, results.capacities, results.fitted, results.slo_tbt
@@ -284,6 +297,9 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
             p = run.pipeline
             print(f"[{run.label}] pipeline: bubble fraction {p['bubble_fraction']:.2f} over {p['num_stages']} stages, "
                   f"max micro-batches in flight {p['max_in_flight']}")
+    for run in runs:
+        if run.transfer:
+            print(f"[{run.label}] {transfer_line(run.transfer, virtual=bool(args.simulate))}")
     for run in runs:
         setup = (run.config or {}).get("token_budget_setup")
         if setup and setup["mode"] != "fixed":  # "auto"/"dynamic": the choice, its prediction, the measured P99 TBT

@@ -9,6 +9,8 @@ either side; back-pressure with a decode cache of two requests; aborts; prefix-c
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import jax
 import numpy as np
@@ -79,7 +81,18 @@ def test_tokens_match_hf_and_colocated(model_dir, prompts, expected, engines, sp
     assert all(r.num_decode_tokens == 0 for r in log if r.instance == "prefill0")
     assert all(r.num_prefill_tokens == 0 and r.num_decode_tokens > 0 for r in log if r.instance == "decode0")
     assert sum(r.num_prefill_tokens for r in log) == sum(PROMPT_LENGTHS)
-    assert engine.stats()["num_transfers"] == len(prompts)
+    stats = engine.stats()
+    assert stats["num_transfers"] == len(prompts) == len(engine.transfer_log)
+    # Each move: the padded bucket's blocks, K and V, in the decode cache's layout; timed (gather and copy).
+    k_cache = engine.decode[0].engine.runner.kv_caches[0][0]
+    per_block = 2 * k_cache.nbytes // k_cache.shape[1]
+    bucket = engine.movers[("prefill0", "decode0")].bucket_for
+    assert [t.num_bytes for t in engine.transfer_log] == [bucket(t.num_blocks) * per_block
+                                                          for t in engine.transfer_log]
+    assert sorted(t.num_blocks for t in engine.transfer_log) == sorted(-(-n // 16) for n in PROMPT_LENGTHS)
+    assert all(t.seconds > 0 for t in engine.transfer_log)
+    assert stats["transfer_bytes"] == sum(r.transfer_bytes for r in log if r.instance == "decode0") > 0
+    assert stats["transfer_seconds"] == pytest.approx(sum(r.transfer_seconds for r in log))
     # Moves compile once per block-count bucket used (prompts of 1-3 blocks: buckets 1, 2 and 4), not per request.
     mover = engine.movers[("prefill0", "decode0")]
     assert mover.num_traces == 2 * 3
@@ -112,7 +125,7 @@ def test_the_copy_carries_the_kv(model_dir, prompts, expected, engines, monkeypa
     engine = engines.get("1:1") or make_engine(model_dir, "1:1")
     stage = engine.decode[0].engine.runner.stages[0]
     stage.kv_cache = jax.tree.map(lambda a: a * 0, stage.kv_cache)  # no K/V left from an earlier run
-    monkeypatch.setattr(KVBlockMover, "move", lambda self, source, target: None)
+    monkeypatch.setattr(KVBlockMover, "move", lambda self, source, target: (0, 0.0))  # nothing copied
     got = run_staggered(engine, prompts, GREEDY)
     assert [got[r][0] for r in expected] == [t[0] for t in expected.values()]  # first tokens: the prefill side's
     assert got != expected
@@ -120,13 +133,13 @@ def test_the_copy_carries_the_kv(model_dir, prompts, expected, engines, monkeypa
 
 
 def test_backpressure_decode_cache_of_two_requests(model_dir):
-    """Each request takes 3 blocks whole (20 + 28 tokens) and the decode instance has 6: room for two. Ten
-    requests all finish with HF's tokens, finished prefills wait (their blocks held) and no new prefill starts
-    meanwhile, no instance holds more than it can, and no block is left."""
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, 256, size=20).tolist() for _ in range(10)]
+    """Each request lands with 3 blocks (a 33-token prompt) and needs no more (33 + 15 tokens); the decode
+    instance has 6: room for two. Ten requests all finish with HF's tokens, finished prefills wait (their blocks
+    held) and no new prefill starts meanwhile, no instance holds more than it can, and no block is left."""
+    rng = np.random.default_rng(6)  # prompts whose HF continuations hold no EOS (HF would stop there)
+    prompts = [rng.integers(3, 256, size=33).tolist() for _ in range(10)]
     engine = make_engine(model_dir, "1:1", num_blocks=6, max_model_len=96, max_num_seqs=8)
-    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     decode, prefill = engine.decode[0], engine.prefill[0]
@@ -145,13 +158,57 @@ def test_backpressure_decode_cache_of_two_requests(model_dir):
         assert decode.core.scheduler.num_running <= 2
         steps += 1
         assert steps < 2000
-    assert finished == {f"r{i}": t for i, t in enumerate(hf_generate(model_dir, prompts, 28))}
+    assert finished == {f"r{i}": t for i, t in enumerate(hf_generate(model_dir, prompts, 15))}
     assert held_seen >= 1 and entered_while_held == 0
     assert engine.stats()["num_preemptions"] == 0 and no_blocks_held(engine)
     # Too long for the caches (prompt + max_tokens > 6 blocks above the watermark): refused at admission.
     with pytest.raises(AdmissionError, match="max_tokens"):
         engine.add_request("long", prompts[0], SamplingParams(max_tokens=80))
     assert not engine.has_unfinished_requests() and no_blocks_held(engine)
+
+
+@pytest.fixture(scope="module")
+def preemption_case(model_dir):
+    """Three 40-token prompts of 40 tokens each (80 tokens: 5 blocks) on caches of 8 blocks: two requests land
+    at once and, as they grow, the latest is preempted. HF's tokens, checked equal to the colocated engine's
+    under the same preemptions."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, size=40).tolist() for _ in range(3)]
+    hf = {f"r{i}": t for i, t in enumerate(hf_generate(model_dir, prompts, 40))}
+    colocated = make_engine(model_dir, None, **PREEMPTION_FIELDS)
+    assert run_staggered(colocated, prompts, PREEMPTION_PARAMS, arrive_every=1) == hf
+    assert colocated.stats()["num_preemptions"] >= 1
+    return prompts, hf
+
+
+PREEMPTION_FIELDS = dict(num_blocks=8, max_model_len=96, token_budget=64, watermark=0.0)
+PREEMPTION_PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("split", ["1:1", "2:2"])
+def test_decode_preemption_recomputes_through_the_prefill_side(model_dir, preemption_case, split):
+    """The decode side holds what a colocated engine would (a 40-token prompt lands with 3 blocks and grows),
+    so it takes two requests of three at once and preempts as they grow: the victim goes back to the prefill
+    instance, its prompt and outputs so far are re-prefilled there, its next token sampled, its K/V moved
+    again; greedy tokens stay HF's and the colocated engine's, and no block is left on either side."""
+    prompts, hf = preemption_case
+    engine = make_engine(model_dir, split, **PREEMPTION_FIELDS)
+    recomputes = []  # prompt + outputs of each victim when it left the decode side
+    queue_recompute = engine.recompute
+    engine.recompute = lambda state, now: (recomputes.append(state.seq.num_tokens), queue_recompute(state, now))
+    assert run_staggered(engine, prompts, PREEMPTION_PARAMS, arrive_every=1) == hf
+    s = engine.stats()
+    preempted = s["instances"]["decode0"]["num_preemptions"]
+    assert preempted >= 1 and preempted == len(recomputes) and s["num_transfers"] == 3 + preempted
+    log = engine.iteration_log
+    # The prompts and each recompute's prompt and outputs ran on the prefill side, less what its prefix cache
+    # held (a recompute finds its prompt's full blocks there: the prompts differ, so no other hits).
+    hits = s["instances"]["prefill0"]["prefix_cache_hits"]
+    assert 0 < hits <= 32 * preempted
+    assert sum(r.num_prefill_tokens + r.num_decode_tokens for r in log if r.instance == "prefill0") == (
+        3 * 40 + sum(recomputes) - hits)
+    assert all(r.num_prefill_tokens == 0 for r in log if r.instance == "decode0")
+    assert no_blocks_held(engine) and not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("stage", ["queued", "prefill", "decode"])
@@ -225,3 +282,38 @@ def test_text_and_stop_strings_match_the_colocated_engine(hf_checkpoint):
         ends.append([o.finish_reason for o in want])
     assert ends[1][0] == "stop" and ends[2][1] == "stop"  # each stop string was hit
     assert all(i.block_manager.num_used_blocks == 0 for i in disaggregated.engine.instances)
+
+
+@pytest.mark.parametrize("num_blocks", [128, 5], ids=["roomy", "preempting"])
+def test_structured_outputs_match_the_colocated_engine(ascii_llama, num_blocks):
+    """Structured outputs (regex, choice, grammar, a JSON schema; greedy and seeded sampling): the request's
+    grammar state is one matcher that the prefill core advances with the first token and the decode core goes
+    on with, so outputs equal the colocated engine's. With 5 blocks (80 tokens) both engines preempt, and the
+    disaggregated one recomputes through its prefill side with the grammar state where the decode side left it."""
+    fields = dict(token_budget=64, max_num_seqs=8, num_blocks=num_blocks, max_model_len=80, warmup=False)
+    colocated, disaggregated = LLM(str(ascii_llama), **fields), LLM(str(ascii_llama), disaggregation="1:1", **fields)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                        "minItems": 1, "maxItems": 4}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    params = [greedy.replace(structured_outputs={"regex": "[a-z]+( [0-9]{1,3}){2,8}"}),
+              greedy.replace(structured_outputs={"choice": ["red", "green", "blue"]}),
+              greedy.replace(structured_outputs={"grammar": 'start: "id=" /[0-9]{1,4}/ ";"'}),
+              greedy.replace(structured_outputs={"json": schema})]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs={"json": schema})
+               for s in range(4)]
+    prompts = ["Hello world", "The quick brown fox"] * 4
+    want, got = colocated.generate(prompts, params), disaggregated.generate(prompts, params)
+    assert [(o.token_ids, o.text, o.finish_reason, o.error) for o in got] == [
+        (o.token_ids, o.text, o.finish_reason, o.error) for o in want]
+    # Each output that its grammar ended satisfies it (random weights may run to max_tokens instead).
+    valid = [lambda t: re.fullmatch("[a-z]+( [0-9]{1,3}){2,8}", t), lambda t: t in ("red", "green", "blue"),
+             lambda t: re.fullmatch("id=[0-9]{1,4};", t)] + [json.loads] * 5
+    assert all(ok(o.text) is not None for ok, o in zip(valid, want) if o.finish_reason == "stop")
+    assert sum(o.finish_reason == "stop" for o in want) >= 4, [(o.finish_reason, o.text) for o in want]
+    engine = disaggregated.engine
+    if num_blocks == 5:
+        assert colocated.engine.stats()["num_preemptions"] >= 1
+        assert engine.stats()["instances"]["decode0"]["num_preemptions"] >= 1
+    assert all(i.block_manager.num_used_blocks == 0 for i in engine.instances)

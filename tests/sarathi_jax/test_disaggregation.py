@@ -10,7 +10,7 @@ from sarathi_jax.disaggregation import DisaggregatedSimEngine
 from sarathi_jax.disaggregation_config import KV_LINKS, DisaggregationSplit, InstanceGroup, KVLink, parse_kv_link
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig
-from sarathi_jax.simulator import CostModel
+from sarathi_jax.simulator import CostModel, SimulatedEngine
 from sarathi_jax.tp_cost import TensorParallelCost
 
 
@@ -68,6 +68,14 @@ def test_timeline_matches_hand_computed_times():
     assert [r.iteration for r in eng.iteration_log] == list(range(5))
     s = eng.stats()
     assert s["num_transfers"] == 2 and s["transfer_seconds"] == pytest.approx(2.1)
+    assert s["transfer_bytes"] == 2000  # 100 tokens x 10 bytes each
+    assert [(t.request_id, t.source, t.target, t.num_blocks, t.num_bytes, t.start, t.seconds)
+            for t in eng.transfer_log] == [("A", "prefill0", "decode0", 7, 1000, pytest.approx(0.6), pytest.approx(1.05)),
+                                           ("B", "prefill0", "decode0", 7, 1000, pytest.approx(1.65), pytest.approx(1.05))]
+    # Each transfer is on the record of the receiving instance's first iteration after it landed.
+    moved = [(r.instance, round(r.start_time, 9), r.transfer_bytes, round(r.transfer_seconds, 9))
+             for r in eng.iteration_log if r.transfer_bytes]
+    assert sorted(moved) == [("decode0", 1.65, 1000, 1.05), ("decode0", 2.7, 1000, 1.05)]
     assert _no_blocks_held(eng) and not eng.has_unfinished_requests()
 
 
@@ -79,12 +87,13 @@ def test_max_tokens_one_ends_on_the_prefill_side():
 
 
 def test_backpressure_decode_holds_two_requests():
-    """Each request needs 3 blocks whole (20 + 28 tokens); the decode instance has 6: room for 2. Ten requests
-    all finish, no instance ever holds more than it can, and no block is left on either side."""
-    eng = _engine(budget=16, blocks=6, link=KV_LINKS["nvlink"])  # 16: a prompt takes two prefill iterations
+    """Each request lands with 3 blocks (a 33-token prompt) and needs no more (33 + 15 tokens); the decode
+    instance has 6: room for 2. Ten requests all finish, no instance ever holds more than it can, and no block
+    is left on either side."""
+    eng = _engine(budget=64, blocks=6, link=KV_LINKS["nvlink"])
     decode, prefill = eng.decode[0], eng.prefill[0]
-    for i in range(10):  # a prefill takes ~1 s (two chunks), decodes 2.7 s: decode is the bottleneck
-        eng.add_request(f"r{i}", 20, SamplingParams(max_tokens=28, ignore_eos=True), arrival_time=0.3 * i)
+    for i in range(10):  # a prefill takes 0.53 s, decodes 1.4 s: decode is the bottleneck
+        eng.add_request(f"r{i}", 33, SamplingParams(max_tokens=15, ignore_eos=True), arrival_time=0.3 * i)
     finished, held_seen, steps, entered_while_held = {}, 0, 0, 0
     sched = prefill.core.scheduler
     in_prefill = lambda: {s.seq_id for s in (*sched.running, *sched.waiting)}  # noqa: E731
@@ -105,10 +114,72 @@ def test_backpressure_decode_holds_two_requests():
         for inst in (decode, prefill):
             assert inst.block_manager.num_used_blocks <= inst.block_manager.num_total_blocks == 6
     assert sorted(finished) == sorted(f"r{i}" for i in range(10))
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 28 for o in finished.values())
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 15 for o in finished.values())
     assert held_seen >= 1  # back-pressure happened: finished prefills waited for decode room
     assert entered_while_held == 0
     assert eng.stats()["num_preemptions"] == 0 and _no_blocks_held(eng)
+
+
+def test_decode_preemption_recomputes_through_the_prefill_side():
+    """The decode side holds what a colocated engine would (a request lands with its prompt's 3 blocks and
+    grows as it decodes: 40 + 40 tokens end in 5), so 8 blocks take 2 requests at once and a third waits; as
+    they grow the decode core preempts its latest arrival, which goes back to the prefill instance, is
+    re-prefilled there with its outputs so far (the dummy tokens are a function of the position: a recompute that
+    lost them would sample other tokens), moves again and finishes with the colocated engine's tokens."""
+    arrivals = [(f"r{i}", 0.0, 40, 40) for i in range(3)]
+    eng = _engine(budget=64, blocks=8, link=KV_LINKS["nvlink"])
+    recomputes = []  # (prompt + outputs) of each preempted request, when it left the decode side
+    queue_recompute = eng.recompute
+    eng.recompute = lambda state, now: (recomputes.append(state.seq.num_tokens), queue_recompute(state, now))
+    loop = _run(eng, arrivals)
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, max_model_len=512, watermark=0.0)
+    colocated = _run(SimulatedEngine(cfg, 8, 16, StepCost()), arrivals)
+    assert {r: o.token_ids for r, o in loop.finished.items()} == {
+        r: o.token_ids for r, o in colocated.finished.items()}
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 40 for o in loop.finished.values())
+    s = eng.stats()
+    preempted = s["instances"]["decode0"]["num_preemptions"]
+    assert preempted >= 1 and s["instances"]["prefill0"]["num_preemptions"] == 0
+    assert s["num_transfers"] == 3 + preempted  # each recompute moves again
+    assert len(recomputes) == preempted
+    prefill = [r for r in eng.iteration_log if r.instance == "prefill0"]
+    # The prefill side ran the prompts and each recompute's prompt and outputs, nothing more (a recompute's last
+    # output alone, after a chunk, counts as a decode token, as in a colocated re-prefill).
+    assert sum(r.num_prefill_tokens + r.num_decode_tokens for r in prefill) == 3 * 40 + sum(recomputes)
+    assert all(r.num_prefill_tokens == 0 for r in eng.iteration_log if r.instance == "decode0")
+    assert sum(o.metrics.num_preemptions for o in loop.finished.values()) == preempted
+    assert _no_blocks_held(eng) and not eng.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefill", "held", "moving"])
+def test_abort_of_a_recompute_frees_every_block(stage):
+    """A request preempted on the decode side and aborted while its recompute is queued, re-prefilling, held or
+    moving: its last output says abort with its tokens so far, nothing follows, no block stays anywhere."""
+    eng = _engine(budget=64, blocks=8, link=SLOW_LINK)
+    for i in range(3):
+        eng.add_request(f"r{i}", 40, SamplingParams(max_tokens=40, ignore_eos=True), arrival_time=0.0)
+    outputs, steps = {f"r{i}": [] for i in range(3)}, 0
+    victim = None
+    while victim is None or eng.stage_of(victim) != stage:
+        for out in eng.step():
+            outputs[out.request_id].append(out)
+        if victim is None:
+            victim = next(iter(eng._resuming), None)
+        steps += 1
+        assert steps < 5000, f"never reached {stage}"
+    assert eng.abort(victim)
+    n_before = len(outputs[victim])
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+        assert steps < 10_000
+    after = outputs[victim][n_before:]
+    assert [o.finish_reason for o in after] == ["abort"] and after[0].new_token_ids == ()
+    emitted = [t for o in outputs[victim] for t in o.new_token_ids]
+    assert list(after[0].token_ids) == emitted and len(emitted) >= 1
+    assert all(len(outputs[r][-1].token_ids) == 40 for r in outputs if r != victim)
+    assert _no_blocks_held(eng) and all(i.incoming == 0 for i in eng.instances)
 
 
 @pytest.mark.parametrize("stage", ["queued", "prefill", "held", "moving", "decode"])

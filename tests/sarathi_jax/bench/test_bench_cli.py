@@ -161,6 +161,15 @@ def test_simulate_disaggregated_beside_colocated(tmp_path, capsys):
     assert instances == {"prefill0", "decode0", "decode1", "decode2"}
     colocated = json.load(open(tmp_path / "sarathi-256.json"))["config"]
     assert colocated["tensor_parallel_size"] == 4 and colocated["engine"] == "SimulatedEngine"
+    # Each disaggregated run's KV transfers: a `transfer` line, the run's JSON, the receiving instances' records.
+    out = capsys.readouterr().out
+    assert "[sarathi-256+pd2:2] transfer: " in out and "[sarathi-256+pd1:3/1] transfer: " in out
+    assert "[sarathi-256] transfer" not in out and "the link model's time" in out
+    transfer = doc["transfer"]
+    assert transfer["num_transfers"] >= 30 and transfer["bytes"] > 0 and transfer["seconds"] > 0
+    rows = list(csv.DictReader(open(tmp_path / "sarathi-256_pd1_3_1_iterations.csv")))
+    assert sum(int(r["transfer_bytes"]) for r in rows) == transfer["bytes"]
+    assert all(r["instance"].startswith("decode") for r in rows if int(r["transfer_bytes"]))
 
 
 def test_real_engine_tiny_model(tmp_path, capsys):
