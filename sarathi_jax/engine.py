@@ -147,10 +147,12 @@ class LLMEngine(CoreFrontEnd):
                     from sarathi_jax.draft_runner import DraftRunner  # off the request path unless speculating
 
                     if spec.method == "self":
-                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers)
+                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers,
+                                                                   spec.num_speculative_tokens)
                     else:
                         self.draft_runner = DraftRunner.draft_model(self.runner, *load_model(spec.model, dtype,
-                                                                                             seed=config.seed))
+                                                                                             seed=config.seed),
+                                                                    spec.num_speculative_tokens)
                 if spec is not None:
                     self.scheduler.speculation = Speculation.of(
                         spec, self.draft_runner.propose if self.draft_runner is not None else None)
@@ -171,6 +173,8 @@ class LLMEngine(CoreFrontEnd):
             tokenizer=self.tokenizer,
             seed=config.seed,
         )
+        if self.draft_runner is not None:  # a sampled request's draft samples with its seed and settings
+            self.draft_runner.sampling_of = self.core.sampling_of
         is_folder = Path(config.model).is_dir()
         self.admission = Admission(
             vocab_size=mc.vocab_size,
