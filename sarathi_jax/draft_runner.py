@@ -106,13 +106,16 @@ class DraftRunner:
         top = bucket_for(runner.buckets, s) or runner.buckets[-1]
         self.buckets = tuple(bucket for bucket in runner.buckets if bucket <= top)
         self.num_traces = 0  # the draft's traces: one per bucket (and one per runner bucket of a shadow step)
-        self._no_tokens = jnp.zeros(s, jnp.int32)
+        # Committed to the cache's device as the step outputs are, so warm-up compiles what serving calls.
+        device = next(iter(jax.tree.leaves(runner.stages[0].kv_cache)[0].devices()))
+        self._commit = functools.partial(jax.device_put, device=device)
+        self._no_tokens = self._commit(jnp.zeros(s, jnp.int32))
         self.num_speculative_tokens = num_speculative_tokens
         # What the last `propose` drew from q, for its verification step: seq_id -> draft row, q per draft step
         # (num_speculative_tokens arrays [S, V], zeros past the steps run), the filter both steps apply.
         self._sampled_rows: dict[str, int] = {}
         self._draft_probs: tuple[jax.Array, ...] = ()
-        self._no_probs = jnp.zeros((s, runner.model_config.vocab_size), jnp.float32)
+        self._no_probs = self._commit(jnp.zeros((s, runner.model_config.vocab_size), jnp.float32))
         self._filter = "none"
 
         def inputs(batch, prev_tokens):
@@ -190,8 +193,8 @@ class DraftRunner:
             for bucket in self.runner.buckets:
                 self._shadow(BatchLayout(bucket, s, b).empty_batch(), self._no_tokens)
         runner, stage = self.runner, self.runner.stages[-1]
-        hidden = jnp.zeros((s, runner.model_config.hidden_size), stage.model.dtype)  # the step's final-normed rows
-        out = SamplerOutput(self._no_tokens, None, None, None)
+        hidden = self._commit(jnp.zeros((s, runner.model_config.hidden_size), stage.model.dtype))  # final-normed rows
+        out = SamplerOutput(jnp.zeros(s, jnp.int32), None, None, None)  # uncommitted, as the sampler's
         for rows in runner.row_ladder:
             for filter_ in _DRAFT_FILTERS:
                 self._verify(out._replace(logprobs=jnp.zeros(rows, jnp.float32)), hidden, stage.lm_head_weight,
