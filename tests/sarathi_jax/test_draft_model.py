@@ -172,7 +172,8 @@ def test_a_draft_model_is_loaded_before_the_memory_is_read(monkeypatch):
     events = []
     real_load = engine_module.load_model
     monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: events.append("load") or real_load(*a, **k))
-    monkeypatch.setattr(engine_module, "_memory_stats", lambda devices: events.append("memory") or [None] * len(devices))
+    monkeypatch.setattr(engine_module, "_memory_stats",
+                        lambda devices: events.append("memory") or [None] * len(devices))
     LLM("tiny-llama", token_budget=64, max_model_len=128, warmup=False,
         speculative_config={"model": "tiny-llama", "num_speculative_tokens": 2})
     assert events[:3] == ["load", "load", "memory"]

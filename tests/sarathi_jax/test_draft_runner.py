@@ -2,8 +2,8 @@
 random Llamas: the drafts are the greedy tokens of HF's model cut to its first L layers (the draft's oracle);
 greedy tokens equal HF `generate`'s and the same engine's without speculation through chunked prefills, mixed
 batches, both loops, preemption, prefix-cache hits and max_tokens inside an accepted run; seeded sampled
-requests draw drafts from the draft's q and accept min(1, p/q) of them, reproducibly; no KV block leaks; the draft compiles once per
-bucket at warm-up and never while serving; bad configs are refused."""
+requests draw drafts from the draft's q and accept min(1, p/q) of them, reproducibly; no KV block leaks; the
+draft compiles per bucket at warm-up and never while serving; bad configs are refused."""
 
 from __future__ import annotations
 
@@ -104,14 +104,14 @@ def test_preemption_and_prefix_cache_hits_with_self_draft(llama_dir, prompts, hf
 def test_max_tokens_inside_an_accepted_run_and_sampled_requests(idle_dir, prompts):
     # A target whose second layer adds nothing: the one-layer draft proposes its tokens, so runs are long and
     # max_tokens falls inside them.
-    engine, plain = make_engine(idle_dir, self_spec(1)), make_engine(idle_dir, None)
+    engine = make_engine(idle_dir, self_spec(1))
     expected = hf_greedy(hf_model(idle_dir), prompts[4], MAX_TOKENS)
     requests = {f"m{m}": (prompts[4], GREEDY.replace(max_tokens=m)) for m in range(2, MAX_TOKENS + 1)}
     requests["sampled"] = (prompts[2], SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=16,
                                                       ignore_eos=True))
     requests["nucleus"] = (prompts[3], SamplingParams(temperature=0.7, top_p=0.8, seed=4, max_tokens=16,
                                                       ignore_eos=True))
-    outs, plain_outs = serve(engine, requests), serve(plain, requests)
+    outs = serve(engine, requests)
     for m in range(2, MAX_TOKENS + 1):
         last = outs[f"m{m}"][-1]
         assert list(last.token_ids) == expected[:m] and last.finish_reason == "length"
