@@ -21,8 +21,14 @@ Why the target's cache serves the "self" draft exactly (docs/design.md, "Specula
     the non-speculative run's whatever the draft proposes; the draft only decides how many are accepted.
 The same holds for a separate draft's cache, which only the draft reads.
 
-The proposal is the draft's argmax, for greedy and sampled requests alike: a point mass, for which the
-verification's sample-and-compare is exact rejection sampling (`speculative`'s docstring).
+Proposals: a greedy request's drafts are the draft's argmax (a point mass, for which the verification's
+sample-and-compare is exact: `speculative`'s docstring). A sampled request's are drawn from the draft's own
+distribution q, its logits processed with the request's temperature, top-k, top-p, min-p and seed
+(`rejection_sampling.draft_sample`; the request's settings come from `sampling_of`, which the engine sets).
+q's rows stay on the device, [S, V] per draft step, until the verification step (`verify`, the runner's
+`step_verify` hook) replaces those rows' plain samples by rejection sampling against them (accept with
+min(1, p/q), else the residual): the emitted tokens are distributed as the target's, and a sampled request
+accepts sum_t min(p, q) per position instead of a point mass' p(argmax q).
 
 The k steps: step j runs one token per sequence still drafting (those granted more than j drafts; rows
 sorted by grant, so they are a prefix of the rows), position p + j, its token read on the device from the
@@ -44,12 +50,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sarathi_jax.input_batch import make_sampling_arrays
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache, to_out_major
 from sarathi_jax.models.layers import unstack_layer_params
+from sarathi_jax.rejection_sampling import draft_sample, verify_sampled_drafts_jit
+from sarathi_jax.sampling import SamplerOutput
+from sarathi_jax.sampling_inputs import SAMPLING_EPS, empty_sampling_arrays
+from sarathi_jax.sampling_params import RequestSampling, SamplingParams
+from sarathi_jax.scheduler import ScheduledChunk
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.sizing import bucket_for
-from sarathi_jax.step_inputs import BatchLayout
+from sarathi_jax.speculative import verify_rows
+from sarathi_jax.step_inputs import BatchLayout, pack_sampling, unpack_sampling
+
+# Filters of a sampled draft step and its verification (`SamplerVariant.filter`): "exact" serves every row.
+_DRAFT_FILTERS = ("none", "exact")
 
 
 def draft_params(params: Any, num_layers: int) -> Any:
@@ -74,8 +90,12 @@ class DraftRunner:
     """Proposes draft tokens with `model` (`propose`), over the KV cache that `cache` holds; `select(params)`
     makes the model's parameter tree of `params` inside the jitted step."""
 
+    # A request's (params, seed, banned ids) (`EngineCore.sampling_of`); None: every proposal is the argmax.
+    sampling_of: Callable[[Seq], RequestSampling] | None = None
+
     def __init__(self, runner: ModelRunner, model: nn.Module, params: Any, cache: KVCacheHolder,
-                 select: Callable[[Any], Any] = lambda params: params, shadow: bool = False) -> None:
+                 num_speculative_tokens: int, select: Callable[[Any], Any] = lambda params: params,
+                 shadow: bool = False) -> None:
         if len(runner.stages) != 1 or runner.plan is not None:
             raise ValueError("speculative_config with a draft model ('self' or 'model') runs on one device only "
                              "(no tensor or pipeline parallelism yet)")
@@ -86,7 +106,17 @@ class DraftRunner:
         top = bucket_for(runner.buckets, s) or runner.buckets[-1]
         self.buckets = tuple(bucket for bucket in runner.buckets if bucket <= top)
         self.num_traces = 0  # the draft's traces: one per bucket (and one per runner bucket of a shadow step)
-        self._no_tokens = jnp.zeros(s, jnp.int32)
+        # Committed to the cache's device as the step outputs are, so warm-up compiles what serving calls.
+        device = next(iter(jax.tree.leaves(runner.stages[0].kv_cache)[0].devices()))
+        self._commit = functools.partial(jax.device_put, device=device)
+        self._no_tokens = self._commit(jnp.zeros(s, jnp.int32))
+        self.num_speculative_tokens = num_speculative_tokens
+        # What the last `propose` drew from q, for its verification step: seq_id -> draft row, q per draft step
+        # (num_speculative_tokens arrays [S, V], zeros past the steps run), the filter both steps apply.
+        self._sampled_rows: dict[str, int] = {}
+        self._draft_probs: tuple[jax.Array, ...] = ()
+        self._no_probs = self._commit(jnp.zeros((s, runner.model_config.vocab_size), jnp.float32))
+        self._filter = "none"
 
         def inputs(batch, prev_tokens):
             layout = BatchLayout.of_packed(batch.shape[0], s, b)
@@ -101,6 +131,14 @@ class DraftRunner:
                                            logits_indices)
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_cache
 
+        def sample_step(params, kv_cache, batch, prev_tokens, sampling, filter_):
+            self.num_traces += 1
+            x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
+            logits, kv_cache = model.apply({"params": select(params)}, x, positions, kv_cache, metadata,
+                                           logits_indices)
+            tokens, probs = draft_sample(logits, unpack_sampling(sampling, s), filter_)
+            return tokens, probs, kv_cache
+
         def shadow_step(params, kv_cache, batch, prev_tokens):
             self.num_traces += 1
             x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
@@ -109,20 +147,24 @@ class DraftRunner:
             return kv_cache
 
         self._step = jax.jit(step, donate_argnums=(1,))  # the KV cache, updated in place
+        self._sample_step = jax.jit(sample_step, donate_argnums=(1,), static_argnames=("filter_",))
         self._shadow_step = jax.jit(shadow_step, donate_argnums=(1,)) if shadow else None
         if shadow:
             runner.step_shadow = self._shadow
+        runner.step_verify = self.verify
 
     @classmethod
-    def self_draft(cls, runner: ModelRunner, num_layers: int) -> DraftRunner:
+    def self_draft(cls, runner: ModelRunner, num_layers: int, num_speculative_tokens: int) -> DraftRunner:
         """The "self" draft: `runner`'s first `num_layers` layers, final norm and LM head, over its KV cache."""
         target, stage = runner.model_config, runner.stages[0]  # 1 <= num_layers < its layers: `check_model`
         model = stage.model.clone(config=dataclasses.replace(target, num_hidden_layers=num_layers),
                                   kv_cache_layers=target.num_hidden_layers)
-        return cls(runner, model, stage.params, stage, functools.partial(draft_params, num_layers=num_layers))
+        return cls(runner, model, stage.params, stage, num_speculative_tokens,
+                   functools.partial(draft_params, num_layers=num_layers))
 
     @classmethod
-    def draft_model(cls, runner: ModelRunner, config: ModelConfig, params: Any) -> DraftRunner:
+    def draft_model(cls, runner: ModelRunner, config: ModelConfig, params: Any, num_speculative_tokens: int
+                    ) -> DraftRunner:
         """A separate draft (`config`, `params` as `models.load_model` gives them) with the target's vocabulary,
         laid out as `runner`'s model is (scanned or unrolled layers, out-major projections), its own KV cache
         on the target's blocks."""
@@ -136,31 +178,47 @@ class DraftRunner:
         if stage.model.out_major_projections:
             model, params = to_out_major(model, params)
         holder = _OwnCache(init_kv_cache(config, runner.num_blocks, runner.block_size, stage.model.dtype))
-        return cls(runner, model, params, holder, shadow=True)
+        return cls(runner, model, params, holder, num_speculative_tokens, shadow=True)
 
     def warmup(self) -> None:
-        """Compile every draft bucket (and shadow step): an all-padding batch writes nothing, proposes nothing."""
+        """Compile every draft bucket (greedy and sampled: each filter), the shadow step and the verification's
+        rejection step (each sampler row count and filter): all-padding inputs write and propose nothing."""
         s, b = self.max_num_seqs, self.max_blocks_per_seq
+        padding = pack_sampling(empty_sampling_arrays(s))
         for bucket in self.buckets:
             self._run(BatchLayout(bucket, s, b).empty_batch(), self._no_tokens)
+            for filter_ in _DRAFT_FILTERS:
+                self._run(BatchLayout(bucket, s, b).empty_batch(), self._no_tokens, padding, filter_)
         if self._shadow_step is not None:
             for bucket in self.runner.buckets:
                 self._shadow(BatchLayout(bucket, s, b).empty_batch(), self._no_tokens)
+        runner, stage = self.runner, self.runner.stages[-1]
+        hidden = self._commit(jnp.zeros((s, runner.model_config.hidden_size), stage.model.dtype))  # final-normed rows
+        out = SamplerOutput(jnp.zeros(s, jnp.int32), None, None, None)  # uncommitted, as the sampler's
+        for rows in runner.row_ladder:
+            for filter_ in _DRAFT_FILTERS:
+                self._verify(out._replace(logprobs=jnp.zeros(rows, jnp.float32)), hidden, stage.lm_head_weight,
+                             padding, rows, stage.lm_head(), filter_, np.full(s, -1, np.int32), np.zeros(s, np.int32))
         jax.block_until_ready(self.cache.kv_cache)
 
     def propose(self, granted: Sequence[tuple[Seq, int]]) -> list[list[int]]:
         """Each (sequence, n)'s n draft tokens after its last token (known on the host: the scheduler grants
-        drafts only to decodes without a pending token), the K/V slots of positions p .. p + n - 1 allocated."""
+        drafts only to decodes without a pending token), the K/V slots of positions p .. p + n - 1 allocated.
+        Sampled requests' drafts are drawn from q (kept for `verify`) when `sampling_of` is set."""
         order = sorted(range(len(granted)), key=lambda i: -granted[i][1])  # rows still drafting: a prefix
         seqs = [granted[i][0] for i in order]
         counts = np.asarray([granted[i][1] for i in order])
         n, bs = len(seqs), self.block_size
+        settings = [self.sampling_of(seq) for seq in seqs] if self.sampling_of is not None else []
+        sampled = {seq.seq_id: row for row, seq in enumerate(seqs)
+                   if settings and settings[row][0].temperature >= SAMPLING_EPS}
+        self._filter = "exact" if any(_filters(settings[row][0]) for row in sampled.values()) else "none"
         starts = np.asarray([seq.num_computed_tokens for seq in seqs], np.int32)
         tables = np.zeros((n, self.max_blocks_per_seq), np.int32)
         for i, seq in enumerate(seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
         rows = np.arange(n, dtype=np.int32)
-        outputs, prev = [], self._no_tokens
+        outputs, probs, prev = [], [], self._no_tokens
         for j in range(int(counts[0])):
             m = int((counts > j).sum())  # the rows still drafting at step j
             bucket = bucket_for(self.buckets, m)
@@ -180,8 +238,14 @@ class DraftRunner:
                 v["token_ids"][:m] = [seq.token_ids[-1] for seq in seqs]
             else:
                 v["src_rows"][:m] = rows[:m]  # the previous step's token in the same row
-            prev = self._run(batch, prev)
+            if sampled:
+                prev, q = self._run(batch, prev, self._sampling(seqs[:m], settings, j), self._filter)
+                probs.append(q)
+            else:
+                prev = self._run(batch, prev)
             outputs.append(prev)
+        self._sampled_rows = sampled
+        self._draft_probs = tuple(probs) + (self._no_probs,) * (self.num_speculative_tokens - len(probs))
         with jax.transfer_guard_device_to_host("allow"):
             tokens = np.stack([np.asarray(out) for out in outputs])  # [steps, S]: one wait, for the last step
         drafts: list[list[int]] = [[] for _ in granted]
@@ -189,17 +253,64 @@ class DraftRunner:
             drafts[i] = tokens[: counts[row], row].tolist()
         return drafts
 
-    def _run(self, batch: np.ndarray, prev_tokens: jax.Array) -> jax.Array:
+    def verify(self, chunks: Sequence[ScheduledChunk], out: SamplerOutput, hidden: jax.Array, head_weight: jax.Array,
+               sampling: Any, rows: int, head: Any) -> SamplerOutput:
+        """The runner's `step_verify`: a step's sampler output with the verification rows of the drafts the last
+        `propose` drew from q replaced by rejection sampling (`rejection_sampling.verify_sampled_drafts`)."""
+        sampled, s = self._sampled_rows, self.max_num_seqs
+        if not sampled or not any(chunk.draft_token_ids for chunk in chunks):
+            return out
+        self._sampled_rows = {}  # one verification step per proposal
+        q_index, draft_ids = np.full(s, -1, np.int32), np.zeros(s, np.int32)
+        starts = verify_rows(len(chunks), [chunk.num_draft_tokens for chunk in chunks])
+        for chunk, start in zip(chunks, starts):
+            row = sampled.get(chunk.seq.seq_id)
+            if row is not None:
+                for j, token in enumerate(chunk.draft_token_ids):
+                    q_index[start + j], draft_ids[start + j] = j * s + row, token
+        return self._verify(out, hidden, head_weight, sampling, rows, head, self._filter, q_index, draft_ids)
+
+    def _verify(self, out: SamplerOutput, hidden: jax.Array, head_weight: jax.Array, sampling: Any, rows: int,
+                head: Any, filter_: str, q_index: np.ndarray, draft_ids: np.ndarray) -> SamplerOutput:
+        probs = self._draft_probs or (self._no_probs,) * self.num_speculative_tokens
+        with jax.transfer_guard_host_to_device("allow"):  # the small host index arrays (and sampling part)
+            token_ids, logprobs = verify_sampled_drafts_jit(hidden, head_weight, sampling, out.token_ids,
+                                                            out.logprobs, probs, q_index, draft_ids,
+                                                            rows=rows, head=head, filter_=filter_)
+        self._draft_probs = ()
+        return out._replace(token_ids=token_ids, logprobs=logprobs)
+
+    def _sampling(self, seqs: Sequence[Seq], settings: Sequence[RequestSampling], j: int) -> np.ndarray:
+        """Draft step j's sampling part: each row's settings at its request's step (its j-th draft), with
+        min_tokens' bans while under it, as the target's row at that step has them."""
+        rows = []
+        for seq, (params, seed, banned) in zip(seqs, settings):
+            step = len(seq.output_token_ids) + j
+            rows.append((params, seed, step, banned if step < params.min_tokens else ()))
+        return pack_sampling(make_sampling_arrays(rows, self.max_num_seqs))
+
+    def _run(self, batch: np.ndarray, prev_tokens: jax.Array, sampling: np.ndarray | None = None,
+             filter_: str = "none") -> Any:
+        """A greedy draft step's tokens, or (with `sampling`) a sampled one's (tokens, q)."""
         cache = self.cache
         with jax.transfer_guard_host_to_device("allow"):  # the packed host batch, only
-            tokens, cache.kv_cache = self._step(self.params, cache.kv_cache, batch, prev_tokens)
-        return tokens
+            if sampling is None:
+                tokens, cache.kv_cache = self._step(self.params, cache.kv_cache, batch, prev_tokens)
+                return tokens
+            tokens, probs, cache.kv_cache = self._sample_step(self.params, cache.kv_cache, batch, prev_tokens,
+                                                              sampling, filter_)
+        return tokens, probs
 
     def _shadow(self, batch: np.ndarray, prev_tokens: jax.Array) -> None:
         """A target step's packed batch through the separate draft: its K/V into the draft's cache."""
         cache = self.cache
         with jax.transfer_guard_host_to_device("allow"):
             cache.kv_cache = self._shadow_step(self.params, cache.kv_cache, batch, prev_tokens)
+
+
+def _filters(params: SamplingParams) -> bool:
+    """Whether a sampled request needs the top-k / top-p filter (else filter "none" serves it: min-p only)."""
+    return params.top_k > 0 or params.top_p < 1.0
 
 
 @dataclasses.dataclass

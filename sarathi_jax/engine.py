@@ -101,10 +101,14 @@ class LLMEngine(CoreFrontEnd):
                 self.tokenizer: Tokenizer | None = (
                     load_tokenizer(config.model) if Path(config.model).is_dir() else None
                 )
+                spec = config.speculative_config
+                draft = None  # a separate draft's (config, params): loaded before the KV cache is sized
+                if spec is not None and spec.model is not None:
+                    draft = load_model(spec.model, dtype, seed=config.seed)
             mc = self.model_config
 
             with timer.phase("init"):
-                jax.block_until_ready(params)  # the weights count in the devices' memory in use
+                jax.block_until_ready((params, draft))  # the weights (the draft's too) count in memory in use
                 kv_budget = self._kv_budget(config, platform)
                 if kv_budget is not None:
                     self.config = config = dataclasses.replace(
@@ -112,6 +116,11 @@ class LLMEngine(CoreFrontEnd):
                         gpu_memory_utilization=kv_budget.gpu_memory_utilization,
                     )
                 kv_bytes = kv_budget.kv_cache_bytes if kv_budget else None
+                # A draft model's own KV cache has a block for each of the target's: the budget holds both.
+                draft_block = kv_bytes_per_block(draft[0], config.block_size, config.dtype) if draft else 0
+                target_block = kv_bytes_per_block(mc, config.block_size, config.dtype)
+                if kv_bytes is not None and draft_block:
+                    kv_bytes = kv_bytes // (target_block + draft_block) * target_block  # the target's share
                 cost_path, cost_model, cost_source = None, None, None
                 if isinstance(requested_budget, str):  # "auto" / "dynamic": resolve before sizing when a cost
                     top = dataclasses.replace(config, token_budget=config.budget_ceiling,  # model is at hand;
@@ -137,7 +146,6 @@ class LLMEngine(CoreFrontEnd):
                     enable_prefix_caching=config.enable_prefix_caching,
                 )
                 self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
-                spec = config.speculative_config
                 if spec is not None:
                     spec.check_model(mc.num_hidden_layers)
                 self.runner = ModelRunner(
@@ -149,10 +157,10 @@ class LLMEngine(CoreFrontEnd):
                     from sarathi_jax.draft_runner import DraftRunner  # off the request path unless speculating
 
                     if spec.method == "self":
-                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers)
+                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers,
+                                                                   spec.num_speculative_tokens)
                     else:
-                        self.draft_runner = DraftRunner.draft_model(self.runner, *load_model(spec.model, dtype,
-                                                                                             seed=config.seed))
+                        self.draft_runner = DraftRunner.draft_model(self.runner, *draft, spec.num_speculative_tokens)
                 if spec is not None:
                     self.scheduler.speculation = Speculation.of(
                         spec, self.draft_runner.propose if self.draft_runner is not None else None)
@@ -173,6 +181,8 @@ class LLMEngine(CoreFrontEnd):
             tokenizer=self.tokenizer,
             seed=config.seed,
         )
+        if self.draft_runner is not None:  # a sampled request's draft samples with its seed and settings
+            self.draft_runner.sampling_of = self.core.sampling_of
         is_folder = Path(config.model).is_dir()
         self.admission = Admission(
             vocab_size=mc.vocab_size,
@@ -202,7 +212,10 @@ class LLMEngine(CoreFrontEnd):
             "dtype": config.dtype,
             "dtype_setting": requested_dtype,
             "num_kv_blocks": num_blocks,
-            "kv_cache_bytes": num_blocks * kv_bytes_per_block(mc, config.block_size, config.dtype),
+            "kv_cache_bytes": num_blocks * target_block,
+            # A draft model's share of the memory: its parameters and its KV cache (num_kv_blocks blocks).
+            "draft_param_bytes": _nbytes(draft[1]) if draft else 0,
+            "draft_kv_cache_bytes": num_blocks * draft_block,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "activation_bytes_estimate": kv_budget.activation_bytes if kv_budget else 0,
             "kv_unfragmented_bytes": kv_budget.unfragmented_bytes if kv_budget else None,
@@ -340,6 +353,13 @@ def _kv_words(s: dict) -> str:
     if s.get("kv_unfragmented_bytes") is not None:
         kv += (f", cut from {s['kv_unfragmented_bytes'] / 2**30:.2f} GiB per device to fit the largest free block "
                f"of device memory")
+    if s.get("draft_param_bytes"):
+        kv += (f"; draft model {s['draft_param_bytes'] / 2**30:.2f} GiB of parameters and "
+               f"{s['draft_kv_cache_bytes'] / 2**30:.2f} GiB of KV cache")
     if s["peak_bytes_in_use"] is not None:
         kv += f"; device memory peak {s['peak_bytes_in_use'] / 2**30:.2f} GiB"
     return kv + ")"
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))

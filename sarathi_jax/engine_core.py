@@ -201,7 +201,7 @@ class EngineCore:
 
     def _dispatch(self, sched: SchedulerOutput) -> None:
         start, bitmask = self.executor.now(), self._token_bitmask(sched.chunks) if self._num_constrained else None
-        handle = self.executor.submit(sched.chunks, self._sampling_of, bitmask)
+        handle = self.executor.submit(sched.chunks, self.sampling_of, bitmask)
         for chunk in sched.chunks:
             seq = chunk.seq
             if chunk.needs_sample:
@@ -272,7 +272,7 @@ class EngineCore:
         return step_bitmask([(self._requests[c.seq.seq_id].grammar, c.seq.sampling_params.stop_token_ids)
                              if c.needs_sample else None for c in chunks])
 
-    def _sampling_of(self, seq: Sequence) -> RequestSampling:
+    def sampling_of(self, seq: Sequence) -> RequestSampling:
         state = self._requests[seq.seq_id]
         return (seq.sampling_params, state.seed, state.banned_until_min_tokens)
 

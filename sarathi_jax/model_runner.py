@@ -8,11 +8,9 @@ mid-step). `warmup()` (`sarathi_jax.precompile`) builds every bucket and variant
 general sampler before the engine is ready, the others then or on background threads while it serves (a
 batch runs in the smallest bucket built that holds it). Serving never compiles (`num_compilations`).
 
-Dispatch is lean: a step's small inputs (token ids, positions, slot mapping, attention metadata, sampling
-settings) travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by `sarathi_jax.input_batch`) that
-the jitted calls copy up as they dispatch (`Stage.upload`), parameters and the KV cache stay on the device,
-and `submit()` returns at once; the sampled tokens start their copy to the host as soon as they are
-dispatched. What a step looks up (its bucket, sampler, layout offsets, LM head weight) is resolved when the
+Dispatch is lean: a step's small inputs travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by
+`sarathi_jax.input_batch`) that the jitted calls copy up (`Stage.upload`), parameters and the KV cache stay on
+the device, `submit()` returns at once, and the sampled tokens start their copy to the host at dispatch. What a step looks up (its bucket, sampler, layout offsets, LM head weight) is resolved when the
 runner is built or an executable becomes ready, not per step. A pending token (the overlapped loop: a decode
 scheduled before its input token reached the host) is read on the device from the previous step's sampled
 tokens.
@@ -105,9 +103,10 @@ class ModelRunner:
     """Owns the parameters, the paged KV cache and the compiled step function(s) of one model."""
 
     _step_observer: StepObserver | None = None  # see `observe_steps`
-    # A separate draft model's (draft_runner.py): called with each step's host batch part and the tokens its
-    # pending rows read, before the step, so the draft's KV cache gets every token the target's does.
+    # Draft models' hooks (draft_runner.py): a separate draft's shadow of each step (its KV cache gets every
+    # token the target's does); the rejection step of drafts sampled from q, after the sampler.
     step_shadow: Callable[[np.ndarray, jax.Array], None] | None = None
+    step_verify: Callable[..., SamplerOutput] | None = None
 
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig, sizing: EngineSizing, *,
                  attention_fn: Callable, plan: Any = None, executable_cache: ExecutableCache | None = None) -> None:
@@ -153,9 +152,8 @@ class ModelRunner:
         self._sampler_traces = 0  # sampler variants the jitted sampler compiled on dispatch
         self.executable_cache = executable_cache
         self.background: BackgroundBuild | None = None  # the executables `warmup` left to background threads
-        # The previous step: its sampled token ids (device) and which row sampled for which sequence, so a
-        # pending input token is read on the device. Pipelines never schedule a sequence in flight, so only
-        # a single stage feeds it back; stage 0 otherwise gets a constant.
+        # The previous step's sampled token ids (device): a pending input token is read from them. Pipelines
+        # never schedule a sequence in flight: only a single stage feeds them back (else a constant).
         self._no_tokens = self.stages[0].place(jnp.zeros(max_num_seqs, jnp.int32))
         self._prev_tokens: jax.Array = self._no_tokens
         # The host side of every step's inputs, kept and updated in place from step to step.
@@ -226,8 +224,7 @@ class ModelRunner:
         return [stage.kv_cache for stage in self.stages]
 
     def bucket_for(self, num_tokens: int) -> int:
-        bucket_of = self._table.bucket_of
-        if num_tokens < len(bucket_of) and bucket_of[num_tokens] is not None:
+        if num_tokens < len(bucket_of := self._table.bucket_of) and bucket_of[num_tokens] is not None:
             return bucket_of[num_tokens]
         raise ValueError(f"a batch of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
@@ -311,7 +308,7 @@ class ModelRunner:
         if self._step_observer is not None:
             self._step_observer(chunks, packed, variant)
         num_rows = len(chunks) + sum(chunk.num_draft_tokens for chunk in chunks)  # a draft's row samples too
-        return self._dispatch(packed, variant, token_bitmask=token_bitmask, rows=self._rows_for[num_rows])
+        return self._dispatch(packed, variant, token_bitmask=token_bitmask, rows=self._rows_for[num_rows], chunks=chunks)
 
     def now(self) -> float:
         return time.monotonic()
@@ -352,7 +349,8 @@ class ModelRunner:
         return row_ladder(self.buckets, self.max_num_seqs)
 
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True,
-                  rows: int | None = None, token_bitmask: np.ndarray | None = None) -> PendingStep:
+                  rows: int | None = None, token_bitmask: np.ndarray | None = None, chunks: Sequence = ()
+                  ) -> PendingStep:
         """Run a step of host `packed` inputs. Its LM head and sampler run on `rows` (a `row_ladder` value;
         default: the smallest that holds the step's sequences, `step_inputs.sample_rows`); a constrained
         variant takes `token_bitmask`'s rows, padded to max_num_seqs with all-ones (unconstrained) rows."""
@@ -391,6 +389,8 @@ class ModelRunner:
                         self._sampler_traces += sample_packed_jit._cache_size() - before
             if record is not None:
                 timeline.dispatched(record, stage.index, x)
+        if self.step_verify is not None and chunks:  # before the next step reads its tokens
+            x = self.step_verify(chunks, x, hidden, weight, on_device.sampling, rows, head)
         if single:
             self._prev_tokens = x.token_ids
         if self._across_processes:

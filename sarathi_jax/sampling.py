@@ -257,24 +257,20 @@ def _first_true_or_last(cond: jax.Array, fallback: jax.Array) -> jax.Array:
     return jnp.where(first < n, first, last)
 
 
-def _row_uniforms(keys: jax.Array, steps: jax.Array) -> jax.Array:
+def row_uniforms(keys: jax.Array, steps: jax.Array, stream: int | None = None) -> jax.Array:
+    """One uniform per row from fold_in(key, step): the row's sampling uniform; with `stream`, a further
+    fold_in of it (speculation's other draws, `rejection_sampling`), independent of the first."""
     def one(key_data: jax.Array, step: jax.Array) -> jax.Array:
-        key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-        return jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), step)
+        return jax.random.uniform(key if stream is None else jax.random.fold_in(key, stream), (), jnp.float32)
 
     return jax.vmap(one)(keys, steps)
 
 
-def _sample_rows(
-    masked: jax.Array,
-    masked_max: jax.Array,
-    arrays: SamplingArrays,
-    sampled: jax.Array,
-    greedy_tokens: jax.Array,
-    filter_: str,
-) -> jax.Array:
-    """Temperature, top-k and top-p (as `filter_` allows: a `SamplerVariant.filter`), min-p, then inverse-CDF
-    sampling; meaningful where `sampled`."""
+def filtered_probs_of(masked: jax.Array, masked_max: jax.Array, arrays: SamplingArrays, sampled: jax.Array,
+                      filter_: str) -> Callable[[jax.Array], jax.Array]:
+    """Temperature, top-k and top-p (as `filter_` allows: a `SamplerVariant.filter`), min-p: the function from
+    logits to the row's unnormalised kept probs (elementwise per row, max 1), meaningful where `sampled`."""
     s, v = masked.shape
     inv_t = jnp.where(sampled, 1.0 / jnp.where(sampled, arrays.temperature, 1.0), 1.0)
 
@@ -305,9 +301,16 @@ def _sample_rows(
             keep &= x >= _rowwise(kth, x)
         return jnp.where(keep, p, 0.0)
 
-    tokens = inverse_cdf_sample(masked, probs_of, _row_uniforms(arrays.keys, arrays.steps))
-    # A row whose every token is banned has no finite max: fall back to the greedy pick (in range).
-    return jnp.where(jnp.isfinite(masked_max), tokens, greedy_tokens)
+    return probs_of
+
+
+def mask_banned(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """float32 logits with each row's banned ids at -inf (scattered into a copy: cheaper than an [S, V] mask;
+    -1 pads are pushed out of range and dropped)."""
+    logits = logits.astype(jnp.float32)
+    rows = jax.lax.broadcasted_iota(jnp.int32, arrays.banned_token_ids.shape, 0)
+    banned_ids = jnp.where(arrays.banned_token_ids < 0, logits.shape[1], arrays.banned_token_ids)
+    return logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -336,17 +339,14 @@ def sample(logits: jax.Array, arrays: SamplingArrays, variant: SamplerVariant = 
     s, v = logits.shape
     sampled = arrays.temperature >= SAMPLING_EPS  # greedy: [0, SAMPLING_EPS); padding (< 0): neither
 
-    # Banned ids -> -inf by scattering into a copy (cheaper than building an [S, V] mask); -1 pads are pushed
-    # out of range and dropped.
-    rows = jax.lax.broadcasted_iota(jnp.int32, arrays.banned_token_ids.shape, 0)
-    banned_ids = jnp.where(arrays.banned_token_ids < 0, v, arrays.banned_token_ids)
-    masked = logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
-
+    masked = mask_banned(logits, arrays)
     # Always computed: greedy rows may sit in any batch, and it is the fallback of all-banned sampled rows.
     token_ids, masked_max = _first_index_of_max(masked)
     if variant.sampled:
-        sampled_tokens = _sample_rows(masked, masked_max, arrays, sampled, token_ids, variant.filter)
-        token_ids = jnp.where(sampled, sampled_tokens, token_ids)
+        probs_of = filtered_probs_of(masked, masked_max, arrays, sampled, variant.filter)
+        sampled_tokens = inverse_cdf_sample(masked, probs_of, row_uniforms(arrays.keys, arrays.steps))
+        # A row whose every token is banned has no finite max: keep the greedy pick (in range).
+        token_ids = jnp.where(sampled & jnp.isfinite(masked_max), sampled_tokens, token_ids)
     token_ids = token_ids.astype(jnp.int32)
 
     # Logprobs of the raw logits (no temperature, no masks), as vLLM reports them.

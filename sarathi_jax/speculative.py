@@ -12,7 +12,10 @@ of drafts equal to the target's tokens, then the target's own next token: 1 to k
 Greedy rows hold the target's argmax, sampled rows its sample (temperature, top-k, top-p, min-p, the row's
 seed at that position's step): for a point-mass proposal such as lookup's this *is* rejection sampling
 (Leviathan et al. 2023; Chen et al. 2023), with its acceptance probability, and the emitted tokens are the
-non-speculative run's (`rejection_sampling`'s docstring has the argument and the general formula).
+non-speculative run's (`rejection_sampling`'s docstring has the argument and the general formula). A draft
+model's drafts for a sampled request are drawn from its dense q instead: the verification step replaces their
+rows by `rejection_sampling.verify_sampled_drafts`' tokens (`draft_runner`), which keep "accepted iff the
+row's token equals the draft" true, so the rows are read here alike.
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 random Llamas: the drafts are the greedy tokens of HF's model cut to its first L layers (the draft's oracle);
 greedy tokens equal HF `generate`'s and the same engine's without speculation through chunked prefills, mixed
 batches, both loops, preemption, prefix-cache hits and max_tokens inside an accepted run; seeded sampled
-requests give the plain run's tokens (a point-mass proposal); no KV block leaks; the draft compiles once per
-bucket at warm-up and never while serving; bad configs are refused."""
+requests draw drafts from the draft's q and accept min(1, p/q) of them, reproducibly; no KV block leaks; the
+draft compiles per bucket at warm-up and never while serving; bad configs are refused."""
 
 from __future__ import annotations
 
 import pytest
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
+from sarathi_jax.rejection_sampling import verify_sampled_drafts_jit
 from tests.sarathi_jax.engine_helpers import run_staggered
 from tests.sarathi_jax.speculation_helpers import (
     GREEDY,
@@ -103,24 +104,29 @@ def test_preemption_and_prefix_cache_hits_with_self_draft(llama_dir, prompts, hf
 def test_max_tokens_inside_an_accepted_run_and_sampled_requests(idle_dir, prompts):
     # A target whose second layer adds nothing: the one-layer draft proposes its tokens, so runs are long and
     # max_tokens falls inside them.
-    engine, plain = make_engine(idle_dir, self_spec(1)), make_engine(idle_dir, None)
+    engine = make_engine(idle_dir, self_spec(1))
     expected = hf_greedy(hf_model(idle_dir), prompts[4], MAX_TOKENS)
     requests = {f"m{m}": (prompts[4], GREEDY.replace(max_tokens=m)) for m in range(2, MAX_TOKENS + 1)}
     requests["sampled"] = (prompts[2], SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=16,
                                                       ignore_eos=True))
     requests["nucleus"] = (prompts[3], SamplingParams(temperature=0.7, top_p=0.8, seed=4, max_tokens=16,
                                                       ignore_eos=True))
-    outs, plain_outs = serve(engine, requests), serve(plain, requests)
+    outs = serve(engine, requests)
     for m in range(2, MAX_TOKENS + 1):
         last = outs[f"m{m}"][-1]
         assert list(last.token_ids) == expected[:m] and last.finish_reason == "length"
     assert sum(len(outs[f"m{m}"][-1].new_token_ids) > 1 for m in range(2, MAX_TOKENS + 1)) > 5
     greedy = [outs[f"m{m}"][-1].metrics for m in range(2, MAX_TOKENS + 1)]
     assert sum(m.num_accepted_tokens for m in greedy) >= 0.95 * sum(m.num_draft_tokens for m in greedy) > 0
-    # Sampled requests speculate with the draft's argmax as a point-mass proposal: the plain run's tokens.
+    # Sampled requests draw their drafts from the draft's q, which here is the target's p (its second layer
+    # adds nothing): rejection sampling accepts min(1, p/q) = 1 of them (float rounding aside). (An argmax
+    # proposal would accept only p(argmax) of them.) The tokens are the target's in distribution, not the
+    # plain run's (they depend on the k each step grants): the same requests and seeds give the same tokens.
+    again = serve(make_engine(idle_dir, self_spec(1)), requests)
     for rid in ("sampled", "nucleus"):
-        assert outs[rid][-1].token_ids == plain_outs[rid][-1].token_ids, rid
-        assert outs[rid][-1].metrics.num_accepted_tokens > 0
+        metrics = outs[rid][-1].metrics
+        assert metrics.num_accepted_tokens >= 0.9 * metrics.num_draft_tokens > 0, rid
+        assert len(outs[rid][-1].token_ids) == 16 and again[rid][-1].token_ids == outs[rid][-1].token_ids, rid
     assert_no_leak(engine)
 
 
@@ -130,12 +136,14 @@ def test_no_compilation_after_warmup_with_self_draft(llama_dir, prompts):
                                     compilation_cache_dir=None), warmup=True)
     assert engine.wait_until_compiled(timeout=600)
     draft = engine.draft_runner
-    assert draft.num_traces == len(draft.buckets)  # one per bucket, at warm-up
-    compiled = engine.runner.num_compilations
+    assert draft.num_traces == 3 * len(draft.buckets)  # per bucket, at warm-up: greedy, sampled (2 filters)
+    compiled, verifiers = engine.runner.num_compilations, verify_sampled_drafts_jit._cache_size()
     run_staggered(engine, prompts, GREEDY, arrive_every=1)
     run_staggered(engine, prompts, SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True))
+    run_staggered(engine, prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True))
     assert engine.stats()["spec_num_accepted_tokens"] > 0
-    assert engine.runner.num_compilations == compiled and draft.num_traces == len(draft.buckets)
+    assert engine.runner.num_compilations == compiled and draft.num_traces == 3 * len(draft.buckets)
+    assert verify_sampled_drafts_jit._cache_size() == verifiers  # the rejection step: built at warm-up
 
 
 @pytest.mark.parametrize("spec, match", [

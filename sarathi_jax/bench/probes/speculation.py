@@ -10,7 +10,11 @@ For each workload it runs the engine without speculation, then with each draft o
 `--k` as num_speculative_tokens, each after a warm-up pass of the same requests, and
 reports output tokens per second (best of `--repeats`), the acceptance rate, mean accepted length, and how many
 requests' tokens equal the plain run's (greedy, and sampled with the same seed: all should; a float32 near-tie
-can flip one, as between chunk sizes). Wall time on this machine: run it on a quiet one.
+can flip one, as between chunk sizes; sampled requests with a model draft draw its drafts from its q and
+rejection-sample them, so their tokens differ from the plain run's and only their distribution is the same).
+`--proposals sampled,argmax` runs each model draft twice for sampled requests: drafts drawn from q (the
+engine's way) and the draft's argmax as a point-mass proposal (its former way; `DraftRunner.sampling_of`
+unset). Wall time on this machine: run it on a quiet one.
 """
 
 from __future__ import annotations
@@ -67,32 +71,38 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded with --seed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--proposals", default="sampled", help="model drafts' proposals for sampled requests, "
+                   "comma-separated: sampled (from q), argmax (a point mass)")
     args = p.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed if args.temperature > 0 else None)
     engine = dict(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs, max_model_len=1024,
                   compilation_cache_dir=None)
-    configs = [None] + [draft_config(d, int(k)) for d in args.drafts.split(",") for k in args.k.split(",")]
+    configs = [(None, "-")] + [(draft_config(d, int(k)), proposal) for d in args.drafts.split(",")
+                               for k in args.k.split(",")
+                               for proposal in (args.proposals.split(",") if d != "ngram" else ["-"])]
     rows = []
     for name, texts in (("copy", COPY), ("open", OPEN)):
         base_tokens = None
-        for spec in configs:
+        for spec, proposal in configs:
             llm = LLM(args.model, speculative_config=spec, **engine)
+            if proposal == "argmax":
+                llm.engine.draft_runner.sampling_of = None  # every draft the draft's argmax
             prompts = [llm.chat_prompt_ids([{"role": "user", "content": t}])
                        for t in (texts * args.requests)[: args.requests]]
             rate, tokens, stats = run(llm, prompts, params, args.repeats)
             base_tokens = tokens if spec is None else base_tokens
-            rows.append({"workload": name, "draft": _name(spec), "k": spec["num_speculative_tokens"] if spec else 0,
+            rows.append({"workload": name, "draft": _name(spec) + ("" if proposal == "-" else f"/{proposal}"), "k": spec["num_speculative_tokens"] if spec else 0,
                          "tokens_per_s": round(rate, 1),
                          "acceptance_rate": stats.get("spec_acceptance_rate"),
                          "mean_accepted_length": stats.get("spec_mean_accepted_length"),
                          "same_tokens": sum(a == b for a, b in zip(tokens, base_tokens))})
             print(json.dumps(rows[-1]), flush=True)
-    print(f"{'workload':8} {'draft':>10} {'k':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'len':>5} same")
+    print(f"{'workload':8} {'draft':>16} {'k':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'len':>5} same")
     for row in rows:
         plain = next(r["tokens_per_s"] for r in rows if r["workload"] == row["workload"] and r["k"] == 0)
         acc, length = row["acceptance_rate"], row["mean_accepted_length"]
-        print(f"{row['workload']:8} {row['draft']:>10} {row['k']:>2} {row['tokens_per_s']:>8} {row['tokens_per_s'] / plain:>8.2f} "
+        print(f"{row['workload']:8} {row['draft']:>16} {row['k']:>2} {row['tokens_per_s']:>8} {row['tokens_per_s'] / plain:>8.2f} "
               f"{'-' if acc is None else f'{acc:.2f}':>7} {'-' if length is None else f'{length:.2f}':>5} "
               f"{row['same_tokens']}/{args.requests}")
 
