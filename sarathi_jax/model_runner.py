@@ -10,10 +10,10 @@ batch runs in the smallest bucket built that holds it). Serving never compiles (
 
 Dispatch is lean: a step's small inputs travel as two int32 host arrays (`sarathi_jax.step_inputs`, kept by
 `sarathi_jax.input_batch`) that the jitted calls copy up (`Stage.upload`), parameters and the KV cache stay on
-the device, `submit()` returns at once, and the sampled tokens start their copy to the host at dispatch. What a step looks up (its bucket, sampler, layout offsets, LM head weight) is resolved when the
-runner is built or an executable becomes ready, not per step. A pending token (the overlapped loop: a decode
-scheduled before its input token reached the host) is read on the device from the previous step's sampled
-tokens.
+the device, `submit()` returns at once, and the sampled tokens start their copy to the host at dispatch. What a
+step looks up (its bucket, sampler, layout offsets, LM head weight) is resolved when the runner is built or an
+executable becomes ready, not per step. A pending token (the overlapped loop: a decode scheduled before its
+input token reached the host) is read on the device from the previous step's sampled tokens.
 
 Parallelism (`plan`, `sarathi_jax.parallel`): `pp` pipeline stages (contiguous layer ranges), each one jitted
 function on its own sub-mesh of `tp` devices (`sarathi_jax.parallel.stages` owns where a stage lives). A step
@@ -103,8 +103,7 @@ class ModelRunner:
     """Owns the parameters, the paged KV cache and the compiled step function(s) of one model."""
 
     _step_observer: StepObserver | None = None  # see `observe_steps`
-    # Draft models' hooks (draft_runner.py): a separate draft's shadow of each step (its KV cache gets every
-    # token the target's does); the rejection step of drafts sampled from q, after the sampler.
+    # Draft hooks (draft_runner.py): a separate draft's shadow of each step; drafts' rejection step after sampling
     step_shadow: Callable[[np.ndarray, jax.Array], None] | None = None
     step_verify: Callable[..., SamplerOutput] | None = None
 
@@ -308,7 +307,8 @@ class ModelRunner:
         if self._step_observer is not None:
             self._step_observer(chunks, packed, variant)
         num_rows = len(chunks) + sum(chunk.num_draft_tokens for chunk in chunks)  # a draft's row samples too
-        return self._dispatch(packed, variant, token_bitmask=token_bitmask, rows=self._rows_for[num_rows], chunks=chunks)
+        return self._dispatch(packed, variant, token_bitmask=token_bitmask, rows=self._rows_for[num_rows],
+                              chunks=chunks)
 
     def now(self) -> float:
         return time.monotonic()
