@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
-from tests.sarathi_jax.engine_helpers import run_staggered
+from tests.sarathi_jax.engine_helpers import hf_generate, run_staggered
 from tests.sarathi_jax.speculation_helpers import serve
 
 MAX_TOKENS = 24
@@ -30,23 +29,9 @@ def prompts():
     return [rng.integers(3, 256, size=n).tolist() * 4 for n in PATTERN_LENGTHS]
 
 
-def hf_generate(model_dir, prompts, max_tokens=MAX_TOKENS):
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              bos_token_id=None)
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            outs.append(model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def hf_greedy(llama_dir, prompts):
-    return hf_generate(llama_dir, prompts)
+    return hf_generate(llama_dir, prompts, MAX_TOKENS)
 
 
 def make_engine(model_dir, speculative_config=NGRAM, **overrides) -> LLMEngine:
