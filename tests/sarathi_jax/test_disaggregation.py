@@ -151,6 +151,20 @@ def test_decode_preemption_recomputes_through_the_prefill_side():
     assert _no_blocks_held(eng) and not eng.has_unfinished_requests()
 
 
+def _drain_after_abort(eng, victim: str, outputs: dict, steps: int, max_steps: int) -> list:
+    """Step `eng` (whose `victim` was just aborted) until nothing is left, collecting outputs; the victim's
+    outputs after the abort, checked to be one "abort" with no new tokens."""
+    n_before = len(outputs[victim])
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+        assert steps < max_steps
+    after = outputs[victim][n_before:]
+    assert [o.finish_reason for o in after] == ["abort"] and after[0].new_token_ids == ()
+    return after
+
+
 @pytest.mark.parametrize("stage", ["queued", "prefill", "held", "moving"])
 def test_abort_of_a_recompute_frees_every_block(stage):
     """A request preempted on the decode side and aborted while its recompute is queued, re-prefilling, held or
@@ -168,14 +182,7 @@ def test_abort_of_a_recompute_frees_every_block(stage):
         steps += 1
         assert steps < 5000, f"never reached {stage}"
     assert eng.abort(victim)
-    n_before = len(outputs[victim])
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            outputs[out.request_id].append(out)
-        steps += 1
-        assert steps < 10_000
-    after = outputs[victim][n_before:]
-    assert [o.finish_reason for o in after] == ["abort"] and after[0].new_token_ids == ()
+    after = _drain_after_abort(eng, victim, outputs, steps, 10_000)
     emitted = [t for o in outputs[victim] for t in o.new_token_ids]
     assert list(after[0].token_ids) == emitted and len(emitted) >= 1
     assert all(len(outputs[r][-1].token_ids) == 40 for r in outputs if r != victim)
@@ -201,14 +208,7 @@ def test_abort_at_each_stage_frees_every_block(stage):
         seq = next(s for s in eng.prefill[0].core.scheduler.running if s.seq_id == victim)
         assert 0 < seq.num_computed_tokens < 100  # mid-prompt
     assert eng.abort(victim) and not eng.abort(victim) and eng.stage_of(victim) is None
-    n_before = len(outputs[victim])
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            outputs[out.request_id].append(out)
-        steps += 1
-        assert steps < 2000
-    after = outputs[victim][n_before:]
-    assert [o.finish_reason for o in after] == ["abort"] and after[0].new_token_ids == ()
+    _drain_after_abort(eng, victim, outputs, steps, 2000)
     survivor = "a" if victim == "b" else "b"
     assert outputs[survivor][-1].finish_reason == "length" and len(outputs[survivor][-1].token_ids) == 8
     assert _no_blocks_held(eng) and all(i.incoming == 0 for i in eng.instances)
