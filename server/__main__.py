@@ -69,6 +69,7 @@ class _StartupInterrupted(Exception):
 async def _serve(args: argparse.Namespace) -> None:
     from sarathi_jax.disaggregated_engine import build_engine
     from sarathi_jax.engine import format_startup
+    from sarathi_jax.gc_heap import freeze_startup_heap
 
     log = logging.getLogger("server")
     loop = asyncio.get_running_loop()
@@ -100,6 +101,7 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         engine = await loop.run_in_executor(build, build_engine, config)
         print(format_startup(engine.startup_stats()), flush=True)
+        freeze_startup_heap()  # no oldest-generation GC pause walks the start-up heap while serving (gc_heap.py)
         # engine.config names what "auto" resolved to (attention backend, cache directory).
         # The served name defaults to --model as typed (vLLM's rule); engine.config holds it made absolute.
         model_name = args.served_model_name or args.model or engine.config.model  # the last: the default preset

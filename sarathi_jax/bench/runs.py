@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import gc
 import json
 import math
 import sys
@@ -30,6 +30,7 @@ from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_wo
 from sarathi_jax.config import EngineConfig
 from sarathi_jax.disaggregation_config import KVLink
 from sarathi_jax.engine_api import Engine
+from sarathi_jax.gc_heap import startup_heap_frozen
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 
 
@@ -209,82 +210,86 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
         workload_info[run.label] = workload.summary()
     engine: Engine | None = None
     engine_kwargs: dict | None = None
-    for cfg in configs if not args.endpoint else []:
-        kwargs = engine_config_kwargs(args, cfg)
-        if kwargs != engine_kwargs:  # configurations that differ only in --structured-share share an engine
-            engine = engine_kwargs = None
-            gc.collect()  # the previous engine's memory goes before the next is built
-            kind = {(False, False): "LLMEngine", (False, True): "DisaggregatedEngine", (True, False): "SimulatedEngine",
-                    (True, True): "DisaggregatedSimEngine"}[(bool(args.simulate), bool(kwargs.get("disaggregation")))]
-            _log(quiet, f"[{cfg['label']}] building {kind} "
-                        f"({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ...")
-            t0 = time.monotonic()
-            engine, engine_kwargs = factory(kwargs), kwargs
-            _log(quiet, f"[{cfg['label']}] {_ready_line(engine, time.monotonic() - t0)}")
-        else:
-            _log(quiet, f"[{cfg['label']}] on the engine of the run before (the same configuration)")
-        assert engine is not None
-        max_len = engine.max_model_len or None
-        if fitted is None or (max_len is not None and fitted_len is not None and max_len < fitted_len):
-            if fitted is not None:
-                _log(quiet, f"warning: [{cfg['label']}] has max_model_len={max_len} < {fitted_len}; "
-                            "refitting the workload, so this run's requests differ from the previous runs'")
-            fitted_len = max_len
-            if args.prompts_file:  # the text sets the prompt lengths; outputs are capped to fit
-                fitted, prompts = text_prompts(engine, workload, args.prompts_file, max_len)
+    # The engine in use has its start-up heap frozen out of the GC (gc_heap.py); closing unfreezes and collects.
+    with contextlib.ExitStack() as frozen_heap:
+        for cfg in configs if not args.endpoint else []:
+            kwargs = engine_config_kwargs(args, cfg)
+            if kwargs != engine_kwargs:  # configurations that differ only in --structured-share share an engine
+                engine = engine_kwargs = None
+                frozen_heap.close()  # the previous engine's memory goes before the next is built
+                kind = {(False, False): "LLMEngine", (False, True): "DisaggregatedEngine",
+                        (True, False): "SimulatedEngine", (True, True): "DisaggregatedSimEngine"}[
+                    (bool(args.simulate), bool(kwargs.get("disaggregation")))]
+                _log(quiet, f"[{cfg['label']}] building {kind} "
+                            f"({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ...")
+                t0 = time.monotonic()
+                engine, engine_kwargs = factory(kwargs), kwargs
+                frozen_heap.enter_context(startup_heap_frozen())
+                _log(quiet, f"[{cfg['label']}] {_ready_line(engine, time.monotonic() - t0)}")
             else:
-                fitted = workload.fit(max_len) if max_len else workload
-                prompts = fitted.prompts(engine_vocab_size(engine), args.seed)
-            if len(runs) == 0:
-                _log(quiet, f"workload: {fitted.describe()}")
-                for note in fitted.notes:
-                    _log(quiet, f"  note: {note}")
-        if args.slo_tbt_multiple is not None and decode_time is None:
-            decode_time = measure_decode_iteration_time(engine, batch_size=args.decode_probe_batch)
-            slo_tbt = args.slo_tbt_multiple * decode_time
-            _log(quiet, f"decode-only iteration time (batch {args.decode_probe_batch}): {fmt_seconds(decode_time)}"
-                        f" -> TBT SLO {args.slo_tbt_multiple:g}x = {fmt_seconds(slo_tbt)}")
-        summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor,
-                   **_slo_classes(mix, len(fitted), args.seed)}
-        classes = None if mix is None else mix.assign(len(fitted), args.seed)  # priority and SLO targets
-        share = cfg.get("structured_share")
-        constrained = None if share is None else constrained_rows(len(fitted), share, args.seed)
-        constraints = None if constrained is None else request_constraints(constrained, constraint_of(args))
-        desc = engine_description(engine, kwargs, args.simulate)
-        if args.capacity:
-            def on_probe(p, label=cfg["label"]):
-                good = "" if p.good_fraction is None else f", {p.good_fraction:.0%} within their SLO"
-                _log(quiet, f"[{label}] {p.qps:8.3g} req/s: {'pass' if p.passed else 'FAIL'}  "
-                            f"P99 TBT {fmt_seconds(p.p99_tbt)}, P50 sched delay {fmt_seconds(p.p50_sched_delay)}"
-                            f"{good}{' (stopped early)' if p.stopped_early else ''}")
+                _log(quiet, f"[{cfg['label']}] on the engine of the run before (the same configuration)")
+            assert engine is not None
+            max_len = engine.max_model_len or None
+            if fitted is None or (max_len is not None and fitted_len is not None and max_len < fitted_len):
+                if fitted is not None:
+                    _log(quiet, f"warning: [{cfg['label']}] has max_model_len={max_len} < {fitted_len}; "
+                                "refitting the workload, so this run's requests differ from the previous runs'")
+                fitted_len = max_len
+                if args.prompts_file:  # the text sets the prompt lengths; outputs are capped to fit
+                    fitted, prompts = text_prompts(engine, workload, args.prompts_file, max_len)
+                else:
+                    fitted = workload.fit(max_len) if max_len else workload
+                    prompts = fitted.prompts(engine_vocab_size(engine), args.seed)
+                if len(runs) == 0:
+                    _log(quiet, f"workload: {fitted.describe()}")
+                    for note in fitted.notes:
+                        _log(quiet, f"  note: {note}")
+            if args.slo_tbt_multiple is not None and decode_time is None:
+                decode_time = measure_decode_iteration_time(engine, batch_size=args.decode_probe_batch)
+                slo_tbt = args.slo_tbt_multiple * decode_time
+                _log(quiet, f"decode-only iteration time (batch {args.decode_probe_batch}): {fmt_seconds(decode_time)}"
+                            f" -> TBT SLO {args.slo_tbt_multiple:g}x = {fmt_seconds(slo_tbt)}")
+            summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor,
+                       **_slo_classes(mix, len(fitted), args.seed)}
+            classes = None if mix is None else mix.assign(len(fitted), args.seed)  # priority and SLO targets
+            share = cfg.get("structured_share")
+            constrained = None if share is None else constrained_rows(len(fitted), share, args.seed)
+            constraints = None if constrained is None else request_constraints(constrained, constraint_of(args))
+            desc = engine_description(engine, kwargs, args.simulate)
+            if args.capacity:
+                def on_probe(p, label=cfg["label"]):
+                    good = "" if p.good_fraction is None else f", {p.good_fraction:.0%} within their SLO"
+                    _log(quiet, f"[{label}] {p.qps:8.3g} req/s: {'pass' if p.passed else 'FAIL'}  "
+                                f"P99 TBT {fmt_seconds(p.p99_tbt)}, P50 sched delay {fmt_seconds(p.p50_sched_delay)}"
+                                f"{good}{' (stopped early)' if p.stopped_early else ''}")
 
-            cap = find_capacity(
-                engine, fitted, prompts, slo_tbt=slo_tbt, max_sched_delay=args.max_sched_delay,
-                start_qps=args.capacity_start_qps, max_probes=args.capacity_probes, rel_tol=args.capacity_tol,
-                label=cfg["label"], progress=progress, summarize_kwargs=summ_kw, on_probe=on_probe,
-                goodput_target=goodput_target, request_classes=classes, constraints=constraints,
-            )
-            capacities[cfg["label"]] = cap
-            _log(quiet, f"[{cfg['label']}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
-            shown = cap.best or min(cap.probes, key=lambda p: p.qps)
-            run = shown.result
-            run.label = cfg["label"]
-            desc["capacity_probe_qps"] = shown.qps
-        else:
-            run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
-                               temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress,
-                               request_classes=classes, constraints=constraints)
-            run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
-            _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
-                        f"in {run.wall_time:.1f} s wall")
-        if constrained is not None:
-            run.summary["structured_outputs"] = constrained_summary(run.records, constrained, share)
-            _log(quiet, f"[{cfg['label']}] constrained requests: {constrained_cell(run.summary['structured_outputs'])}")
-        run.config = desc
-        runs.append(run)
-        workload_info[run.label] = fitted.summary()
-    del engine
-    gc.collect()
+                cap = find_capacity(
+                    engine, fitted, prompts, slo_tbt=slo_tbt, max_sched_delay=args.max_sched_delay,
+                    start_qps=args.capacity_start_qps, max_probes=args.capacity_probes, rel_tol=args.capacity_tol,
+                    label=cfg["label"], progress=progress, summarize_kwargs=summ_kw, on_probe=on_probe,
+                    goodput_target=goodput_target, request_classes=classes, constraints=constraints,
+                )
+                capacities[cfg["label"]] = cap
+                _log(quiet, f"[{cfg['label']}] capacity {cap.capacity_qps:.3g} req/s {cap.note}")
+                shown = cap.best or min(cap.probes, key=lambda p: p.qps)
+                run = shown.result
+                run.label = cfg["label"]
+                desc["capacity_probe_qps"] = shown.qps
+            else:
+                run = run_workload(engine, fitted, prompts, label=cfg["label"], id_prefix=f"{cfg['label']}-",
+                                   temperature=args.temperature, stop_at_eos=bool(args.prompts_file), progress=progress,
+                                   request_classes=classes, constraints=constraints)
+                run.summary = summarize(run.records, run.iterations, num_preemptions=run.num_preemptions, **summ_kw)
+                _log(quiet, f"[{cfg['label']}] {run.summary['num_completed']}/{run.summary['num_requests']} requests "
+                            f"in {run.wall_time:.1f} s wall")
+            if constrained is not None:
+                run.summary["structured_outputs"] = constrained_summary(run.records, constrained, share)
+                _log(quiet, f"[{cfg['label']}] constrained requests: "
+                            f"{constrained_cell(run.summary['structured_outputs'])}")
+            run.config = desc
+            runs.append(run)
+            workload_info[run.label] = fitted.summary()
+        del engine
 
     return BenchRuns(runs, capacities, fitted, workload_info, slo_tbt, decode_time)
 

@@ -11,7 +11,7 @@ pass of each, minutes apart, gave ratios that moved by a third.
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import json
 import os
 import select
@@ -25,6 +25,7 @@ from sarathi_jax.bench.args import BenchError
 from sarathi_jax.bench.peer.servers import EngineSettings, vllm_engine_kwargs
 from sarathi_jax.bench.peer.workloads import warmup_workload
 from sarathi_jax.bench.workload import Workload
+from sarathi_jax.gc_heap import startup_heap_frozen
 
 VLLM_SCRIPT = Path(__file__).with_name("vllm_offline.py")
 
@@ -83,6 +84,8 @@ class SarathiOffline:
         warm = warmup_workload()
         run_workload(self.engine, warm, warm.prompts(self.engine.model_config.vocab_size, s.seed), id_prefix="warmup-")
         self.workload, self.prompts, self.walls, self.counts = workload, prompts, [], None
+        self._frozen_heap = contextlib.ExitStack()  # no GC pass walks the start-up heap while timed (gc_heap.py)
+        self._frozen_heap.enter_context(startup_heap_frozen())
 
     def run_pass(self) -> float:
         from sarathi_jax.bench.driver import run_workload
@@ -97,7 +100,7 @@ class SarathiOffline:
 
     def finish(self) -> OfflineResult:
         self.engine = None
-        gc.collect()  # free the weights and KV cache
+        self._frozen_heap.close()  # unfreezes and collects: frees the weights and KV cache
         return OfflineResult.of_passes("sarathi-jax", *self.counts, self.walls, self.startup_s)
 
 

@@ -4,6 +4,7 @@ the simulator as `--simulate` builds it, and the real engine on a tiny model."""
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 
@@ -50,6 +51,31 @@ def test_comparison_on_fake_engine(tmp_path, capsys):
         assert needle in out, out
     summary = check_outputs(tmp_path, ["sarathi-256", "sarathi-512", "vllm"])
     assert all(r["num_completed"] == "30" for r in summary)
+
+
+def test_each_engine_runs_with_its_start_up_heap_frozen(tmp_path):
+    freeze_counts = []  # at each build (the engine before unfrozen) and at each request (the engine's frozen)
+
+    def factory(kwargs):
+        freeze_counts.append(("build", gc.get_freeze_count()))
+        engine = sim_engine(base=0.01, per_seq=0.001, per_prefill_token=1e-4)
+        add_request = engine.add_request
+
+        def add_request_counted(*args, **kw):
+            freeze_counts.append(("request", gc.get_freeze_count()))
+            return add_request(*args, **kw)
+
+        engine.add_request = add_request_counted
+        return engine
+
+    rc = main(["--scheduler", "sarathi", "--token-budget", "256,512", "--num-requests", "3", "--qps", "20", "--prompt-len", "uniform:8:16",
+               "--output-len", "2", "--out", str(tmp_path), "--quiet", "--no-plots"], engine_factory=factory)
+    assert rc == 0
+    builds = [c for kind, c in freeze_counts if kind == "build"]
+    requests = [c for kind, c in freeze_counts if kind == "request"]
+    assert len(builds) >= 2 and set(builds) == {0}
+    assert len(requests) == 3 * len(builds) and all(c > 0 for c in requests)
+    assert gc.get_freeze_count() == 0  # nothing stays frozen after the bench
 
 
 def test_trace_capacity_and_slo_multiple_on_fake_engine(tmp_path, capsys):
