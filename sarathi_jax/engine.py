@@ -172,7 +172,7 @@ class LLMEngine(CoreFrontEnd):
                 if isinstance(requested_budget, str) and cost_model is None:
                     self._calibrate_budget(dataclasses.replace(config, token_budget=requested_budget), cost_path)
                     config = self.config
-        token_budget.install(self.budget_setup, self.scheduler)
+        token_budget.install(self.budget_setup, self.scheduler, time.perf_counter)
         self.core = EngineCore(
             self.scheduler,
             self.runner,

@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler.budget import (
     REFERENCE_DECODES,
     BudgetChoice,
+    IterationFeedback,
     IterationPredictor,
     TILE,
     SloTokenBudget,
@@ -110,9 +112,11 @@ def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: 
             BudgetSetup("dynamic", top, None, config.slo_tbt_s, source, policy))
 
 
-def install(setup: BudgetSetup, scheduler: Any) -> None:
-    """Give the scheduler "dynamic"'s per-iteration budget (the config check made it the sarathi policy)."""
+def install(setup: BudgetSetup, scheduler: Any, clock: Callable[[], float]) -> None:
+    """Give the scheduler "dynamic"'s per-iteration budget (the config check made it the sarathi policy), with
+    the engine's clock for its measured feedback (`scheduler.budget.IterationFeedback`)."""
     if setup.policy is not None:
+        setup.policy.feedback = IterationFeedback(clock)
         scheduler.budget_policy = setup.policy
 
 

@@ -96,7 +96,7 @@ def make_simulated_engine(config: EngineConfig, cost_model: IterationCost | None
         cost_model = device_cost(cost_model or CostModel(), mc, dtype, tp, link or KV_LINKS["nvlink"], serial_fraction)
     engine = SimulatedEngine(sizing.scheduler_config, sizing.num_blocks, config.block_size, cost_model=cost_model,
                              enable_prefix_caching=config.enable_prefix_caching)
-    token_budget.install(setup, engine.scheduler)
+    token_budget.install(setup, engine.scheduler, engine.clock.now)
     engine.budget_setup = setup
     return engine
 

@@ -21,12 +21,13 @@ target has the engine's); with none of them, the budget is the compiled maximum.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from sarathi_jax.sequence import Sequence
+from sarathi_jax.sequence import Batch, Sequence
 
 TILE = 16  # budgets are multiples of a matmul tile of rows (EngineConfig's rule for token_budget)
 DEFAULT_MARGIN = 0.9
@@ -48,6 +49,9 @@ class BudgetPolicy(Protocol):
 
     def token_limit(self, running: SequenceOf[Sequence], decodes: SequenceOf[Sequence],
                     prefills: SequenceOf[Sequence]) -> int: ...
+
+    def scheduled(self, batch: Batch) -> None:
+        """The batch built under the last limit, as it will run."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class SloTokenBudget:
         self.default_slo_tbt_s = default_slo_tbt_s
         self.margin = margin
         self.last: tuple[int, float | None] = (max_budget, None)
+        self.feedback: IterationFeedback | None = None  # the engine's measured correction (token_budget.install)
 
     def target(self, running: SequenceOf[Sequence]) -> float | None:
         """The tightest TBT target among running requests past their first token (None: none has one)."""
@@ -137,8 +142,55 @@ class SloTokenBudget:
         positions = [s.num_computed_tokens for s in decodes]
         start = prefills[0].num_computed_tokens if prefills else 0
         lo = min(max(TILE, round_up(len(positions))), self.max_budget)
+        correction = 1.0 if self.feedback is None else self.feedback.correction(busy=bool(decodes))
         budget = largest_budget(
             lambda b: self.predictor.mixed_batch_time(positions, start, b - len(positions)),
-            self.margin * target, lo, self.max_budget)
+            self.margin * target / correction, lo, self.max_budget)
         self.last = (budget, target)
         return budget
+
+    def scheduled(self, batch: Batch) -> None:
+        """The batch built under this iteration's limit: its own predicted time, for the feedback's ratio."""
+        if self.feedback is None:
+            return
+        decodes = [seq.num_computed_tokens for seq, n, is_prefill in batch.items if not is_prefill]
+        if not decodes:  # only iterations that hold decodes are some request's time between tokens
+            self.feedback.start(None)
+            return
+        prefill = [(seq.num_computed_tokens, n) for seq, n, is_prefill in batch.items if is_prefill]
+        extra = sum(n - 1 for _, n, is_prefill in batch.items if not is_prefill)  # speculative rows
+        start = prefill[0][0] if prefill else 0
+        self.feedback.start(self.predictor.mixed_batch_time(decodes, start, sum(n for _, n in prefill) + extra))
+
+
+class IterationFeedback:
+    """What the cost model misses, measured: the ratio of each iteration's time (from its scheduling to the next
+    one's, while decodes keep the engine busy: a decode's time between tokens) to its predicted time, over the
+    last `window` iterations. `correction()` is their `quantile` (at least 1, and 1 until `min_samples`):
+    dividing the limit by it keeps that share of iterations within the prediction's limit even where the
+    machine's own noise (other processes, the host's time, a slow step's tail) makes steps take longer than
+    the calibration measured. On a virtual clock the iterations take their predicted time, so it stays 1."""
+
+    def __init__(self, clock: Callable[[], float], *, window: int = 128, quantile: float = 0.95,
+                 min_samples: int = 16) -> None:
+        self.clock = clock
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self._started: tuple[float, float] | None = None  # (predicted seconds, clock at scheduling)
+
+    def correction(self, *, busy: bool) -> float:
+        """Called as the next iteration is scheduled: the last one's ratio is recorded if `busy` (decodes were
+        ready, so the engine went straight on), then the current correction."""
+        if self._started is not None and busy:
+            predicted, t0 = self._started
+            if predicted > 0:
+                self.ratios.append((self.clock() - t0) / predicted)
+        self._started = None
+        if len(self.ratios) < self.min_samples:
+            return 1.0
+        ordered = sorted(self.ratios)
+        return max(1.0, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
+
+    def start(self, predicted_s: float | None) -> None:
+        self._started = None if predicted_s is None else (predicted_s, self.clock())

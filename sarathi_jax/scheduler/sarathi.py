@@ -35,6 +35,8 @@ class SarathiScheduler(Scheduler):
         self._admit(batch, chunked=True)
         if self.config.tile_size:
             _align_to_tile(batch, self.config.tile_size)
+        if policy is not None:
+            policy.scheduled(batch)
         return batch
 
 

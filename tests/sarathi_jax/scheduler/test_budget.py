@@ -18,7 +18,8 @@ from sarathi_jax.config import EngineConfig
 from sarathi_jax.cost_model import BucketCostModel
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig
-from sarathi_jax.scheduler.budget import TILE, SloTokenBudget, largest_budget, pick_auto_budget, reference_batch
+from sarathi_jax.scheduler.budget import (TILE, IterationFeedback, SloTokenBudget, largest_budget, pick_auto_budget,
+                                          reference_batch)
 from sarathi_jax.scheduler.registry import SCHEDULERS
 from sarathi_jax.sequence import Sequence
 from sarathi_jax.sizing import bucket_for, bucket_ladder, platform_buckets
@@ -273,10 +274,69 @@ def test_dynamic_budget_runs_in_the_largest_compiled_bucket_its_target_allows(la
     assert setup.policy is not None and setup.policy.predictor.buckets == buckets
     bm = BlockManager(256, 16)
     sched = SCHEDULERS["sarathi"](SchedulerConfig(token_budget=256, max_num_seqs=8, max_model_len=1024), bm)
-    token_budget.install(setup, sched)
+    token_budget.install(setup, sched, clock=lambda: 0.0)  # no time passes: the feedback stays 1
     sched.add_sequence(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=50), 0.0))
     complete(sched, sched.schedule())  # a's prefill: a decodes from now on
     sched.add_sequence(Sequence("b", list(range(1, 900)), SamplingParams(max_tokens=1), 1.0))
     out = sched.schedule()
     assert sum(c.num_new_tokens for c in out.chunks) == chunk_budget
     assert bucket_for(buckets, chunk_budget) == chunk_budget
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_feedback_is_the_measured_over_predicted_quantile_of_busy_iterations():
+    clock = FakeClock()
+    fb = IterationFeedback(clock, window=32, quantile=0.5, min_samples=4)
+    for ratio in (2.0, 1.5, 3.0):
+        assert fb.correction(busy=True) == 1.0  # fewer than min_samples ratios
+        fb.start(0.01)
+        clock.t += ratio * 0.01
+    clock.t += 5.0  # then nothing was ready to decode: the gap holds idle time, not a step's
+    assert fb.correction(busy=False) == 1.0 and len(fb.ratios) == 2  # 2.0 and 1.5; the third is dropped
+    fb.start(None)  # an iteration without decodes: no ratio
+    clock.t += 1.0
+    assert fb.correction(busy=True) == 1.0 and len(fb.ratios) == 2
+    for ratio in (1.25, 0.5):
+        fb.start(0.01)
+        clock.t += ratio * 0.01
+        fb.correction(busy=True)
+    assert sorted(fb.ratios) == pytest.approx([0.5, 1.25, 1.5, 2.0])
+    assert fb.correction(busy=True) == pytest.approx(1.5)  # the median of the four
+    fast = IterationFeedback(clock, min_samples=1)
+    fast.start(0.01)
+    clock.t += 0.005
+    assert fast.correction(busy=True) == 1.0  # never below 1: faster steps do not grow the budget
+
+
+def test_dynamic_budget_shrinks_when_iterations_take_longer_than_predicted():
+    """The test above's cost model and target (a bucket of at most 80 tokens), on a machine where every
+    iteration takes 1.5x its prediction: once the feedback has its samples, the limit is 0.9 x 20 ms / 1.5 =
+    12 ms, so only the 16-token bucket fits and the chunk shrinks to what the decode leaves of it."""
+    model = BucketCostModel({16: 0.0116, 256: 0.0356}, 0.0, 0.0)
+    config = EngineConfig(token_budget="dynamic", slo_tbt_s=0.02, max_token_budget=256, max_num_seqs=8)
+    buckets = platform_buckets(256, "gpu", bucket_ladder(config))
+    _, setup = token_budget.resolve(config, model, "test", buckets, max_model_len=4096)
+    bm = BlockManager(512, 16)
+    sched = SCHEDULERS["sarathi"](SchedulerConfig(token_budget=256, max_num_seqs=8, max_model_len=4096), bm)
+    clock = FakeClock()
+    token_budget.install(setup, sched, clock)
+    sched.add_sequence(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=1000), 0.0))
+    complete(sched, sched.schedule())
+    sched.add_sequence(Sequence("b", list(range(1, 3000)), SamplingParams(max_tokens=1), 1.0))
+    totals = []
+    for _ in range(40):
+        out = sched.schedule()
+        total = sum(c.num_new_tokens for c in out.chunks)
+        totals.append(total)
+        clock.t += 1.5 * (0.01 + 0.0001 * bucket_for(buckets, total))  # the model's time, 1.5x
+        complete(sched, out)
+    assert totals[:16] == [80] * 16  # until the feedback has min_samples ratios: the prediction alone
+    assert setup.policy.feedback.correction(busy=True) == pytest.approx(1.5)
+    assert set(totals[17:]) == {16}
