@@ -31,7 +31,6 @@ from sarathi_jax.sequence import Batch, Sequence
 
 TILE = 16  # budgets are multiples of a matmul tile of rows (EngineConfig's rule for token_budget)
 DEFAULT_MARGIN = 0.9
-NEAR_LIMIT = 0.5  # the dynamic budget's feedback learns from iterations predicted at >= this share of the limit
 REFERENCE_DECODES = 32
 
 
@@ -161,12 +160,7 @@ class SloTokenBudget:
         prefill = [(seq.num_computed_tokens, n) for seq, n, is_prefill in batch.items if is_prefill]
         extra = sum(n - 1 for _, n, is_prefill in batch.items if not is_prefill)  # speculative rows
         start = prefill[0][0] if prefill else 0
-        predicted = self.predictor.mixed_batch_time(decodes, start, sum(n for _, n in prefill) + extra)
-        target = self.last[1]
-        # Only iterations near the limit teach the correction: a short step's time is mostly the host's (fixed,
-        # and overlapped with the device), whose ratio to its prediction says nothing of a long step's tail.
-        near = target is not None and predicted >= NEAR_LIMIT * self.margin * target
-        self.feedback.start(predicted if near else None)
+        self.feedback.start(self.predictor.mixed_batch_time(decodes, start, sum(n for _, n in prefill) + extra))
 
 
 class IterationFeedback:

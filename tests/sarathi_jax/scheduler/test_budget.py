@@ -340,21 +340,3 @@ def test_dynamic_budget_shrinks_when_iterations_take_longer_than_predicted():
     assert totals[:16] == [80] * 16  # until the feedback has min_samples ratios: the prediction alone
     assert setup.policy.feedback.correction(busy=True) == pytest.approx(1.5)
     assert set(totals[17:]) == {16}
-
-
-def test_feedback_ignores_iterations_far_below_the_limit():
-    """Decode-only steps predicted at 11.6 ms against a 90 ms limit (0.9 x 100 ms): however slow they run (the
-    host's fixed time), they say nothing about a step near the limit, so no ratio is recorded."""
-    model = BucketCostModel({16: 0.0116, 256: 0.0356}, 0.0, 0.0)
-    config = EngineConfig(token_budget="dynamic", slo_tbt_s=0.1, max_token_budget=256, max_num_seqs=8)
-    _, setup = token_budget.resolve(config, model, "test", platform_buckets(256, "gpu", "fine"), max_model_len=4096)
-    sched = SCHEDULERS["sarathi"](SchedulerConfig(token_budget=256, max_num_seqs=8, max_model_len=4096),
-                                  BlockManager(512, 16))
-    clock = FakeClock()
-    token_budget.install(setup, sched, clock)
-    sched.add_sequence(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=100), 0.0))
-    for _ in range(30):
-        out = sched.schedule()
-        clock.t += 0.05  # 4x the prediction
-        complete(sched, out)
-    assert len(setup.policy.feedback.ratios) == 0 and setup.policy.feedback.correction(busy=True) == 1.0
