@@ -1,6 +1,6 @@
 """One process of the loopback multi-process test (test_multihost_loopback): SARATHI_* variables in the
 environment, argv = model_dir tp pp prompts_json max_tokens [disaggregation]; prints `RESULT <json tokens>` on
-success, and with a disaggregation `TRANSFERS <json [count, bytes]>` (the KV copies this process took part in)."""
+success, and with a disaggregation `TRANSFERS <json [count, bytes, seconds]>` (the KV copies this process took part in)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def main() -> None:
             if out.finished:
                 tokens[out.request_id] = list(out.token_ids)
     if isinstance(engine, DisaggregatedEngine):
-        print("TRANSFERS " + json.dumps([engine.num_transfers, engine.transfer_bytes]), flush=True)
+        print("TRANSFERS " + json.dumps([engine.num_transfers, engine.transfer_bytes,
+                                                  engine.transfer_seconds]), flush=True)
     print("RESULT " + json.dumps(tokens, sort_keys=True), flush=True)
 
 

@@ -379,5 +379,5 @@ def test_multihost_disaggregation(model_dir, prompts, reference, split, devices_
     prefills (prompts up to 45 tokens, budget 16); same tokens as the single-device colocated engine."""
     for lines in run_two_processes(model_dir, prompts, devices_per_process, "1", "1", str(MAX_TOKENS), split):
         assert tagged(lines, "RESULT") == reference.tokens
-        num_transfers, num_bytes = tagged(lines, "TRANSFERS")
+        num_transfers, num_bytes, _ = tagged(lines, "TRANSFERS")
         assert num_transfers == len(prompts) and num_bytes > 0  # every request moved once (max_tokens > 1)
