@@ -165,9 +165,9 @@ class DisaggregatedEngine(DisaggregationFlow):
 def place_instances(split: DisaggregationSplit, devices: Sequence[Any]) -> tuple[list[list[Any]], list[list[Any]]]:
     """Each instance's devices, prefill instances first, in `devices`' order (`jax.devices()`: by process).
     One process: the first P devices, then the next D. Several processes (jax.distributed): every instance on
-    one process's devices (tensor parallelism inside a process; an instance across processes is refused), the
-    prefill side from the first process on and the decode side from the first process after it, so that the
-    K/V moves between processes. ValueError naming the numbers when the split does not fit so."""
+    one process's devices (tensor parallelism inside a process; an instance across processes is refused, and so
+    are sides of different TP), the prefill side from the first process on and the decode side from the first
+    process after it, so that the K/V moves between processes. ValueError naming the numbers otherwise."""
     def take(group: InstanceGroup, pool: list[Any]) -> list[list[Any]]:
         tp = group.tensor_parallel_size
         out = [pool[i * tp:(i + 1) * tp] for i in range(group.num_instances)]
@@ -189,9 +189,13 @@ def place_instances(split: DisaggregationSplit, devices: Sequence[Any]) -> tuple
     prefill = take(split.prefill, devices)
     last = max(d.process_index for inst in prefill for d in inst)
     decode = take(split.decode, [d for d in devices if d.process_index > last])
-    widest = max(split.prefill.tensor_parallel_size, split.decode.tensor_parallel_size)
-    if _per_process(devices) < widest:  # each instance's tokens are copied to every process on as many devices
-        raise ValueError(f"disaggregation='{split}' across processes needs {widest} devices on every process (an "
+    tp_p, tp_d = split.prefill.tensor_parallel_size, split.decode.tensor_parallel_size
+    if tp_p != tp_d:  # CPU: "Cannot reshard an input that is not fully addressable" (docs/parallelism.md)
+        raise ValueError(f"disaggregation='{split}' across processes: the prefill instances' tensor parallelism "
+                         f"{tp_p} and the decode instances' {tp_d} must be equal (JAX copies an array across "
+                         f"processes only onto as many devices as it is on)")
+    if _per_process(devices) < tp_p:  # each instance's tokens are copied to every process on as many devices
+        raise ValueError(f"disaggregation='{split}' across processes needs {tp_p} devices on every process (an "
                          f"instance's sampled tokens reach the others on as many devices); the smallest process "
                          f"has {_per_process(devices)}")
     return prefill, decode

@@ -268,14 +268,18 @@ def test_instances_are_placed_by_process():
     one = [_FakeDevice(i, 0) for i in range(4)]
     assert place_instances(DisaggregationSplit.parse("1:1"), one) == ([one[:1]], [one[1:2]])
     assert place_instances(DisaggregationSplit.parse("1:1"), devices) == ([devices[:1]], [devices[2:3]])
-    assert place_instances(DisaggregationSplit.parse("2:2/1"), devices) == ([devices[:2]], [devices[2:3], devices[3:4]])
-    assert place_instances(DisaggregationSplit.parse("2/1:2"), devices) == ([devices[:1], devices[1:2]], [devices[2:4]])
+    assert place_instances(DisaggregationSplit.parse("2:2"), devices) == ([devices[:2]], [devices[2:4]])
+    assert place_instances(DisaggregationSplit.parse("3/1:1"), devices) == (
+        [devices[:1], devices[1:2], devices[2:3]], [devices[4:5]])  # prefill on processes 0, 1: decode on 2
+    assert place_instances(DisaggregationSplit.parse("2:2/1"), one) == ([one[:2]], [one[2:3], one[3:4]])
     with pytest.raises(ValueError, match=r"instance of 4 devices would span processes \[0, 1\]"):
         place_instances(DisaggregationSplit.parse("4:2"), devices)
     with pytest.raises(ValueError, match=r"needs 6 devices .* only 2 are left for its decode side"):
         place_instances(DisaggregationSplit.parse("2:4/2"), devices[:4])
     uneven = [_FakeDevice(0, 0), _FakeDevice(1, 1), _FakeDevice(2, 1)]
     with pytest.raises(ValueError, match=r"needs 2 devices on every process .* the smallest process has 1"):
+        place_instances(DisaggregationSplit.parse("2:2"), devices[:5])  # process 2 has one device
+    with pytest.raises(ValueError, match=r"tensor parallelism 1 and the decode instances' 2 must be equal"):
         place_instances(DisaggregationSplit.parse("1:2"), uneven)
 
 
