@@ -1,6 +1,7 @@
 """One process of the loopback multi-process test (test_multihost_loopback): SARATHI_* variables in the
 environment, argv = model_dir tp pp prompts_json max_tokens [disaggregation]; prints `RESULT <json tokens>` on
-success, and with a disaggregation `TRANSFERS <json [count, bytes, seconds]>` (the KV copies this process took part in)."""
+success, and with a disaggregation `TRANSFERS <json [count, bytes, seconds]>` (the KV copies this process took
+part in; the seconds are its own side of each copy)."""
 
 from __future__ import annotations
 
