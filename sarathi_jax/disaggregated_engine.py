@@ -17,8 +17,11 @@ run ahead.
 
 The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the token it
 sampled (a stop string inside it ends the request there). Structured outputs: one grammar matcher per request,
-advanced by whichever core samples. Not built yet: prefix-cache hits move every block anyway; one process (no
-jax.distributed).
+advanced by whichever core samples. Several processes (jax.distributed, docs/parallelism.md): every process
+drives every instance, as the multi-process pipeline does (`place_instances`: each instance on one process's
+devices, prefill and decode sides on different processes); the K/V copy is a cross-process `device_put`, and
+each instance's sampled tokens are copied to the other processes (`parallel.stages.copy_to_every_process`).
+Not built yet: prefix-cache hits move every block anyway.
 """
 
 from __future__ import annotations
@@ -71,19 +74,20 @@ class DisaggregatedEngine(DisaggregationFlow):
         self.split = split = DisaggregationSplit.parse(config.disaggregation)
         model = load_model_config(config.model)
         split.check(len(devices), model.num_attention_heads, model.num_key_value_heads)
-        self.devices = devices[:split.num_devices]
+        prefill_devices, decode_devices = place_instances(split, devices)
+        self.devices = [d for group in prefill_devices + decode_devices for d in group]
         side = dataclasses.replace(config, disaggregation=None, pipeline_parallel_size=1)
 
-        def build(role: str, group: InstanceGroup, first: int, caching: bool, text: bool) -> list[_RealInstance]:
-            tp = group.tensor_parallel_size
-            cfg = dataclasses.replace(side, tensor_parallel_size=tp, enable_prefix_caching=caching)
-            return [_RealInstance(f"{role}{i}", LLMEngine(cfg, warmup=warmup,
-                                                          devices=devices[first + i * tp:first + (i + 1) * tp]),
-                                  text=text) for i in range(group.num_instances)]
+        def build(role: str, group: InstanceGroup, placed: list[list[Any]], caching: bool,
+                  text: bool) -> list[_RealInstance]:
+            cfg = dataclasses.replace(side, tensor_parallel_size=group.tensor_parallel_size,
+                                      enable_prefix_caching=caching)
+            return [_RealInstance(f"{role}{i}", LLMEngine(cfg, warmup=warmup, devices=d), text=text)
+                    for i, d in enumerate(placed)]
 
         # Prefix caching on the prefill side only: decode blocks arrive by transfer.
-        prefill = build("prefill", split.prefill, 0, config.enable_prefix_caching, text=False)
-        decode = build("decode", split.decode, split.prefill.devices, False, text=True)
+        prefill = build("prefill", split.prefill, prefill_devices, config.enable_prefix_caching, text=False)
+        decode = build("decode", split.decode, decode_devices, False, text=True)
         first = prefill[0].engine
         self.config, self.model_config, self.tokenizer = config, first.model_config, first.tokenizer
         self.budget_setup = first.budget_setup
@@ -156,6 +160,49 @@ class DisaggregatedEngine(DisaggregationFlow):
         total = {k: sum(s[k] for s in per.values()) for k in ("num_kv_blocks", "kv_cache_bytes", "executables")}
         return {**per[self.prefill[0].name], **total, "num_devices": self.split.num_devices,
                 "total_s": self._startup_s, "disaggregation": str(self.split), "instances": per}
+
+
+def place_instances(split: DisaggregationSplit, devices: Sequence[Any]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Each instance's devices, prefill instances first, in `devices`' order (`jax.devices()`: by process).
+    One process: the first P devices, then the next D. Several processes (jax.distributed): every instance on
+    one process's devices (tensor parallelism inside a process; an instance across processes is refused, and so
+    are sides of different TP), the prefill side from the first process on and the decode side from the first
+    process after it, so that the K/V moves between processes. ValueError naming the numbers otherwise."""
+    def take(group: InstanceGroup, pool: list[Any]) -> list[list[Any]]:
+        tp = group.tensor_parallel_size
+        out = [pool[i * tp:(i + 1) * tp] for i in range(group.num_instances)]
+        if len(pool) < group.devices:
+            raise ValueError(f"disaggregation='{split}' needs {split.num_devices} devices ({split.prefill.devices} "
+                             f"prefill + {split.decode.devices} decode), placed by process; only "
+                             f"{len(pool)} are left for its {'decode' if group is split.decode else 'prefill'} side")
+        for inst in out:
+            procs = sorted({d.process_index for d in inst})
+            if len(procs) > 1:
+                raise ValueError(f"disaggregation='{split}': an instance of {tp} devices would span processes "
+                                 f"{procs} (not supported: an instance's tensor parallelism stays in one process; "
+                                 f"use instances of at most one process's {_per_process(devices)} devices)")
+        return out
+
+    devices = list(devices)
+    if len({d.process_index for d in devices}) == 1:
+        return take(split.prefill, devices), take(split.decode, devices[split.prefill.devices:])
+    prefill = take(split.prefill, devices)
+    last = max(d.process_index for inst in prefill for d in inst)
+    decode = take(split.decode, [d for d in devices if d.process_index > last])
+    tp_p, tp_d = split.prefill.tensor_parallel_size, split.decode.tensor_parallel_size
+    if tp_p != tp_d:  # CPU: "Cannot reshard an input that is not fully addressable" (docs/parallelism.md)
+        raise ValueError(f"disaggregation='{split}' across processes: the prefill instances' tensor parallelism "
+                         f"{tp_p} and the decode instances' {tp_d} must be equal (JAX copies an array across "
+                         f"processes only onto as many devices as it is on)")
+    if _per_process(devices) < tp_p:  # each instance's tokens are copied to every process on as many devices
+        raise ValueError(f"disaggregation='{split}' across processes needs {tp_p} devices on every process (an "
+                         f"instance's sampled tokens reach the others on as many devices); the smallest process "
+                         f"has {_per_process(devices)}")
+    return prefill, decode
+
+
+def _per_process(devices: Sequence[Any]) -> int:
+    return min(sum(d.process_index == p for d in devices) for p in {d.process_index for d in devices})
 
 
 def build_engine(config: EngineConfig, *, warmup: bool = True) -> LLMEngine | DisaggregatedEngine:

@@ -87,7 +87,9 @@ class LLMEngine(CoreFrontEnd):
         with record_compiles() as compiles:
             timer = PhaseTimer(compiles)
             with timer.phase("load"):
-                if num_devices > 1 or self.devices[0] != jax.devices()[0]:  # a mesh (of one device, off device 0)
+                # A mesh (of one device, off device 0; or in a multi-process run, where a plain jit would run
+                # on each process's own default device rather than on the engine's devices)
+                if num_devices > 1 or self.devices[0] != jax.devices()[0] or jax.process_count() > 1:
                     from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
 
                     self.parallel_plan, self.model_config, params = load_parallel_model(

@@ -31,6 +31,9 @@ prometheus_client appends `_total` to counters, so the counters read `sarathi:nu
 | sarathi:spec_decode_num_draft_tokens_total | counter | draft tokens proposed and verified |
 | sarathi:spec_decode_num_accepted_tokens_total | counter | of those, accepted |
 | sarathi:spec_decode_num_emitted_tokens_total | counter | tokens the verification steps emitted (not in vLLM V1) |
+| sarathi:kv_transfers_total | counter | disaggregation: requests whose K/V moved from prefill to decode (not in vLLM) |
+| sarathi:kv_transfer_bytes_total | counter | disaggregation: bytes those copies moved |
+| sarathi:kv_transfer_seconds_total | counter | disaggregation: seconds those copies took |
 
 A registry the server makes itself also carries prometheus_client's standard process metrics
 (`process_resident_memory_bytes`, `process_cpu_seconds_total`, `process_open_fds`, ...; Linux only), which the
@@ -310,9 +313,15 @@ class ServerMetrics:
                                      ("draft_tokens", "draft_tokens", "Draft tokens verified."),
                                      ("accepted_tokens", "accepted_tokens", "Draft tokens accepted."),
                                      ("emitted_tokens", "emitted_tokens", "Tokens verification steps emitted."))}
+        # Prefill/decode disaggregation's KV transfers (engine stat -> counter; 0 colocated).
+        self._transfer_counters = {
+            stat: Counter(PREFIX + name, text, labels, registry=r).labels(model_name)
+            for stat, name, text in (("num_transfers", "kv_transfers", "KV transfers, prefill to decode."),
+                                     ("transfer_bytes", "kv_transfer_bytes", "Bytes the KV transfers moved."),
+                                     ("transfer_seconds", "kv_transfer_seconds", "Seconds the KV transfers took."))}
         if registry is None:  # a registry given is the caller's (the global one has these already)
             ProcessCollector(registry=r)  # this process's memory, CPU time and open files
-        self._last_totals: dict[str, int] = {}  # engine stat -> the cumulative total already counted
+        self._last_totals: dict[str, float] = {}  # engine stat -> the cumulative total already counted
         self._http = None
 
     def request_finished(self, reason: str) -> None:
@@ -353,8 +362,9 @@ class ServerMetrics:
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         for key, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_cache_queries),
-                             ("prefix_cache_hits", self.prefix_cache_hits), *self._spec_counters.items()):
-            total, last = int(stats.get(key, 0)), self._last_totals.get(key, 0)
+                             ("prefix_cache_hits", self.prefix_cache_hits), *self._spec_counters.items(),
+                             *self._transfer_counters.items()):
+            total, last = float(stats.get(key, 0)), self._last_totals.get(key, 0.0)
             if total > last:  # the engine's totals are cumulative; counters take the increase
                 counter.inc(total - last)
             self._last_totals[key] = max(total, last)

@@ -119,8 +119,9 @@ class ParallelPlan:
 
     @property
     def on_default_device(self) -> bool:
-        """The mesh starts at `jax.devices()[0]`, where single-device arrays live."""
-        return self.mesh.devices.flat[0] == jax.devices()[0]
+        """The mesh starts at `jax.devices()[0]`, where single-device arrays live. Never with several processes:
+        there each process's plain jit runs on its own first device, so every runner keeps its mesh."""
+        return jax.process_count() == 1 and self.mesh.devices.flat[0] == jax.devices()[0]
 
     def stage_mesh(self, stage: int) -> Mesh:
         """Stage `stage`'s devices as a 1-D mesh with axis "tp"."""

@@ -9,20 +9,23 @@ inputs on its devices, describe the LM head the sampler runs after the last stag
 vocab-sharded, then gathered, under tensor parallelism) and give its jit the output shardings, so the
 runner's step reads the same with or without a mesh.
 
-Multi-process pipelines (see docs/parallelism.md): every process runs the engine loop and needs the sampled
+Multi-process runs (see docs/parallelism.md): every process runs the engine loop and needs the sampled
 tokens, but only the last stage's processes hold them; `copy_to_every_process` also puts them on the other
-processes' stages (a cross-host transfer) and `local_copy` picks the copy this process can read.
+processes (a cross-host transfer: onto a pipeline's earlier stages, or one device of each process the runner is
+not on, as a disaggregated engine's instances are) and `local_copy` picks the copy this process can read.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sarathi_jax.models import get_model
 from sarathi_jax.models.layers import lm_head_logits, lm_head_logits_vocab_major
@@ -169,23 +172,38 @@ def local_copy(x: Any) -> Any:
 
 
 def copy_to_every_process(stages: list[Stage], out: Any) -> Any:
-    """Multi-process pipelines: also put the (replicated) sampler output `out` on the stages of the processes
-    that do not hold the last stage; its leaves become `Copies`. Otherwise `out` as it is."""
-    if len(stages) == 1 or jax.process_count() == 1:
+    """Multi-process runs: also put the (replicated) sampler output `out` on the processes that do not hold the
+    last stage: on the earlier stages' meshes (pipelines), and on one device of each process no stage is on (a
+    disaggregated engine's instance, whose other processes drive the other instances); its leaves become
+    `Copies`. Otherwise `out` as it is."""
+    if jax.process_count() == 1:
         return out
     have = {d.process_index for d in stages[-1].mesh.devices.flat}
     targets = []
     for stage in stages[:-1]:
         procs = {d.process_index for d in stage.mesh.devices.flat}
         if not procs <= have:
-            targets.append(stage)
+            targets.append(stage.replicated)
             have |= procs
+    size = stages[-1].mesh.devices.size  # a cross-process copy keeps the number of devices
+    targets += [_on_process(p, size) for p in range(jax.process_count()) if p not in have]
     if not targets:
         return out
     leaves, treedef = jax.tree.flatten(out)
     copies = [[leaf] for leaf in leaves]
-    for stage in targets:
-        moved = jax.device_put(leaves, stage.replicated)
+    for sharding in targets:
+        moved = jax.device_put(leaves, sharding)
         for c, leaf in zip(copies, moved):
             c.append(leaf)
     return jax.tree.unflatten(treedef, [Copies(c) for c in copies])
+
+
+@functools.cache
+def _on_process(process: int, size: int) -> NamedSharding:
+    """Replicated on the first `size` devices of `process` (the same devices in every process). `size`: the
+    source's device count (JAX's cross-process copy, CopyArrays, needs equal device lists)."""
+    devices = sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+    if len(devices) < size:
+        raise ValueError(f"process {process} has {len(devices)} devices; copying the sampled tokens of a runner "
+                         f"on {size} devices there needs {size}")
+    return NamedSharding(Mesh(np.array(devices[:size]), (TP_AXIS,)), PartitionSpec())

@@ -18,7 +18,8 @@ import pytest
 
 from sarathi_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.admission import AdmissionError
-from sarathi_jax.disaggregated_engine import DisaggregatedEngine
+from sarathi_jax.disaggregated_engine import DisaggregatedEngine, place_instances
+from sarathi_jax.disaggregation_config import DisaggregationSplit
 from sarathi_jax.disaggregation_kv import KVBlockMover
 from tests.sarathi_jax.engine_helpers import hf_generate, run_staggered
 
@@ -257,6 +258,35 @@ def test_llm_generate_runs_on_it(model_dir, prompts, expected):
 def test_bad_split_is_refused_at_start(model_dir, split, match):
     with pytest.raises(ValueError, match=match):
         make_engine(model_dir, split)
+
+
+def test_instances_are_placed_by_process():
+    """`place_instances` (the two-process run itself: tests/sarathi_jax/parallel/test_parallel.py's
+    test_multihost_disaggregation): one process in order; several, each instance on one process's devices and
+    the decode side on later processes than the prefill side; the rest refused, naming the numbers."""
+    devices = [_FakeDevice(i, i // 2) for i in range(6)]  # three processes of two devices
+    one = [_FakeDevice(i, 0) for i in range(4)]
+    assert place_instances(DisaggregationSplit.parse("1:1"), one) == ([one[:1]], [one[1:2]])
+    assert place_instances(DisaggregationSplit.parse("1:1"), devices) == ([devices[:1]], [devices[2:3]])
+    assert place_instances(DisaggregationSplit.parse("2:2"), devices) == ([devices[:2]], [devices[2:4]])
+    assert place_instances(DisaggregationSplit.parse("3/1:1"), devices) == (
+        [devices[:1], devices[1:2], devices[2:3]], [devices[4:5]])  # prefill on processes 0, 1: decode on 2
+    assert place_instances(DisaggregationSplit.parse("2:2/1"), one) == ([one[:2]], [one[2:3], one[3:4]])
+    with pytest.raises(ValueError, match=r"instance of 4 devices would span processes \[0, 1\]"):
+        place_instances(DisaggregationSplit.parse("4:2"), devices)
+    with pytest.raises(ValueError, match=r"needs 6 devices .* only 2 are left for its decode side"):
+        place_instances(DisaggregationSplit.parse("2:4/2"), devices[:4])
+    uneven = [_FakeDevice(0, 0), _FakeDevice(1, 1), _FakeDevice(2, 1)]
+    with pytest.raises(ValueError, match=r"needs 2 devices on every process .* the smallest process has 1"):
+        place_instances(DisaggregationSplit.parse("2:2"), devices[:5])  # process 2 has one device
+    with pytest.raises(ValueError, match=r"tensor parallelism 1 and the decode instances' 2 must be equal"):
+        place_instances(DisaggregationSplit.parse("1:2"), uneven)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeDevice:
+    id: int
+    process_index: int
 
 
 def test_text_and_stop_strings_match_the_colocated_engine(hf_checkpoint):

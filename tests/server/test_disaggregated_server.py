@@ -1,6 +1,6 @@
 """The gRPC server over the real disaggregated engine (issue 33): built from its config as the server's start
 builds it (`build_engine`), served unchanged: unary and streamed greedy tokens equal HF's, and every KV block
-is free on both sides once they are done."""
+is free on both sides once they are done; the KV transfers appear in GetStats and the Prometheus counters."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from grpc_test_utils import ENGINE_KW, all_blocks_free, greedy, serving, stub_for, wait_until
 
 from server.client import make_request
+from server.proto.sarathi.v1 import generation_pb2 as pb
 from tests.sarathi_jax.engine_helpers import hf_generate
 
 PROMPTS = [[5, 9, 33, 2, 71, 8, 14, 200, 3, 41, 17, 99, 23, 5, 6, 7, 8, 90, 91], [40, 41, 42]]
@@ -38,7 +39,16 @@ def test_grpc_serves_the_disaggregated_engine(disaggregated, hf_checkpoint):
             streamed = [t for msg in stream for t in msg.token_ids]
             assert [list(unary.token_ids), streamed] == expected
             wait_until(lambda: all_blocks_free(stub), what="every KV block free")
+            # The transfers in GetStats and as Prometheus counters (the /metrics endpoint's registry).
+            stats = engine.stats()
+            reply = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+            assert (reply.num_transfers, reply.transfer_bytes) == (2, stats["transfer_bytes"])
+            assert reply.transfer_bytes > 0 and reply.transfer_seconds == pytest.approx(stats["transfer_seconds"])
+            assert reply.transfer_seconds > 0
+            counter = lambda name: srv.metrics.registry.get_sample_value(  # noqa: E731
+                f"sarathi:{name}_total", {"model_name": srv.model_name})
+            assert (counter("kv_transfers"), counter("kv_transfer_bytes")) == (2, stats["transfer_bytes"])
+            assert counter("kv_transfer_seconds") == pytest.approx(stats["transfer_seconds"])
         finally:
             channel.close()
-    stats = engine.stats()
-    assert stats["num_transfers"] == 2 and {r.instance for r in engine.iteration_log} == {"prefill0", "decode0"}
+    assert {r.instance for r in engine.iteration_log} == {"prefill0", "decode0"}

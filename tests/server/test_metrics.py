@@ -67,3 +67,14 @@ def test_engine_totals_become_counters():
     m.update_engine_stats({**spec, "spec_num_verify_steps": 4, "spec_num_draft_tokens": 16})
     assert [value(f"spec_decode_num_{n}") for n in ("drafts", "draft_tokens", "accepted_tokens", "emitted_tokens")] \
         == [4, 16, 7, 10]
+
+
+def test_kv_transfers_become_counters():
+    """A disaggregated engine's transfer totals (`DisaggregationFlow.stats`): counters, seconds fractional."""
+    m = ServerMetrics("tiny")
+    m.update_engine_stats({"num_transfers": 2, "transfer_bytes": 4096, "transfer_seconds": 0.25})
+    m.update_engine_stats({"num_transfers": 3, "transfer_bytes": 6144, "transfer_seconds": 0.375})
+    assert (_value(m, "kv_transfers_total"), _value(m, "kv_transfer_bytes_total")) == (3, 6144)
+    assert _value(m, "kv_transfer_seconds_total") == 0.375
+    m.update_engine_stats({"num_running": 1})  # a colocated engine's stats leave them alone
+    assert _value(m, "kv_transfers_total") == 3

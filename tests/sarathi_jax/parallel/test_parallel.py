@@ -318,10 +318,10 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def test_multihost_loopback(model_dir, prompts, reference):
-    """Two processes on loopback (JAX CPU backend, gloo collectives), two CPU devices each, started through
-    the SARATHI_* variables: TP=2 x PP=2 with one stage per process (stage activations and sampled tokens
-    cross processes over the DCN socket transfer), same tokens as the single-device engine."""
+def run_two_processes(model_dir, prompts, devices_per_process: int, *args: str) -> list[list[str]]:
+    """Two worker processes on loopback (JAX CPU backend, gloo collectives), `devices_per_process` CPU devices
+    each, started through the SARATHI_* variables with ports picked free; `args` after the prompts: tp pp
+    max_tokens [disaggregation]. Each process's output lines."""
     import json
     import os
     import subprocess
@@ -334,26 +334,50 @@ def test_multihost_loopback(model_dir, prompts, reference):
     for rank in range(2):
         env = {
             **os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
             "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
             "SARATHI_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}",
             "SARATHI_NUM_PROCESSES": "2",
             "SARATHI_PROCESS_ID": str(rank),
             "SARATHI_TRANSFER_ADDRESS": f"127.0.0.1:{transfer[rank]}",
         }
-        cmd = [sys.executable, str(Path(__file__).with_name("multihost_worker.py")), str(model_dir), "2", "2",
-               json.dumps(prompts), str(MAX_TOKENS)]
+        tp, pp, max_tokens, *rest = args
+        cmd = [sys.executable, str(Path(__file__).with_name("multihost_worker.py")), str(model_dir), tp, pp,
+               json.dumps(prompts), max_tokens, *rest]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=180)
+            out, _ = p.communicate(timeout=300)
             outputs.append(out)
             assert p.returncode == 0, out[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for out in outputs:
-        line = next(line for line in out.splitlines() if line.startswith("RESULT "))
-        assert json.loads(line.removeprefix("RESULT ")) == reference.tokens
+    return [out.splitlines() for out in outputs]
+
+
+def tagged(lines: list[str], tag: str):
+    import json
+
+    return json.loads(next(line for line in lines if line.startswith(tag + " ")).removeprefix(tag + " "))
+
+
+def test_multihost_loopback(model_dir, prompts, reference):
+    """Two processes, two CPU devices each: TP=2 x PP=2 with one stage per process (stage activations and
+    sampled tokens cross processes over the DCN socket transfer), same tokens as the single-device engine."""
+    for lines in run_two_processes(model_dir, prompts, 2, "2", "2", str(MAX_TOKENS)):
+        assert tagged(lines, "RESULT") == reference.tokens
+
+
+@pytest.mark.parametrize("split,devices_per_process", [("1:1", 1), ("2:2", 2)])
+def test_multihost_disaggregation(model_dir, prompts, reference, split, devices_per_process):
+    """Prefill/decode disaggregation across two processes (issue 33): the prefill instance on process 0's
+    devices, the decode instance on process 1's, both processes driving both; every prompt's K/V blocks cross
+    processes (`KVBlockMover`'s device_put) and each instance's sampled tokens reach the other process. Chunked
+    prefills (prompts up to 45 tokens, budget 16); same tokens as the single-device colocated engine."""
+    for lines in run_two_processes(model_dir, prompts, devices_per_process, "1", "1", str(MAX_TOKENS), split):
+        assert tagged(lines, "RESULT") == reference.tokens
+        num_transfers, num_bytes, _ = tagged(lines, "TRANSFERS")
+        assert num_transfers == len(prompts) and num_bytes > 0  # every request moved once (max_tokens > 1)

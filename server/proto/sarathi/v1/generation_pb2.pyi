@@ -169,7 +169,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "num_preemptions", "num_active_requests", "num_pending_requests", "num_pending_prompt_tokens", "num_iterations", "draining")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "num_preemptions", "num_active_requests", "num_pending_requests", "num_pending_prompt_tokens", "num_iterations", "draining", "num_transfers", "transfer_bytes", "transfer_seconds")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,9 @@ class Stats(_message.Message):
     NUM_PENDING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -192,4 +195,7 @@ class Stats(_message.Message):
     num_pending_prompt_tokens: int
     num_iterations: int
     draining: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_pending_requests: _Optional[int] = ..., num_pending_prompt_tokens: _Optional[int] = ..., num_iterations: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_transfers: int
+    transfer_bytes: int
+    transfer_seconds: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_pending_requests: _Optional[int] = ..., num_pending_prompt_tokens: _Optional[int] = ..., num_iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., num_transfers: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
