@@ -172,7 +172,8 @@ def activation_bytes_estimate(config: EngineConfig, model_config: ModelConfig) -
     """An upper estimate of one step's transient device memory at the largest batch this config can build:
     one layer's intermediates per token in float32 (XLA reuses them from layer to layer; attention is tiled,
     so it adds nothing proportional to the context), the float32 logits of the sampled rows with the
-    sampler's copies, doubled for XLA's buffer scheduling, plus a fixed reserve. Sized before the KV cache,
+    sampler's copies, doubled for XLA's buffer scheduling, plus a model draft's q (`draft_probs_bytes`) and a
+    fixed reserve. Sized before the KV cache,
     so it bounds max_model_len by the model's limit."""
     mc = model_config
     if config.scheduler in CHUNKING_POLICIES:
@@ -182,7 +183,17 @@ def activation_bytes_estimate(config: EngineConfig, model_config: ModelConfig) -
     qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
     per_token = 4 * (4 * mc.hidden_size + qkv + 3 * mc.intermediate_size)
     logits = 4 * 4 * config.max_num_seqs * mc.vocab_size
-    return 2 * (tokens * per_token + logits) + ACTIVATION_RESERVE_BYTES
+    return 2 * (tokens * per_token + logits) + draft_probs_bytes(config, mc) + ACTIVATION_RESERVE_BYTES
+
+
+def draft_probs_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
+    """A model draft's q ("self" or a draft model): float32 [max_num_seqs, vocab] per draft step, kept on the
+    device from `propose` to the verification step, and one of zeros for the steps not run
+    (draft_runner.DraftRunner); n-gram lookup and no speculation keep none."""
+    spec = config.speculative_config
+    if spec is None or spec.method == "ngram":
+        return 0
+    return 4 * (spec.num_speculative_tokens + 1) * config.max_num_seqs * model_config.vocab_size
 
 
 def kv_cache_budget(

@@ -19,7 +19,7 @@ from sarathi_jax.config import resolve_dtype
 from sarathi_jax.engine import format_startup
 from sarathi_jax.models.presets import get_preset
 from sarathi_jax.rejection_sampling import verify_sampled_drafts_jit
-from sarathi_jax.sizing import activation_bytes_estimate, jax_mem_fraction, kv_bytes_per_block
+from sarathi_jax.sizing import activation_bytes_estimate, draft_probs_bytes, jax_mem_fraction, kv_bytes_per_block
 from tests.sarathi_jax.engine_helpers import run_staggered
 from tests.sarathi_jax.speculation_helpers import (
     GREEDY,
@@ -155,7 +155,10 @@ def test_a_draft_models_memory_counts_when_the_kv_cache_is_sized(monkeypatch):
     monkeypatch.setattr(engine_module, "_memory_stats", lambda devices: [stats] * len(devices))
     llm = LLM("tiny-llama", token_budget=64, max_model_len=128, gpu_memory_utilization=0.8, warmup=False,
               speculative_config={"model": "tiny-llama", "num_speculative_tokens": 2})
-    expected = (32 << 20) // (2 * per_block)
+    # The draft's q ([max_num_seqs, vocab] float32 per draft step, and one of zeros) is set aside first.
+    q_bytes = 4 * (2 + 1) * llm.engine.config.max_num_seqs * mc.vocab_size
+    assert draft_probs_bytes(llm.engine.config, mc) == q_bytes > 0
+    expected = ((32 << 20) - q_bytes) // (2 * per_block)
     startup = llm.engine.startup_stats()
     assert llm.engine.block_manager.num_total_blocks == startup["num_kv_blocks"] == expected > 0
     assert startup["draft_kv_cache_bytes"] == startup["kv_cache_bytes"] == expected * per_block
