@@ -56,6 +56,7 @@ from sarathi_jax.bench.peer.servers import (ServerCommand, cpu_ids, drive, free_
 from sarathi_jax.bench.peer.workloads import (check_model_dir, describe_requests, offline_workload, peer_requests,
                                               rate_workload, warmup_workload)
 from sarathi_jax.bench.workload import Workload
+from sarathi_jax.config import token_budget_arg
 from sarathi_jax.paths import cli_path, cli_program
 
 
@@ -71,8 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vllm-python", type=cli_program, default=None, metavar="PATH",
                    help="the interpreter that has vllm (default: this one, when it has vllm)")
     m.add_argument("--engines", default="sarathi,vllm", help="sarathi, vllm or both")
-    m.add_argument("--token-budget", type=int, default=512, help="this engine's token budget = vLLM's "
-                   "max_num_batched_tokens")
+    m.add_argument("--token-budget", type=token_budget_arg, default=512,
+                   help="this engine's token budget: an integer (also vLLM's max_num_batched_tokens unless "
+                        "--vllm-token-budget says otherwise), or auto/dynamic from the TBT target --slo-tbt")
+    m.add_argument("--vllm-token-budget", default=None, metavar="N|default",
+                   help="vLLM's max_num_batched_tokens: an integer, or default (vLLM's own: 2048 for its CPU "
+                        "server, 4096 offline); needed when --token-budget is auto or dynamic "
+                        "(default: --token-budget)")
+    m.add_argument("--max-token-budget", type=int, default=None,
+                   help="this engine's largest budget under --token-budget auto/dynamic (EngineConfig's)")
     m.add_argument("--max-num-seqs", type=int, default=64)
     m.add_argument("--max-model-len", type=int, default=2048, help="longer requests are scaled down to fit")
     m.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size, whole GiB (VLLM_CPU_KVCACHE_SPACE)")

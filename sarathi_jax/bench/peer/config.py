@@ -72,6 +72,29 @@ def vllm_info(python: str) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _vllm_token_budget(args: argparse.Namespace) -> int | str | None:
+    """vLLM's max_num_batched_tokens (EngineSettings.vllm_token_budget: None for vLLM's default). This engine's "auto"/"dynamic" budget comes from the
+    TBT target --slo-tbt, which vLLM has no counterpart of: then vLLM's budget must be named."""
+    if isinstance(args.token_budget, str):
+        if args.slo_tbt is None:
+            raise BenchError(f"--token-budget {args.token_budget} needs the TBT target --slo-tbt SECONDS")
+        if args.vllm_token_budget is None:
+            raise BenchError(f"--token-budget {args.token_budget} is this engine's only: give vLLM's with "
+                             "--vllm-token-budget N or --vllm-token-budget default")
+    elif args.vllm_token_budget is None:
+        return "same"
+    if args.vllm_token_budget == "default":
+        return None
+    try:
+        budget = int(args.vllm_token_budget)
+    except ValueError:
+        raise BenchError(f"--vllm-token-budget: expected an integer or default, got {args.vllm_token_budget!r}") \
+            from None
+    if budget < 1:
+        raise BenchError(f"--vllm-token-budget must be >= 1, got {budget}")
+    return budget
+
+
 def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfig:
     """Check the options (BenchError for bad ones) and resolve defaults: the parts, the model folder (written
     by --make-model), vLLM's interpreter (`notes` says once when there is none), the trace."""
@@ -130,8 +153,11 @@ def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfi
     if parts and "sarathi" not in engines and vllm_python is None:
         raise BenchError("--engines vllm, but there is no vllm to run (see the note above)")
     trace = resolve_trace(args.trace) if {"rates", "capacity"} & set(parts) else None
-    settings = EngineSettings(model=str(model), token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-                              max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+    settings = EngineSettings(model=str(model), token_budget=args.token_budget,
+                              vllm_token_budget=_vllm_token_budget(args), max_num_seqs=args.max_num_seqs,
+                              max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+                              slo_tbt_s=args.slo_tbt if isinstance(args.token_budget, str) else None,
+                              max_token_budget=args.max_token_budget)
     return PeerConfig(
         settings=settings,
         engines=tuple(ENGINE_CHOICES[e] for e in engines if e == "sarathi" or vllm_python),

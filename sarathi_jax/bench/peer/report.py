@@ -135,9 +135,18 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def budgets_line(settings: dict[str, Any]) -> str:
+    """Each engine's token budget: equal unless the run gave each its own (--vllm-token-budget)."""
+    ours, theirs = settings.get("token_budget"), settings.get("vllm_token_budget", "same")
+    if isinstance(ours, str):
+        ours = f"{ours} (TBT target {fmt_seconds(settings.get('slo_tbt_s'))})"
+    theirs = ours if theirs == "same" else "vLLM's default" if theirs is None else theirs
+    return f"token budget: {SARATHI} {ours}, {VLLM} {theirs}"
+
+
 def format_report(report: dict[str, Any]) -> str:
-    parts = []
     workloads = report.get("workloads", {})
+    parts = [budgets_line(report["settings"])] if "settings" in report else []
     if report.get("offline"):
         parts += [f"offline: {workloads.get('offline', {}).get('description', '')}",
                   offline_table(report["offline"]), ""]

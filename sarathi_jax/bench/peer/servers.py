@@ -44,11 +44,23 @@ class EngineSettings:
     """What both engines are given: the same model, batch limits, context, KV cache size, dtype and seed."""
 
     model: str
-    token_budget: int = 512  # vLLM: max_num_batched_tokens
+    token_budget: int | str = 512  # this engine's: an integer, or "auto"/"dynamic" from slo_tbt_s
+    vllm_token_budget: int | str | None = "same"  # vLLM's max_num_batched_tokens: "same" as token_budget (an
+    # integer), a number of its own, or None: vLLM's own default
+    slo_tbt_s: float | None = None  # this engine's TBT target, for token_budget "auto"/"dynamic"
+    max_token_budget: int | None = None  # "auto"'s largest candidate, "dynamic"'s compiled maximum
     max_num_seqs: int = 64
     max_model_len: int = 2048
     kv_cache_gib: int = 1  # vLLM: VLLM_CPU_KVCACHE_SPACE (whole GiB); this engine: kv_cache_bytes
     seed: int = 0
+
+    @property
+    def vllm_max_num_batched_tokens(self) -> int | None:
+        if self.vllm_token_budget != "same":
+            return self.vllm_token_budget  # type: ignore[return-value]
+        if not isinstance(self.token_budget, int):
+            raise ValueError(f"token_budget {self.token_budget!r} is this engine's only: name vLLM's budget")
+        return self.token_budget
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -74,6 +86,10 @@ def sarathi_server_command(s: EngineSettings, port: int, python: str = sys.execu
             "--token-budget", str(s.token_budget), "--max-num-seqs", str(s.max_num_seqs),
             "--max-model-len", str(s.max_model_len), "--kv-cache-bytes", str(s.kv_cache_bytes),
             "--no-enable-prefix-caching", "--no-background-compile", "--seed", str(s.seed), "--log-level", "WARNING")
+    if s.slo_tbt_s is not None:
+        argv += ("--slo-tbt-s", str(s.slo_tbt_s))
+    if s.max_token_budget is not None:
+        argv += ("--max-token-budget", str(s.max_token_budget))
     return ServerCommand("sarathi-jax", argv)
 
 
@@ -111,10 +127,12 @@ def vllm_preload_libs(prefix: str | None) -> tuple[str, ...]:
 
 
 def vllm_engine_kwargs(s: EngineSettings) -> dict[str, Any]:
-    """vllm.LLM's keyword arguments (the offline part) for `s`; the server gets the same as flags."""
-    return {"model": s.model, "dtype": "float32", "max_model_len": s.max_model_len,
-            "max_num_batched_tokens": s.token_budget, "max_num_seqs": s.max_num_seqs,
-            "enable_prefix_caching": False, "seed": s.seed}
+    """vllm.LLM's keyword arguments (the offline part) for `s`; the server gets the same as flags. Without a
+    vllm_token_budget, max_num_batched_tokens is left to vLLM (on a CPU: 4096 offline, 2048 for its server)."""
+    budget = s.vllm_max_num_batched_tokens
+    budget = {} if budget is None else {"max_num_batched_tokens": budget}
+    return {"model": s.model, "dtype": "float32", "max_model_len": s.max_model_len, **budget,
+            "max_num_seqs": s.max_num_seqs, "enable_prefix_caching": False, "seed": s.seed}
 
 
 def vllm_server_command(s: EngineSettings, port: int, python: str, env: Sequence[tuple[str, str]] = ()

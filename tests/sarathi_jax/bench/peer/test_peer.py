@@ -16,10 +16,11 @@ from sarathi_jax.bench.args import BenchError
 from sarathi_jax.bench.peer import compare
 from sarathi_jax.bench.peer import config as peer_config
 from sarathi_jax.bench.peer.model import TINY, LlamaShape, make_model
-from sarathi_jax.bench.peer.offline import vllm_spec
-from sarathi_jax.bench.peer.report import RATIO_LABEL, SARATHI, VLLM, capacity_table, offline_table, ratio, ratios
+from sarathi_jax.bench.peer.offline import sarathi_engine_config, vllm_spec
+from sarathi_jax.bench.peer.report import (RATIO_LABEL, SARATHI, VLLM, budgets_line, capacity_table, offline_table,
+                                          ratio, ratios)
 from sarathi_jax.bench.peer.servers import (EngineSettings, queue_check, sarathi_server_command, vllm_cpu_env,
-                                            vllm_server_command)
+                                            vllm_engine_kwargs, vllm_server_command)
 from sarathi_jax.bench.peer.workloads import offline_workload, peer_requests, rate_workload, resolve_trace
 
 TRACE_ROWS = [(0.0, 300, 40), (1.0, 90, 12), (2.5, 700, 30), (3.0, 50, 9), (4.0, 120, 20), (6.0, 2000, 300)]
@@ -96,6 +97,32 @@ def test_both_servers_get_the_same_settings():
     assert 2.0 in buckets  # the paper's 2 s bound is a bucket edge on both servers
 
 
+def test_each_engine_its_own_budget(tiny_model):
+    """This engine's budget from its TBT target, vLLM's at its own default or a number of its own."""
+    cfg = peer_config.config_from_args(_args("--model", tiny_model, "--token-budget", "dynamic", "--slo-tbt", "0.1",
+                                             "--max-token-budget", "512", "--vllm-token-budget", "default"), notes=[])
+    s = cfg.settings
+    ours = sarathi_server_command(s, 8000, python="py").argv
+    theirs = vllm_server_command(s, 8001, "vpy").argv
+    assert ours[ours.index("--token-budget") + 1] == "dynamic" and ours[ours.index("--slo-tbt-s") + 1] == "0.1"
+    assert ours[ours.index("--max-token-budget") + 1] == "512"
+    assert "--max-num-batched-tokens" not in theirs and "max_num_batched_tokens" not in vllm_engine_kwargs(s)
+    engine = sarathi_engine_config(s)
+    assert (engine.token_budget, engine.slo_tbt_s, engine.max_token_budget) == ("dynamic", 0.1, 512)
+    s = peer_config.config_from_args(_args("--model", tiny_model, "--token-budget", "64", "--vllm-token-budget",
+                                           "2048"), notes=[]).settings
+    assert (s.token_budget, s.vllm_max_num_batched_tokens, s.slo_tbt_s) == (64, 2048, None)
+    assert vllm_engine_kwargs(s)["max_num_batched_tokens"] == 2048
+    assert "--slo-tbt-s" not in sarathi_server_command(s, 8000, python="py").argv
+
+
+def test_the_report_names_each_engines_budget():
+    assert budgets_line({"token_budget": 128, "vllm_token_budget": "same"}) == \
+        f"token budget: {SARATHI} 128, {VLLM} 128"
+    line = budgets_line({"token_budget": "dynamic", "vllm_token_budget": None, "slo_tbt_s": 0.1})
+    assert line.startswith(f"token budget: {SARATHI} dynamic (TBT target ") and line.endswith(f"{VLLM} vLLM's default")
+
+
 def test_vllm_env_binds_every_core_and_appends_preloads(monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", "/already.so")
     env = dict(vllm_cpu_env(1, "all", ("/a.so", "/b.so")))
@@ -155,6 +182,10 @@ def test_bad_model_folder(tmp_path, capsys, setup, message):
     (["--engines", "sarathi,tgi"], "--engines"),
     (["--qps", "1,0"], "> 0"),
     (["--num-requests", "0"], ">= 1"),
+    (["--token-budget", "dynamic", "--vllm-token-budget", "128"], "--slo-tbt"),
+    (["--token-budget", "auto", "--slo-tbt", "0.1"], "--vllm-token-budget"),
+    (["--vllm-token-budget", "lots"], "integer or default"),
+    (["--vllm-token-budget", "0"], ">= 1"),
 ])
 def test_bad_options(tiny_model, argv, message):
     with pytest.raises(BenchError, match=message):
