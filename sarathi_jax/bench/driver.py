@@ -45,6 +45,7 @@ class RunResult:
     first_completion: str | None = None  # the text of request 0's output, when the engine detokenizes
     prefix_cache: dict | None = None  # this run's prefix-cache "queries" and "hits" (tokens), when the engine counts them
     transfer: dict | None = None  # disaggregation: this run's KV transfers ("num_transfers", "bytes", "seconds")
+    speculation: dict | None = None  # speculative decoding: this run's draft, accepted and emitted token counts
 
     def to_json(self) -> dict:
         """Plain JSON types; `from_json` gives the run back."""
@@ -53,6 +54,9 @@ class RunResult:
     @classmethod
     def from_json(cls, d: dict) -> RunResult:
         return cls(**{**d, "records": [RequestRecord(**r) for r in d["records"]]})
+
+
+SPECULATION_COUNTS = ("draft_tokens", "accepted_tokens", "verify_steps", "emitted_tokens")  # SpeculationStats'
 
 
 def sampling_params_for(output_len: int, temperature: float = 0.0, stop_at_eos: bool = False,
@@ -193,6 +197,8 @@ def run_workload(
         transfer=({k: after[f"transfer_{k}"] - before[f"transfer_{k}"] for k in ("bytes", "seconds")}
                   | {"num_transfers": after["num_transfers"] - before["num_transfers"]}
                   if "num_transfers" in after else None),
+        speculation=({k: int(after[f"spec_num_{k}"]) - int(before[f"spec_num_{k}"]) for k in SPECULATION_COUNTS}
+                     if "spec_num_draft_tokens" in after else None),
     )
 
 

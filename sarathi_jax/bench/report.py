@@ -198,6 +198,7 @@ def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any =
         "iterations": run.iterations,
         "prefix_cache": run.prefix_cache,
         "transfer": run.transfer,
+        "speculation": run.speculation,
     }
     write_json(base + ".json", doc, indent=None)  # large: one line
     with open(base + "_requests.csv", "w", newline="") as f:
@@ -279,6 +280,16 @@ def transfer_line(transfer: dict, *, virtual: bool) -> str:
     return f"transfer: {n} KV moves, {nbytes / 2**20:.4g} MiB, {fmt_seconds(seconds)} in all{mean}; {how}"
 
 
+def speculation_line(spec: dict) -> str:
+    """A speculating run's drafts: proposed, accepted (the acceptance rate), and the tokens each verification
+    step emitted on average (accepted drafts plus the target's own token)."""
+    drafts, accepted, steps, emitted = (spec[k] for k in ("draft_tokens", "accepted_tokens", "verify_steps",
+                                                          "emitted_tokens"))
+    rate = f" (acceptance {accepted / drafts:.2f})" if drafts else ""
+    per_step = f", {emitted / steps:.2f} tokens per verification step" if steps else ""
+    return f"speculation: {drafts} draft tokens, {accepted} accepted{rate}; {steps} verification steps{per_step}"
+
+
 def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
     """The comparison table and notes on stdout; with --out, per-run JSON/CSV, the summary and plots."""
     runs, capacities, fitted, slo_tbt = results.runs, results.capacities, results.fitted, results.slo_tbt
@@ -300,6 +311,8 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
     for run in runs:
         if run.transfer:
             print(f"[{run.label}] {transfer_line(run.transfer, virtual=bool(args.simulate))}")
+        if run.speculation:
+            print(f"[{run.label}] {speculation_line(run.speculation)}")
     for run in runs:
         setup = (run.config or {}).get("token_budget_setup")
         if setup and setup["mode"] != "fixed":  # "auto"/"dynamic": the choice, its prediction, the measured P99 TBT
