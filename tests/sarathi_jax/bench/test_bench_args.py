@@ -93,4 +93,7 @@ def test_policy_reading_says_which_way_the_difference_goes():
     assert "2.0x lower P99 TBT" in line and "the price is time to first token (P50 70.0 ms against 50.0 ms)" in line
     no_gain = policy_reading([_run("sarathi-128", "sarathi", 3, 0.050, 0.05), _run("vllm", "vllm", 2, 0.040, 0.05)])
     assert "No stall-free advantage on this run" in no_gain and "lower P99 TBT" not in no_gain
+    # a loaded run: sarathi's shorter median TBT makes more of its TBTs "stalls", but its tail is far shorter
+    loaded = policy_reading([_run("sarathi-128", "sarathi", 79, 0.45, 2.0), _run("vllm", "vllm", 29, 8.1, 2.6)])
+    assert "18.0x lower P99 TBT (more stalls: each run counts" in loaded and "No stall-free" not in loaded
     assert policy_reading([sarathi]) is None and policy_reading([vllm, _run("orca", "orca", 0, 0.01, 0.01)]) is None
