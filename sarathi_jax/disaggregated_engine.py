@@ -7,13 +7,16 @@ parts on its own devices: its weights, model runner and KV cache (tensor paralle
 prefill with max_tokens 1, hand-off, back-pressure, landing, aborts) is sarathi_jax/disaggregation_flow.py,
 the one copy the simulator shares; the K/V moves device to device (`disaggregation_kv.KVBlockMover`).
 
-`step()` on the wall clock: new requests enter the prefill cores (unless a finished prefill waits for decode
-room), each busy prefill instance runs one iteration, finished prompts move at once (the gather and copy are
-waited for and timed, the scatter dispatched: the device orders it before the decode side's next step), each
-busy decode instance runs one iteration (a request it preempts goes back to a prefill instance as a recompute),
-and what that freed lets held prompts move. Both sides run the configured loop (overlapped by
-default); one thread drives them in turn, so the two sides' device work overlaps only as far as the dispatches
-run ahead.
+`step()` on the wall clock: the transfers whose copy is done by now are recorded, new requests enter the
+prefill cores (unless a finished prefill waits for decode room), each busy prefill instance runs one iteration,
+finished prompts move at once (the gather, the copy and the scatter dispatched, none waited for: the devices
+order them after the prefill that wrote the blocks and before the decode side's next step, and the prefill
+blocks are free at once, `disaggregation_kv`), each busy decode instance runs one iteration (a request it
+preempts goes back to a prefill instance as a recompute), and what that freed lets held prompts move. Both
+sides run the configured loop (overlapped by default); one thread drives them in turn, so the two sides'
+device work and the copies overlap as far as the dispatches run ahead. A transfer's record (its time: the
+gather's dispatch to the copy seen done) comes when a thread of its mover has seen the copy done; the engine has
+unfinished work until every record is in.
 
 The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the token it
 sampled (a stop string inside it ends the request there). Structured outputs: one grammar matcher per request,
@@ -103,7 +106,7 @@ class DisaggregatedEngine(DisaggregationFlow):
             chat_template=ChatTemplate.from_folder(config.model) if Path(config.model).is_dir() else None,
         )
         super().__init__(prefill, decode, admission, seed=config.seed)
-        self.movers = {(p.name, d.name): KVBlockMover(p.engine.runner, d.engine.runner)
+        self.movers = {(p.name, d.name): KVBlockMover(p.engine.runner, d.engine.runner, self.clock.now)
                        for p in prefill for d in decode}
         if warmup:
             for mover in self.movers.values():
@@ -113,9 +116,11 @@ class DisaggregatedEngine(DisaggregationFlow):
     # ----------------------------------------------------------------------------------- one iteration
 
     def step(self) -> list[RequestOutput]:
-        """Prefill instances, the moves their finished prompts start, decode instances, then the moves the
-        decodes made room for (module docstring)."""
+        """The transfers done, prefill instances, the moves their finished prompts start, decode instances, then
+        the moves the decodes made room for (module docstring)."""
         outputs, self._outputs = self._outputs, []
+        # Nothing else left to do: wait for the last copies rather than spin on them.
+        self.finish_transfers(wait=not (self._requests or any(i.busy for i in self.instances)))
         for p in self.prefill:
             if not self.waiting_for_room():  # back-pressure: no new prefill while one waits for decode room
                 self.admit_arrivals(p, self.clock.now())
@@ -128,15 +133,14 @@ class DisaggregatedEngine(DisaggregationFlow):
         return outputs
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
-        """Copy the computed tokens' blocks now and land at once: the decode core's next step runs on the cache
-        the copy returns. The gather and the device-to-device copy are timed (`KVBlockMover.move`): `h.start`
-        is when they began, `h.end` when they were done."""
-        holder, target = h.holder, h.target
-        h.start = self.clock.now()
-        h.num_bytes, seconds = self.movers[(h.source.name, target.name)].move(holder.block_table,
-                                                                             h.state.seq.block_table)
-        h.end = h.start + seconds
-        self.land(h, h.end)
+        """Dispatch the copy of the computed tokens' blocks and land at once: the decode core's next step runs
+        on the cache the scatter returns, and the prefill blocks are freed (a later write to them is ordered
+        after the gather that reads them: `disaggregation_kv`). `h.start` is the gather's dispatch; `h.copy`
+        says when the copy was seen done (the flow's `finish_transfers` records it then)."""
+        h.copy = copy = self.movers[(h.source.name, h.target.name)].move(h.holder.block_table,
+                                                                        h.state.seq.block_table)
+        h.start, h.num_bytes = copy.start, copy.num_bytes
+        self.land(h, h.start)
 
     # ----------------------------------------------------------------------------------- the rest of the API
 
