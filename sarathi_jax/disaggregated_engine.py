@@ -24,7 +24,8 @@ advanced by whichever core samples. Several processes (jax.distributed, docs/par
 drives every instance, as the multi-process pipeline does (`place_instances`: each instance on one process's
 devices, prefill and decode sides on different processes); the K/V copy is a cross-process `device_put`, and
 each instance's sampled tokens are copied to the other processes (`parallel.stages.copy_to_every_process`).
-Not built yet: prefix-cache hits move every block anyway.
+Prefix caching runs on both sides: the decode side shares the leading blocks of a prompt that its own cache
+holds (from an earlier transfer or decode of the same tokens) and only the rest are copied.
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ class DisaggregatedEngine(DisaggregationFlow):
             return [_RealInstance(f"{role}{i}", LLMEngine(cfg, warmup=warmup, devices=d), text=text)
                     for i, d in enumerate(placed)]
 
-        # Prefix caching on the prefill side only: decode blocks arrive by transfer.
+        # Prefix caching on both sides: a decode side that holds a prompt's leading blocks is sent only the rest.
         prefill = build("prefill", split.prefill, prefill_devices, config.enable_prefix_caching, text=False)
-        decode = build("decode", split.decode, decode_devices, False, text=True)
+        decode = build("decode", split.decode, decode_devices, config.enable_prefix_caching, text=True)
         first = prefill[0].engine
         self.config, self.model_config, self.tokenizer = config, first.model_config, first.tokenizer
         self.budget_setup = first.budget_setup
@@ -136,10 +137,15 @@ class DisaggregatedEngine(DisaggregationFlow):
         """Dispatch the copy of the computed tokens' blocks and land at once: the decode core's next step runs
         on the cache the scatter returns, and the prefill blocks are freed (a later write to them is ordered
         after the gather that reads them: `disaggregation_kv`). `h.start` is the gather's dispatch; `h.copy`
-        says when the copy was seen done (the flow's `finish_transfers` records it then)."""
-        h.copy = copy = self.movers[(h.source.name, h.target.name)].move(h.holder.block_table,
-                                                                        h.state.seq.block_table)
-        h.start, h.num_bytes = copy.start, copy.num_bytes
+        says when the copy was seen done (the flow's `finish_transfers` records it then). The leading blocks
+        the decode side's prefix cache held are not copied; when it held them all, nothing is."""
+        k = h.num_cached_blocks
+        source, target = h.holder.block_table[k:], h.state.seq.block_table[k:]
+        if not source:
+            h.start = h.end = self.clock.now()
+        else:
+            h.copy = copy = self.movers[(h.source.name, h.target.name)].move(source, target)
+            h.start, h.num_bytes = copy.start, copy.num_bytes
         self.land(h, h.start)
 
     # ----------------------------------------------------------------------------------- the rest of the API

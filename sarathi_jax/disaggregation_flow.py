@@ -14,8 +14,10 @@ blocks. A request:
    blocks (`BlockManager.retake`: they hold the prompt's K/V, and nothing was allocated in between), by `holder`
    until the request has moved. The decode side's state takes the token (its text, a stop string in it);
 4. moves (`start_transfers`): a decode instance with room reserves the blocks of its computed tokens (as a
-   colocated engine holds them after a prefill; decodes grow them), and the engine moves the K/V
-   (`begin_transfer`: the simulator prices it on its link, the real engine copies the blocks between devices);
+   colocated engine holds them after a prefill; decodes grow them), sharing the leading ones its own prefix
+   cache holds (the same hashes: the same tokens at the same positions, their K/V already there), and the
+   engine moves the K/V of the rest (`begin_transfer`: the simulator prices it on its link, the real engine
+   copies the blocks between devices);
 5. decodes (`land`): the prefill blocks are freed and the decode core runs the request as a decode at once
    (`Scheduler.add_sequence` of a sequence with its prompt computed), with the same `RequestMetrics`: TTFT is
    the prefill side's, and the gap to the second token holds the wait and the transfer. The real engine lands
@@ -274,7 +276,13 @@ class DisaggregationFlow:
             if not rooms:
                 return  # in order: a later one does not overtake it
             d = min(rooms, key=lambda i: i.core.scheduler.num_running + i.incoming)
-            d.block_manager.allocate(seq, seq.num_computed_tokens)  # what it holds colocated; decodes grow it
+            bm = d.block_manager
+            # Its leading blocks that this side's prefix cache holds (the same tokens at the same positions: the
+            # same K/V, from an earlier transfer or decode) are shared, not copied (`begin_transfer`: the rest).
+            hit = bm.match_prefix(seq)
+            bm.acquire_prefix(seq, hit)
+            bm.allocate(seq, seq.num_computed_tokens)  # what it holds colocated; decodes grow it
+            h.num_cached_blocks = len(hit.blocks)
             d.incoming += 1
             h.target = d
             self.begin_transfer(h, at)
@@ -290,8 +298,9 @@ class DisaggregationFlow:
         the prefill blocks; the decode instance runs the request from now on. Its `TransferRecord` now, or
         once the copy is seen done (`finish_transfers`)."""
         d = h.target
-        record = TransferRecord(h.request_id, h.source.name, d.name, len(h.holder.block_table), h.num_bytes,
-                                h.start, 0.0)  # its seconds when the transfer is done
+        num_blocks = len(h.holder.block_table) - h.num_cached_blocks  # those copied
+        record = TransferRecord(h.request_id, h.source.name, d.name, num_blocks, h.num_bytes, h.start,
+                                0.0)  # its seconds when the transfer is done
         del self._handoffs[h.request_id]
         h.source.block_manager.free(h.holder)
         h.source.stalled = False
@@ -346,12 +355,15 @@ class DisaggregationFlow:
     # ----------------------------------------------------------------------------------- the rest of the API
 
     def stats(self) -> dict:
-        """The instances' `Scheduler.stats` summed, each one's under "instances", and the transfers done so far."""
+        """The instances' `Scheduler.stats` summed, each one's under "instances", and the transfers done so far.
+        The prefix cache's counters are the prefill side's (prompts looked up, as a colocated engine counts
+        them); the decode side's (blocks shared, not moved) are under "instances"."""
         self.finish_transfers()
         per = {i.name: i.core.stats() for i in self.instances}
-        keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_preemptions",
-                "prefix_cache_queries", "prefix_cache_hits")
+        keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_preemptions")
         total = {k: sum(s[k] for s in per.values()) for k in keys}
+        for k in ("prefix_cache_queries", "prefix_cache_hits"):
+            total[k] = sum(per[p.name][k] for p in self.prefill)
         total["kv_cache_usage"] = 1.0 - total["num_free_blocks"] / total["num_total_blocks"]
         return {**total, "instances": per, "num_queued": sum(len(i.queue) for i in self.instances),
                 "num_held": sum(h.start is None for h in self._handoffs.values()),

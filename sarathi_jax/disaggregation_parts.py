@@ -24,8 +24,9 @@ class TransferRecord:
     """One request's K/V moved from a prefill instance to a decode instance. `seconds`: the simulator's link
     time; the real engine's, from the gather's dispatch to when the device-to-device copy was seen done
     (`disaggregation_kv.PendingCopy`: it includes any wait behind device work dispatched before it, such as
-    the prefill side's next step). `num_bytes`: what was copied (the real engine: the blocks of its padded
-    bucket; the simulator: the computed tokens' K/V)."""
+    the prefill side's next step). `num_blocks`: the blocks copied (those the decode side's prefix cache held
+    are not); `num_bytes`: what was copied (the real engine: the blocks of its padded bucket; the simulator:
+    the copied tokens' K/V)."""
 
     request_id: str
     source: str
@@ -102,6 +103,7 @@ class Handoff:
     start: float | None = None  # the transfer: decode blocks reserved at start, prefill blocks freed at landing
     end: float | None = None  # when it was done (None while a copy is in flight: `copy`)
     num_bytes: int = 0  # what the transfer copies (`TransferRecord.num_bytes`)
+    num_cached_blocks: int = 0  # leading blocks the decode side's prefix cache held: shared there, not copied
     copy: CopyInFlight | None = None  # the real engine's copy, landed before it is done: its end comes later
 
 

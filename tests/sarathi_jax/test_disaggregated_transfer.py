@@ -19,8 +19,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sarathi_jax.disaggregation_kv import KVBlockMover, PendingCopy
-from tests.sarathi_jax.engine_helpers import hf_generate
-from tests.sarathi_jax.test_disaggregated_engine import PREEMPTION_FIELDS, PREEMPTION_PARAMS, make_engine
+from tests.sarathi_jax.engine_helpers import hf_generate, run_staggered
+from tests.sarathi_jax.test_disaggregated_engine import GREEDY, PREEMPTION_FIELDS, PREEMPTION_PARAMS, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,32 @@ def test_abort_of_a_recompute_on_the_real_engine(recompute_case, monkeypatch, st
     assert {r: list(o[-1].token_ids) for r, o in outputs.items() if r != victim} == {
         r: t for r, t in hf.items() if r != victim}
     assert all(i.block_manager.num_used_blocks == 0 and i.incoming == 0 for i in engine.instances)
-    # Every move dispatched is recorded, with its bytes and time; each request moved at least once.
+    # Every move dispatched is recorded, with its bytes and time (a landing whose blocks the decode side's
+    # prefix cache all held copies nothing); each request moved at least once.
     s, records = engine.stats(), engine.transfer_log[transfers_before:]
-    assert s["num_moving"] == 0 and s["num_transfers"] - transfers_before == len(records) == len(moves) >= 3
-    assert all(t.seconds > 0 and t.num_bytes > 0 for t in records)
+    copied = [t for t in records if t.num_blocks]
+    assert s["num_moving"] == 0 and s["num_transfers"] - transfers_before == len(records) >= 3
+    assert len(copied) == len(moves) and all(t.seconds > 0 and t.num_bytes > 0 for t in copied)
+
+
+def test_decode_side_prefix_cache_moves_only_the_rest(model_dir):
+    """Prefix caching on both sides: r1 (the 40 tokens r0 began with, then its own 12) arrives after r0 is done
+    and moves only its blocks past the two full ones that r0 left in the decode side's cache; tokens are HF's.
+    r2 (r1's prompt again) shares three blocks there: zeroed, its decode steps read them and its tokens differ
+    (so the shared blocks are what it decodes on, not a copy)."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, 256, size=40).tolist()
+    prompts = [shared + rng.integers(3, 256, size=n).tolist() for n in (5, 12)]
+    hf = {f"r{i}": t for i, t in enumerate(hf_generate(model_dir, prompts, GREEDY.max_tokens))}
+    engine = make_engine(model_dir, "1:1", enable_prefix_caching=True)
+    assert run_staggered(engine, prompts, GREEDY, arrive_every=40) == hf
+    assert [(t.request_id, t.num_blocks) for t in engine.transfer_log] == [("r0", 3), ("r1", 2)]  # 4 - 2 shared
+    decode = engine.decode[0]
+    assert decode.core.stats()["prefix_cache_hits"] == 32
+    assert engine.stats()["prefix_cache_hits"] == engine.prefill[0].block_manager.num_prefix_hits == 32
+    assert all(i.block_manager.num_used_blocks == 0 for i in engine.instances)
+    stage = decode.engine.runner.stages[0]
+    stage.kv_cache = jax.tree.map(lambda a: a * 0, stage.kv_cache)  # what the decode side caches: zeros
+    engine.add_request("r2", prompts[1], GREEDY)
+    got = run_staggered(engine, [], GREEDY)["r2"]
+    assert engine.transfer_log[-1].num_blocks == 1 and got[0] == hf["r1"][0] and got != hf["r1"]
