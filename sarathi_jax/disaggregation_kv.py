@@ -18,7 +18,7 @@ blocks may be freed (and given to another prompt) as soon as `move` returns: a p
 later is dispatched after the gather, on the same devices, and takes the cache array the gather reads as its
 donated input; the runtime runs a computation that donates a buffer only after those already reading it (JAX
 arrays are immutable: a later dispatch cannot change what an earlier one reads), so the write follows the read
-(tests/sarathi_jax/test_disaggregated_engine.py, test_source_blocks_reused_right_after_the_move, overwrites
+(tests/sarathi_jax/test_disaggregated_transfer.py, test_source_blocks_reused_right_after_the_move, overwrites
 them at once). When the sides' KV head counts differ (KV heads replicated for a larger TP, `parallel.plan`), the
 gather repeats or picks heads so the target receives its own layout.
 
