@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sarathi_jax.disaggregation_kv import KVBlockMover, PendingCopy
 from tests.sarathi_jax.engine_helpers import hf_generate, run_staggered
@@ -53,7 +52,8 @@ def _fill(kv_cache, block, value):
 
 def _busy_input(stage, size=768):
     x = np.random.default_rng(0).standard_normal((size, size), np.float32) / size ** 0.5
-    return jax.device_put(x, NamedSharding(stage.mesh, PartitionSpec()))
+    (device,) = stage.kv_cache[0].devices()  # "1:1": one device a side
+    return jax.device_put(x, device)
 
 
 def _busy_seconds(stage, x) -> float:
