@@ -7,13 +7,16 @@ parts on its own devices: its weights, model runner and KV cache (tensor paralle
 prefill with max_tokens 1, hand-off, back-pressure, landing, aborts) is sarathi_jax/disaggregation_flow.py,
 the one copy the simulator shares; the K/V moves device to device (`disaggregation_kv.KVBlockMover`).
 
-`step()` on the wall clock: new requests enter the prefill cores (unless a finished prefill waits for decode
-room), each busy prefill instance runs one iteration, finished prompts move at once (the gather and copy are
-waited for and timed, the scatter dispatched: the device orders it before the decode side's next step), each
-busy decode instance runs one iteration (a request it preempts goes back to a prefill instance as a recompute),
-and what that freed lets held prompts move. Both sides run the configured loop (overlapped by
-default); one thread drives them in turn, so the two sides' device work overlaps only as far as the dispatches
-run ahead.
+`step()` on the wall clock: the transfers whose copy is done by now are recorded, new requests enter the
+prefill cores (unless a finished prefill waits for decode room), each busy prefill instance runs one iteration,
+finished prompts move at once (the gather, the copy and the scatter dispatched, none waited for: the devices
+order them after the prefill that wrote the blocks and before the decode side's next step, and the prefill
+blocks are free at once, `disaggregation_kv`), each busy decode instance runs one iteration (a request it
+preempts goes back to a prefill instance as a recompute), and what that freed lets held prompts move. Both
+sides run the configured loop (overlapped by default); one thread drives them in turn, so the two sides'
+device work and the copies overlap as far as the dispatches run ahead. A transfer's record (its time: the
+gather's dispatch to the copy seen done) comes when a thread of its mover has seen the copy done; the engine has
+unfinished work until every record is in.
 
 The decode side owns the text: the prefill core has no tokenizer, and the hand-off detokenizes the token it
 sampled (a stop string inside it ends the request there). Structured outputs: one grammar matcher per request,
@@ -21,7 +24,8 @@ advanced by whichever core samples. Several processes (jax.distributed, docs/par
 drives every instance, as the multi-process pipeline does (`place_instances`: each instance on one process's
 devices, prefill and decode sides on different processes); the K/V copy is a cross-process `device_put`, and
 each instance's sampled tokens are copied to the other processes (`parallel.stages.copy_to_every_process`).
-Not built yet: prefix-cache hits move every block anyway.
+Prefix caching runs on both sides: the decode side shares the leading blocks of a prompt that its own cache
+holds (from an earlier transfer or decode of the same tokens) and only the rest are copied.
 """
 
 from __future__ import annotations
@@ -85,9 +89,9 @@ class DisaggregatedEngine(DisaggregationFlow):
             return [_RealInstance(f"{role}{i}", LLMEngine(cfg, warmup=warmup, devices=d), text=text)
                     for i, d in enumerate(placed)]
 
-        # Prefix caching on the prefill side only: decode blocks arrive by transfer.
+        # Prefix caching on both sides: a decode side that holds a prompt's leading blocks is sent only the rest.
         prefill = build("prefill", split.prefill, prefill_devices, config.enable_prefix_caching, text=False)
-        decode = build("decode", split.decode, decode_devices, False, text=True)
+        decode = build("decode", split.decode, decode_devices, config.enable_prefix_caching, text=True)
         first = prefill[0].engine
         self.config, self.model_config, self.tokenizer = config, first.model_config, first.tokenizer
         self.budget_setup = first.budget_setup
@@ -103,7 +107,7 @@ class DisaggregatedEngine(DisaggregationFlow):
             chat_template=ChatTemplate.from_folder(config.model) if Path(config.model).is_dir() else None,
         )
         super().__init__(prefill, decode, admission, seed=config.seed)
-        self.movers = {(p.name, d.name): KVBlockMover(p.engine.runner, d.engine.runner)
+        self.movers = {(p.name, d.name): KVBlockMover(p.engine.runner, d.engine.runner, self.clock.now)
                        for p in prefill for d in decode}
         if warmup:
             for mover in self.movers.values():
@@ -113,9 +117,11 @@ class DisaggregatedEngine(DisaggregationFlow):
     # ----------------------------------------------------------------------------------- one iteration
 
     def step(self) -> list[RequestOutput]:
-        """Prefill instances, the moves their finished prompts start, decode instances, then the moves the
-        decodes made room for (module docstring)."""
+        """The transfers done, prefill instances, the moves their finished prompts start, decode instances, then
+        the moves the decodes made room for (module docstring)."""
         outputs, self._outputs = self._outputs, []
+        # Nothing else left to do: wait for the last copies rather than spin on them.
+        self.finish_transfers(wait=not (self._requests or any(i.busy for i in self.instances)))
         for p in self.prefill:
             if not self.waiting_for_room():  # back-pressure: no new prefill while one waits for decode room
                 self.admit_arrivals(p, self.clock.now())
@@ -128,15 +134,19 @@ class DisaggregatedEngine(DisaggregationFlow):
         return outputs
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
-        """Copy the computed tokens' blocks now and land at once: the decode core's next step runs on the cache
-        the copy returns. The gather and the device-to-device copy are timed (`KVBlockMover.move`): `h.start`
-        is when they began, `h.end` when they were done."""
-        holder, target = h.holder, h.target
-        h.start = self.clock.now()
-        h.num_bytes, seconds = self.movers[(h.source.name, target.name)].move(holder.block_table,
-                                                                             h.state.seq.block_table)
-        h.end = h.start + seconds
-        self.land(h, h.end)
+        """Dispatch the copy of the computed tokens' blocks and land at once: the decode core's next step runs
+        on the cache the scatter returns, and the prefill blocks are freed (a later write to them is ordered
+        after the gather that reads them: `disaggregation_kv`). `h.start` is the gather's dispatch; `h.copy`
+        says when the copy was seen done (the flow's `finish_transfers` records it then). The leading blocks
+        the decode side's prefix cache held are not copied; when it held them all, nothing is."""
+        k = h.num_cached_blocks
+        source, target = h.holder.block_table[k:], h.state.seq.block_table[k:]
+        if not source:
+            h.start = h.end = self.clock.now()
+        else:
+            h.copy = copy = self.movers[(h.source.name, h.target.name)].move(source, target)
+            h.start, h.num_bytes = copy.start, copy.num_bytes
+        self.land(h, h.start)
 
     # ----------------------------------------------------------------------------------- the rest of the API
 

@@ -64,9 +64,9 @@ class DisaggregatedSimEngine(DisaggregationFlow):
                                  BlockManager(blocks_per_device * tp, block_size, enable_prefix_caching=caching),
                                  cost_of(tp), vocab_size) for i in range(group.num_instances)]
 
-        # Prefix caching on the prefill side only: decode blocks arrive by transfer.
+        # Prefix caching on both sides: a decode side that holds a prompt's leading blocks is sent only the rest.
         prefill = side("prefill", split.prefill, enable_prefix_caching)
-        decode = side("decode", split.decode, False)
+        decode = side("decode", split.decode, enable_prefix_caching)
         smallest = min(prefill + decode, key=lambda i: i.block_manager.num_total_blocks)
         # A request must fit whole on every instance it may go to (as colocated: it may grow to prompt + max_tokens).
         admission = Admission(vocab_size=vocab_size, max_model_len=scheduler_config.max_model_len,
@@ -139,8 +139,9 @@ class DisaggregatedSimEngine(DisaggregationFlow):
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
         """The computed tokens' K/V (a prompt's; a recompute's prompt and outputs) over the link, after what it
-        was given before."""
-        h.num_bytes = h.state.seq.num_computed_tokens * self.kv_bytes_per_token
+        was given before, less the blocks the decode side's prefix cache held."""
+        cached = h.num_cached_blocks * h.target.block_manager.block_size
+        h.num_bytes = (h.state.seq.num_computed_tokens - cached) * self.kv_bytes_per_token
         h.start = max(at, self._link_free)
         h.end = self._link_free = h.start + self.link.transfer_time(h.num_bytes)
 

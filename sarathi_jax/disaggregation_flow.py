@@ -14,11 +14,15 @@ blocks. A request:
    blocks (`BlockManager.retake`: they hold the prompt's K/V, and nothing was allocated in between), by `holder`
    until the request has moved. The decode side's state takes the token (its text, a stop string in it);
 4. moves (`start_transfers`): a decode instance with room reserves the blocks of its computed tokens (as a
-   colocated engine holds them after a prefill; decodes grow them), and the engine moves the K/V
-   (`begin_transfer`: the simulator prices it on its link, the real engine copies the blocks between devices);
+   colocated engine holds them after a prefill; decodes grow them), sharing the leading ones its own prefix
+   cache holds (the same hashes: the same tokens at the same positions, their K/V already there), and the
+   engine moves the K/V of the rest (`begin_transfer`: the simulator prices it on its link, the real engine
+   copies the blocks between devices);
 5. decodes (`land`): the prefill blocks are freed and the decode core runs the request as a decode at once
    (`Scheduler.add_sequence` of a sequence with its prompt computed), with the same `RequestMetrics`: TTFT is
-   the prefill side's, and the gap to the second token holds the wait and the transfer.
+   the prefill side's, and the gap to the second token holds the wait and the transfer. The real engine lands
+   as soon as the copy is dispatched (the devices order it before the decode steps that read it); its record
+   waits until the copy is seen done (`Handoff.copy`, `finish_transfers`).
 6. A decode core that runs out of blocks preempts as any core does (its scheduler's victim order: blocks freed,
    outputs kept); the flow takes the victim out of it (`EngineCore.release`) and queues it at a prefill instance
    as a recompute (`Queued.resume`): its prompt and outputs so far are prefilled there, the next token sampled,
@@ -27,7 +31,7 @@ blocks. A request:
 Back-pressure: while a finished prefill waits for room on the decode side, no new request enters a prefill core
 (new prefills stop; those already in a core go on while its blocks last). Nothing is dropped. Aborts free the
 request's blocks on both sides at any stage. Records name their instance (`IterationRecord.instance`); each
-landed transfer is a `TransferRecord` (`transfer_log`, summed in `stats()`, and on the receiving instance's next
+done transfer is a `TransferRecord` (`transfer_log`, summed in `stats()`, and on the receiving instance's next
 record).
 """
 
@@ -65,7 +69,9 @@ class DisaggregationFlow:
         self._resuming: dict[str, RequestState] = {}  # recomputes queued or in a prefill core: decode-side state
         # Seeds drawn here, as one colocated core would draw them (in arrival order), so both sides use the same.
         self._seed_rng = np.random.default_rng(seed)
-        self.transfer_log: list[TransferRecord] = []  # every transfer that landed, in order
+        self.transfer_log: list[TransferRecord] = []  # every transfer done, in the order it was seen done
+        # Landed, their copy not yet seen done (the real engine's): each with its record but for the time.
+        self._copying: list[tuple[Handoff, TransferRecord]] = []
         self.num_transfers, self.transfer_bytes, self.transfer_seconds = 0, 0, 0.0
 
     @property
@@ -134,17 +140,20 @@ class DisaggregationFlow:
         return True
 
     def stage_of(self, request_id: str) -> str | None:
-        """Where an unfinished request is: queued, prefill, held, moving or decode (None: unknown or finished)."""
+        """Where an unfinished request is: queued, prefill, held, moving or decode (None: unknown or finished).
+        Moving: its K/V on the way (the real engine: its copy not yet seen done, the decode core already has it)."""
         if request_id not in self._requests:
             return None
         if request_id in self._handoffs:
             return "held" if self._handoffs[request_id].start is None else "moving"
         if any(q.request_id == request_id for p in self.prefill for q in p.queue):
             return "queued"
-        return "prefill" if any(request_id in p.core for p in self.prefill) else "decode"
+        if any(request_id in p.core for p in self.prefill):
+            return "prefill"
+        return "moving" if any(h.request_id == request_id for h, _ in self._copying) else "decode"
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests or self._outputs or any(i.busy for i in self.instances))
+        return bool(self._requests or self._outputs or self._copying or any(i.busy for i in self.instances))
 
     # ----------------------------------------------------------------------------------- the flow
 
@@ -174,6 +183,7 @@ class DisaggregationFlow:
     def run(self, inst: Instance, *, step: bool = True) -> list[RequestOutput]:
         """One iteration of `inst`'s core (step=False: only what it retires before it schedules,
         `EngineCore.retire_for_schedule`); its records go to the engine's log, named."""
+        self.finish_transfers()  # so the records seen done by now go with this iteration's
         log = inst.core.iteration_log
         before = len(log)
         outputs = inst.core.step() if step else inst.core.retire_for_schedule()
@@ -266,27 +276,54 @@ class DisaggregationFlow:
             if not rooms:
                 return  # in order: a later one does not overtake it
             d = min(rooms, key=lambda i: i.core.scheduler.num_running + i.incoming)
-            d.block_manager.allocate(seq, seq.num_computed_tokens)  # what it holds colocated; decodes grow it
+            bm = d.block_manager
+            # Its leading blocks that this side's prefix cache holds (the same tokens at the same positions: the
+            # same K/V, from an earlier transfer or decode) are shared, not copied (`begin_transfer`: the rest).
+            hit = bm.match_prefix(seq)
+            bm.acquire_prefix(seq, hit)
+            bm.allocate(seq, seq.num_computed_tokens)  # what it holds colocated; decodes grow it
+            h.num_cached_blocks = len(hit.blocks)
             d.incoming += 1
             h.target = d
             self.begin_transfer(h, at)
 
     def begin_transfer(self, h: Handoff, at: float) -> None:
         """Move `h`'s K/V from `h.source` to `h.target` (whose blocks are reserved), starting at `at`: set
-        `h.start`, `h.end` and `h.num_bytes` (the landing, `land`, is the subclass's to call)."""
+        `h.start`, `h.num_bytes` and `h.end`, or `h.copy` for a copy whose end is seen later (the landing,
+        `land`, is the subclass's to call)."""
         raise NotImplementedError
 
     def land(self, h: Handoff, t: float) -> None:
-        """The KV cache has moved: free the prefill blocks; the decode instance runs the request from now on."""
+        """The KV cache has moved, or its copy is ordered before the decode side's next step (`h.copy`): free
+        the prefill blocks; the decode instance runs the request from now on. Its `TransferRecord` now, or
+        once the copy is seen done (`finish_transfers`)."""
         d = h.target
-        record = TransferRecord(h.request_id, h.source.name, d.name, len(h.holder.block_table), h.num_bytes,
-                                h.start, h.end - h.start)
+        num_blocks = len(h.holder.block_table) - h.num_cached_blocks  # those copied
+        record = TransferRecord(h.request_id, h.source.name, d.name, num_blocks, h.num_bytes, h.start,
+                                0.0)  # its seconds when the transfer is done
         del self._handoffs[h.request_id]
         h.source.block_manager.free(h.holder)
         h.source.stalled = False
         d.incoming -= 1
         d.core.add(h.state)
         d.stalled = False
+        if h.end is None:
+            self._copying.append((h, record))
+        else:
+            self._record(h, record)
+
+    def finish_transfers(self, *, wait: bool = False) -> None:
+        """Record the landed copies seen done by now (wait: every one, waiting for them), in landing order."""
+        copying, self._copying = self._copying, []
+        for h, record in copying:
+            h.end = h.copy.done_at(wait=wait)
+            if h.end is None:
+                self._copying.append((h, record))
+            else:
+                self._record(h, record)
+
+    def _record(self, h: Handoff, record: TransferRecord) -> None:
+        record, d = dataclasses.replace(record, seconds=h.end - h.start), h.target
         self.transfer_log.append(record)
         d.landed.append(record)
         self.num_transfers += 1
@@ -318,15 +355,19 @@ class DisaggregationFlow:
     # ----------------------------------------------------------------------------------- the rest of the API
 
     def stats(self) -> dict:
-        """The instances' `Scheduler.stats` summed, each one's under "instances", and the transfers so far."""
+        """The instances' `Scheduler.stats` summed, each one's under "instances", and the transfers done so far.
+        The prefix cache's counters are the prefill side's (prompts looked up, as a colocated engine counts
+        them); the decode side's (blocks shared, not moved) are under "instances"."""
+        self.finish_transfers()
         per = {i.name: i.core.stats() for i in self.instances}
-        keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_preemptions",
-                "prefix_cache_queries", "prefix_cache_hits")
+        keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_preemptions")
         total = {k: sum(s[k] for s in per.values()) for k in keys}
+        for k in ("prefix_cache_queries", "prefix_cache_hits"):
+            total[k] = sum(per[p.name][k] for p in self.prefill)
         total["kv_cache_usage"] = 1.0 - total["num_free_blocks"] / total["num_total_blocks"]
         return {**total, "instances": per, "num_queued": sum(len(i.queue) for i in self.instances),
                 "num_held": sum(h.start is None for h in self._handoffs.values()),
-                "num_moving": sum(h.start is not None for h in self._handoffs.values()),
+                "num_moving": sum(h.start is not None for h in self._handoffs.values()) + len(self._copying),
                 "num_transfers": self.num_transfers, "transfer_bytes": self.transfer_bytes,
                 "transfer_seconds": self.transfer_seconds,
                 "clock": self.clock.now()}

@@ -2,8 +2,7 @@
 instance's paged KV cache to the blocks a decode instance reserved for it, device to device.
 
 `KVBlockMover(source, target)` between two model runners (one stage each: no pipeline parallelism). A move is
-three dispatches; the first two are waited for, to time the transfer (`move` returns its bytes and seconds;
-the blocks' prefill has run by then: its sampled token was on the host before the hand-off):
+three dispatches, none waited for (`move` returns a `PendingCopy` at once):
 
 1. gather: a jitted function takes the source cache's blocks `[layers, n, block_size, kv_heads, head_dim]`
    (n padded to a power of two, `bucket_for`, with block 0, so nothing compiles per request), on the source's
@@ -14,15 +13,30 @@ the blocks' prefill has run by then: its sampled token was on the host before th
    cache and are dropped), donating the cache so it updates in place, and the runner steps on the result.
 
 Both caches are the runners' own: every later step of either side takes the array this returns or read, so the
-device orders the copy after the prefill that wrote the blocks and before the decode that reads them. When the
-sides' KV head counts differ (KV heads replicated for a larger TP, `parallel.plan`), the gather repeats or picks
-heads so the target receives its own layout.
+device orders the copy after the prefill that wrote the blocks and before the decode that reads them. The source
+blocks may be freed (and given to another prompt) as soon as `move` returns: a prefill step that writes them
+later is dispatched after the gather, on the same devices, and takes the cache array the gather reads as its
+donated input; the runtime runs a computation that donates a buffer only after those already reading it (JAX
+arrays are immutable: a later dispatch cannot change what an earlier one reads), so the write follows the read
+(tests/sarathi_jax/test_disaggregated_transfer.py, test_source_blocks_reused_right_after_the_move, overwrites
+them at once). When the sides' KV head counts differ (KV heads replicated for a larger TP, `parallel.plan`), the
+gather repeats or picks heads so the target receives its own layout.
+
+The transfer's time (`PendingCopy.done_at`): a thread of the mover's blocks on the copied blocks (the
+device-to-device copy's result, which the scatter reads) and stamps the engine clock when they are ready, so
+it measures from the gather's dispatch to the copy's end, including any wait behind device work dispatched
+before it (the prefill side's next step, which the overlapped loop dispatched before the hand-off). The stamp
+is taken when that thread next holds the GIL: up to `sys.getswitchinterval()` (5 ms) late while the engine
+thread runs Python. One thread per mover: its copies finish in dispatch order (the same devices, the same
+path), so waiting for them in turn delays no stamp.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -50,12 +64,28 @@ def block_buckets(max_blocks: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-class KVBlockMover:
-    """Copies blocks of `source`'s KV cache into blocks of `target`'s (module docstring)."""
+@dataclass(frozen=True)
+class PendingCopy:
+    """A move dispatched and not waited for (`disaggregation_parts.CopyInFlight`): its bytes, when the gather
+    was dispatched, and when the copy was seen done (the mover's thread; module docstring)."""
 
-    def __init__(self, source: ModelRunner, target: ModelRunner) -> None:
+    num_bytes: int
+    start: float
+    _done: Future[float]
+
+    def done_at(self, *, wait: bool = False) -> float | None:
+        return self._done.result() if wait or self._done.done() else None
+
+
+class KVBlockMover:
+    """Copies blocks of `source`'s KV cache into blocks of `target`'s (module docstring). `now`: the engine's
+    clock, which stamps a copy's dispatch and its end."""
+
+    def __init__(self, source: ModelRunner, target: ModelRunner, now: Callable[[], float] = time.monotonic) -> None:
         assert len(source.stages) == 1 and len(target.stages) == 1, "one stage per side (no pipeline parallelism)"
         self.source, self.target = source.stages[0], target.stages[0]
+        self._now = now
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy-wait")
         self.buckets = block_buckets(source.max_blocks_per_seq)
         self.num_traces = 0  # gathers and scatters traced: one each per bucket used, never per request
         src_kv, self._src_ids = _sharding(self.source)
@@ -87,10 +117,9 @@ class KVBlockMover:
     def bucket_for(self, num_blocks: int) -> int:
         return next(b for b in self.buckets if b >= num_blocks)
 
-    def move(self, source_blocks: list[int], target_blocks: list[int]) -> tuple[int, float]:
+    def move(self, source_blocks: list[int], target_blocks: list[int]) -> PendingCopy:
         """Copy the K/V of `source_blocks` (the source cache) into `target_blocks` (the target's, reserved),
-        in order. Returns (bytes copied, seconds): the gather and the device-to-device copy are waited for and
-        timed (the copy's bytes: the bucket's blocks, K and V); the scatter is dispatched, not waited for."""
+        in order: dispatched, not waited for. The bytes are the bucket's blocks, K and V."""
         n = len(source_blocks)
         assert 0 < n <= len(target_blocks), (n, len(target_blocks))
         bucket = self.bucket_for(n)
@@ -98,14 +127,18 @@ class KVBlockMover:
         dst = np.full(bucket, self._pad_dst, np.int32)
         src[:n], dst[:n] = source_blocks, target_blocks[:n]
         src_ids, dst_ids = jax.device_put(src, self._src_ids), jax.device_put(dst, self._dst_ids)
-        start = time.perf_counter()
+        start = self._now()
         blocks = self._gather(self.source.kv_cache, src_ids)
-        moved = jax.block_until_ready(jax.device_put(blocks, self._dst_kv))  # device to device
-        seconds = time.perf_counter() - start
+        moved = jax.device_put(blocks, self._dst_kv)  # device to device
+        done = self._waiter.submit(self._wait, moved)
         # The runner's next step takes the updated cache (the runner owns its stages; this is the one other
         # writer of a stage's cache, between its steps).
         self.target.kv_cache = self._scatter(self.target.kv_cache, moved, dst_ids)
-        return sum(x.nbytes for x in moved), seconds
+        return PendingCopy(sum(x.nbytes for x in moved), start, done)
+
+    def _wait(self, moved: Any) -> float:
+        jax.block_until_ready(moved)  # releases the GIL while it waits
+        return self._now()
 
     def warmup(self) -> None:
         """Compile every bucket's gather and scatter (ids all padding: the scatter writes nothing)."""

@@ -1,7 +1,7 @@
 """The parts of a disaggregated engine's request flow (issue 33; the flow: sarathi_jax/disaggregation_flow.py):
 an instance (`Instance`: a core, its queue, its room), a request between instances (`Queued` at a prefill
-instance, `Handoff` while held and moving), a finished transfer (`TransferRecord`), and the sampling settings a
-prefill instance runs a request with (`prefill_params`). No JAX.
+instance, `Handoff` while held and moving), a copy still on the device (`CopyInFlight`), a finished transfer
+(`TransferRecord`), and the sampling settings a prefill instance runs a request with (`prefill_params`). No JAX.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from sarathi_jax.admission import AdmittedRequest
 from sarathi_jax.block_manager import BlockManager
@@ -20,10 +21,12 @@ from sarathi_jax.sequence import Sequence
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """One request's K/V moved from a prefill instance to a decode instance. `seconds`: the real engine's gather
-    and device-to-device copy, measured (`disaggregation_kv.KVBlockMover.move`); the simulator's link time.
-    `num_bytes`: what was copied (the real engine: the blocks of its padded bucket; the simulator: the computed
-    tokens' K/V)."""
+    """One request's K/V moved from a prefill instance to a decode instance. `seconds`: the simulator's link
+    time; the real engine's, from the gather's dispatch to when the device-to-device copy was seen done
+    (`disaggregation_kv.PendingCopy`: it includes any wait behind device work dispatched before it, such as
+    the prefill side's next step). `num_blocks`: the blocks copied (those the decode side's prefix cache held
+    are not); `num_bytes`: what was copied (the real engine: the blocks of its padded bucket; the simulator:
+    the copied tokens' K/V)."""
 
     request_id: str
     source: str
@@ -32,6 +35,14 @@ class TransferRecord:
     num_bytes: int
     start: float
     seconds: float
+
+
+class CopyInFlight(Protocol):
+    """A K/V copy dispatched to the devices and not yet seen done (the real engine's `PendingCopy`)."""
+
+    def done_at(self, *, wait: bool = False) -> float | None:
+        """When the copy was seen done (the engine's clock), or None while it is not (wait: until it is)."""
+        ...
 
 
 @dataclass
@@ -89,9 +100,11 @@ class Handoff:
     state: RequestState  # the decode side's (its sequence: the prompt computed, the first token appended)
     ready: float  # when its prefill iteration ended
     target: Instance | None = None
-    start: float | None = None  # the transfer: decode blocks reserved at start, prefill blocks freed at end
-    end: float | None = None
+    start: float | None = None  # the transfer: decode blocks reserved at start, prefill blocks freed at landing
+    end: float | None = None  # when it was done (None while a copy is in flight: `copy`)
     num_bytes: int = 0  # what the transfer copies (`TransferRecord.num_bytes`)
+    num_cached_blocks: int = 0  # leading blocks the decode side's prefix cache held: shared there, not copied
+    copy: CopyInFlight | None = None  # the real engine's copy, landed before it is done: its end comes later
 
 
 def prefill_params(p: SamplingParams, num_outputs: int = 0) -> SamplingParams:

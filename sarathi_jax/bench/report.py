@@ -280,7 +280,7 @@ def transfer_line(transfer: dict, *, virtual: bool) -> str:
     each = seconds / n if n else 0.0
     each_text = f"{each * 1e6:.3g} us" if each < 1e-3 else fmt_seconds(each)
     mean = f" (mean {each_text}, {nbytes / n / 2**20:.3g} MiB each{rate})" if n else ""
-    how = "the link model's time" if virtual else "gather + device-to-device copy, measured"
+    how = "the link model's time" if virtual else "measured from the gather's dispatch to the copy seen done"
     return f"transfer: {n} KV moves, {nbytes / 2**20:.4g} MiB, {fmt_seconds(seconds)} in all{mean}; {how}"
 
 

@@ -29,11 +29,13 @@ class StepCost:
 SLOW_LINK = KVLink("test", bandwidth=1000.0, latency_s=0.05, source="test")  # 1000 bytes/s
 
 
-def _engine(split="1:1", *, budget=256, blocks=64, link=SLOW_LINK, kv_bytes=10, max_num_seqs=8, cost=None):
+def _engine(split="1:1", *, budget=256, blocks=64, link=SLOW_LINK, kv_bytes=10, max_num_seqs=8, cost=None,
+            prefix_caching=False):
     cfg = SchedulerConfig(policy="sarathi", token_budget=budget, max_num_seqs=max_num_seqs, max_model_len=512,
                           watermark=0.0)
     return DisaggregatedSimEngine(DisaggregationSplit.parse(split), cfg, blocks, lambda tp: cost or StepCost(),
-                                  link=link, kv_bytes_per_token=kv_bytes, block_size=16)
+                                  link=link, kv_bytes_per_token=kv_bytes, block_size=16,
+                                  enable_prefix_caching=prefix_caching)
 
 
 def _run(engine, arrivals):
@@ -76,6 +78,21 @@ def test_timeline_matches_hand_computed_times():
     moved = [(r.instance, round(r.start_time, 9), r.transfer_bytes, round(r.transfer_seconds, 9))
              for r in eng.iteration_log if r.transfer_bytes]
     assert sorted(moved) == [("decode0", 1.65, 1000, 1.05), ("decode0", 2.7, 1000, 1.05)]
+    assert _no_blocks_held(eng) and not eng.has_unfinished_requests()
+
+
+def test_decode_side_prefix_cache_moves_only_the_rest():
+    """With prefix caching, a decode side whose cache holds a prompt's leading blocks is sent only the rest.
+    Dummy prompts are a function of the position, so B (arriving after A finished) is A's 40 tokens: A moves
+    3 blocks, 40 x 10 B in 0.05 + 0.4 s; B shares the 2 full blocks A left on the decode side (and hits them on
+    the prefill side) and moves 1 block, 8 x 10 B in 0.05 + 0.08 s."""
+    eng = _engine(prefix_caching=True)
+    _run(eng, [("A", 0.0, 40, 3), ("B", 5.0, 40, 3)])
+    assert [(t.request_id, t.num_blocks, t.num_bytes, t.seconds) for t in eng.transfer_log] == [
+        ("A", 3, 400, pytest.approx(0.45)), ("B", 1, 80, pytest.approx(0.13))]
+    s = eng.stats()
+    assert s["prefix_cache_hits"] == s["instances"]["prefill0"]["prefix_cache_hits"] == 32  # the prompts'
+    assert s["instances"]["decode0"]["prefix_cache_hits"] == 32 and s["transfer_bytes"] == 480
     assert _no_blocks_held(eng) and not eng.has_unfinished_requests()
 
 
