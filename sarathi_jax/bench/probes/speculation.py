@@ -14,7 +14,9 @@ can flip one, as between chunk sizes; sampled requests with a model draft draw i
 rejection-sample them, so their tokens differ from the plain run's and only their distribution is the same).
 `--proposals sampled,argmax` runs each model draft twice for sampled requests: drafts drawn from q (the
 engine's way) and the draft's argmax as a point-mass proposal (its former way; `DraftRunner.sampling_of`
-unset). Wall time on this machine: run it on a quiet one.
+unset). `--loops overlapped,synchronous` runs every configuration in each engine loop (`async_scheduling`);
+"x plain" is against the plain run in the same loop, "x sync" against the same configuration's synchronous
+run. Wall time on this machine: run it on a quiet one.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--proposals", default="sampled", help="model drafts' proposals for sampled requests, "
                    "comma-separated: sampled (from q), argmax (a point mass)")
+    p.add_argument("--loops", default="overlapped", help="engine loops, comma-separated: overlapped, synchronous")
     args = p.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed if args.temperature > 0 else None)
@@ -81,30 +84,40 @@ def main() -> None:
     configs = [(None, "-")] + [(draft_config(d, int(k)), proposal) for d in args.drafts.split(",")
                                for k in args.k.split(",")
                                for proposal in (args.proposals.split(",") if d != "ngram" else ["-"])]
+    loops = args.loops.split(",")
+    if not set(loops) <= {"overlapped", "synchronous"}:
+        raise ValueError(f"--loops entries are overlapped and synchronous, got {args.loops!r}")
     rows = []
     for name, texts in (("copy", COPY), ("open", OPEN)):
         base_tokens = None
-        for spec, proposal in configs:
-            llm = LLM(args.model, speculative_config=spec, **engine)
+        for (spec, proposal), loop in ((config, loop) for config in configs for loop in loops):
+            llm = LLM(args.model, speculative_config=spec, async_scheduling=loop == "overlapped", **engine)
             if proposal == "argmax":
                 llm.engine.draft_runner.sampling_of = None  # every draft the draft's argmax
             prompts = [llm.chat_prompt_ids([{"role": "user", "content": t}])
                        for t in (texts * args.requests)[: args.requests]]
             rate, tokens, stats = run(llm, prompts, params, args.repeats)
-            base_tokens = tokens if spec is None else base_tokens
-            rows.append({"workload": name, "draft": _name(spec) + ("" if proposal == "-" else f"/{proposal}"), "k": spec["num_speculative_tokens"] if spec else 0,
+            base_tokens = tokens if base_tokens is None else base_tokens
+            rows.append({"workload": name, "draft": _name(spec) + ("" if proposal == "-" else f"/{proposal}"),
+                         "k": spec["num_speculative_tokens"] if spec else 0, "loop": loop,
                          "tokens_per_s": round(rate, 1),
                          "acceptance_rate": stats.get("spec_acceptance_rate"),
                          "mean_accepted_length": stats.get("spec_mean_accepted_length"),
                          "same_tokens": sum(a == b for a, b in zip(tokens, base_tokens))})
             print(json.dumps(rows[-1]), flush=True)
-    print(f"{'workload':8} {'draft':>16} {'k':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'len':>5} same")
+    print(f"{'workload':8} {'draft':>16} {'k':>2} {'loop':>11} {'tok/s':>8} {'x plain':>8} {'x sync':>7} {'accept':>7} "
+          f"{'len':>5} same")
     for row in rows:
-        plain = next(r["tokens_per_s"] for r in rows if r["workload"] == row["workload"] and r["k"] == 0)
-        acc, length = row["acceptance_rate"], row["mean_accepted_length"]
-        print(f"{row['workload']:8} {row['draft']:>16} {row['k']:>2} {row['tokens_per_s']:>8} {row['tokens_per_s'] / plain:>8.2f} "
-              f"{'-' if acc is None else f'{acc:.2f}':>7} {'-' if length is None else f'{length:.2f}':>5} "
-              f"{row['same_tokens']}/{args.requests}")
+        def rate_of(**match) -> float | None:
+            same = [r["tokens_per_s"] for r in rows if r["workload"] == row["workload"]
+                    and all(r[key] == value for key, value in match.items())]
+            return same[0] if same else None
+        plain = rate_of(k=0, loop=row["loop"])
+        sync = rate_of(draft=row["draft"], k=row["k"], loop="synchronous")
+        acc, length, rate = row["acceptance_rate"], row["mean_accepted_length"], row["tokens_per_s"]
+        print(f"{row['workload']:8} {row['draft']:>16} {row['k']:>2} {row['loop']:>11} {rate:>8} {rate / plain:>8.2f} "
+              f"{'-' if sync is None else f'{rate / sync:.2f}':>7} {'-' if acc is None else f'{acc:.2f}':>7} "
+              f"{'-' if length is None else f'{length:.2f}':>5} {row['same_tokens']}/{args.requests}")
 
 
 def _name(spec: dict | None) -> str:
