@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.ngram_proposer import propose_ngram
+from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.speculative import SpeculativeConfig, speculates
 
