@@ -107,7 +107,8 @@ def test_per_request_metrics_add_up_to_the_totals(llama_dir, prompts):
 
 @LOOPS
 def test_preemption_with_speculation_gives_the_same_tokens(llama_dir, prompts, hf_greedy, async_scheduling):
-    engine = make_engine(llama_dir, num_blocks=40, async_scheduling=async_scheduling)  # enough to run, too few for all: preempts (and speculates)
+    # Enough blocks to run, too few for all: it preempts (and speculates).
+    engine = make_engine(llama_dir, num_blocks=40, async_scheduling=async_scheduling)
     finished = run_staggered(engine, prompts, GREEDY, arrive_every=1)
     assert engine.stats()["num_preemptions"] > 0
     assert engine.stats()["spec_num_accepted_tokens"] > 0

@@ -271,7 +271,8 @@ def test_a_pending_decode_gets_a_lookups_drafts_but_no_draft_models():
         scheduler.speculation = speculation
         asked.clear()
         out = _run(scheduler)
-        assert [(c.seq.seq_id, c.num_new_tokens, c.draft_token_ids) for c in out.chunks] == [("a", 1 + len(drafts), drafts)]
+        chunks = [(c.seq.seq_id, c.num_new_tokens, c.draft_token_ids) for c in out.chunks]
+        assert chunks == [("a", 1 + len(drafts), drafts)]
         assert asked == ([("lookup", 1)] if drafts else [])
 
 

@@ -111,8 +111,8 @@ def main() -> None:
                          "mean_accepted_length": stats.get("spec_mean_accepted_length"),
                          "same_tokens": sum(a == b for a, b in zip(tokens, base_tokens))})
             print(json.dumps(rows[-1]), flush=True)
-    print(f"{'workload':8} {'draft':>16} {'k':>2} {'loop':>11} {'tok/s':>8} {'x plain':>8} {'x sync':>7} {'overlap':>7} "
-          f"{'accept':>7} {'len':>5} same")
+    print(f"{'workload':8} {'draft':>16} {'k':>2} {'loop':>11} {'tok/s':>8} {'x plain':>8} {'x sync':>7} "
+          f"{'overlap':>7} {'accept':>7} {'len':>5} same")
     for row in rows:
         plain = _rate(rows, workload=row["workload"], k=0, loop=row["loop"])
         sync = _rate(rows, workload=row["workload"], draft=row["draft"], k=row["k"], loop="synchronous")
