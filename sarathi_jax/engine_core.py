@@ -7,7 +7,7 @@ or a cost model on a virtual clock (`SimulatedEngine`). No JAX here.
 
 One `step()`: 1. schedule a batch and dispatch it (`Executor.submit` returns at once). Each sequence it
 samples for gets a pending token at once (`Sequence.append_pending_token`); 2. retire the oldest batches in
-flight beyond `keep_in_flight`: fetch their tokens, resolve the pending ones, check stops, build outputs.
+flight beyond `max_in_flight`: fetch their tokens, resolve the pending ones, check stops, build outputs.
 
 How many batches stay in flight after a step (`LoopConfig`):
   * synchronous (`async_scheduling=False`, pipeline depth 1): none. Dispatch, wait, postprocess.
@@ -18,13 +18,13 @@ How many batches stay in flight after a step (`LoopConfig`):
     finished (stop token, stop string, length) or that was aborted meanwhile may have run in N+1: that extra
     token is dropped, never emitted, and its KV blocks were freed when it finished (the device runs batches
     in order, so N+1's stale writes land before any later owner of those blocks writes them).
-  * pipeline parallel (depth pp > 1): up to pp micro-batches in flight; the scheduler is told a batch is done
-    only when it retires, so a sequence is in at most one micro-batch at a time (the next stage runs
-    micro-batch i while this one runs i + 1). The host already overlaps there; async_scheduling adds nothing.
-A constrained row's token bitmask (`_token_bitmask`) and a speculating row's proposal need its last token on
-the host (and a verified chunk emits 1 to k + 1 tokens, known only at retirement), so while such a request is
-unfinished the overlapped loop retires every batch before it schedules the next (depth > 1 is unchanged: it
-never schedules a sequence in flight). In every mode a request's tokens depend only on its own tokens and seed.
+  * pipeline parallel (depth pp > 1): up to pp micro-batches in flight, a sequence in at most one (the scheduler
+    is told a batch is done when it retires). The host already overlaps there; async_scheduling adds nothing.
+A constrained row's bitmask (`_token_bitmask`) and a draft model's proposal need the last token on the host:
+while such a request is unfinished, the overlapped loop retires every batch before it schedules. A verified
+chunk's 1 to k + 1 tokens are known only at retirement: the loop also retires first while a running sequence's
+verification is in flight (n-gram lookups guess a pending last token: docs/design.md, "Speculative decoding",
+"The loop"). In every mode a request's tokens depend only on its own tokens and seed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from sarathi_jax.engine_api import Executor, SampledBatch, StepHandle
 from sarathi_jax.outputs import IterationRecord, RequestOutput, TokenLogprob
 from sarathi_jax.sampling_params import AdmissionError, RequestSampling, SamplingParams
 from sarathi_jax.scheduler import Scheduler
-from sarathi_jax.speculative import SpeculationStats, emitted_rows, speculates, verify_rows
+from sarathi_jax.speculative import SpeculationStats, emitted_rows, verify_rows
 from sarathi_jax.structured_outputs import GrammarMatcher, step_bitmask
 from sarathi_jax.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 from sarathi_jax.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
@@ -95,6 +95,7 @@ class _InFlight:
     sched: SchedulerOutput
     handle: StepHandle
     start: float
+    verifying: tuple[Sequence, ...]  # sequences whose chunk carries drafts
 
 
 class EngineCore:
@@ -191,11 +192,12 @@ class EngineCore:
         return outputs
 
     def retire_for_schedule(self) -> list[RequestOutput]:
-        """Retire the batches in flight when the next schedule needs their tokens on the host (masks, proposals).
-        A disaggregated prefill instance calls it before `step`, to hold the blocks of what it finishes before
-        that step could give them to another request."""
-        outputs = []
-        while self._num_synchronous and self._in_flight and self.loop.done_at_dispatch:
+        """Retire the batches in flight when the next schedule needs their tokens on the host (masks, a draft
+        model's proposals, a running sequence's verified tokens). A disaggregated prefill instance calls it
+        before `step`, to hold the blocks of what it finishes before that step could give them to another request."""
+        outputs, running = [], SequenceStatus.RUNNING
+        while self._in_flight and self.loop.done_at_dispatch and (self._num_synchronous or any(
+                seq.status is running for batch in self._in_flight for seq in batch.verifying)):
             outputs.extend(self._retire(self._in_flight.popleft()))
         return outputs
 
@@ -210,7 +212,7 @@ class EngineCore:
                 seq.metrics.first_scheduled_time = start
         if self.loop.done_at_dispatch:
             self.scheduler.on_step_done(sched)
-        self._in_flight.append(_InFlight(sched, handle, start))
+        self._in_flight.append(_InFlight(sched, handle, start, tuple(c.seq for c in sched.chunks if c.draft_token_ids)))
 
     def _retire(self, batch: _InFlight) -> list[RequestOutput]:
         sampled = batch.handle.result()
@@ -242,8 +244,8 @@ class EngineCore:
         return outputs
 
     def _is_synchronous(self, state: RequestState) -> bool:
-        speculation = self.speculation_stats is not None
-        return state.grammar is not None or (speculation and speculates(state.seq.sampling_params))
+        spec = self.scheduler.speculation
+        return state.grammar is not None or (spec is not None and spec.synchronous(state.seq.sampling_params))
 
     def _forget(self, state: RequestState) -> None:
         """A request left `_requests` (finished or aborted): its part of the loop's counters."""

@@ -17,8 +17,9 @@ steady decode costs a few Python operations per row and a handful of vectorised 
     under its min_tokens) change. The sampler variant is recomputed only when rows change.
 
 `prepare` returns copies of the two buffers (a step in flight must never see the next step's writes) and the
-sampler variant. A pending input token (overlapped loop) is read on the device from the previous step's
-sampled row, which this batch remembers too.
+sampler variant. A pending input token (overlapped loop; a speculating chunk's first token too) is read on the
+device from the previous step's sampled row, which this batch remembers too; a verified chunk's row is not
+remembered (its sequence's next token is known only when the step retires), so reading it raises.
 
 The sampling part is written here, for the runner and for one-off builds alike: `write_sampling_row` (a
 request's settings into a row), `variant_of` (the cheapest exact `SamplerVariant` for the rows), and for a
@@ -125,13 +126,14 @@ class InputBatch:
             else:
                 tokens += token_ids[start : start + num - len(drafts)]
                 tokens += drafts
-            if num_pending and start + num > len(token_ids) - num_pending:
+            known_end = start + num - len(drafts)  # drafts follow the sequence's last token
+            if num_pending and known_end > len(token_ids) - num_pending:
                 # Only the previous step's sample can be read on the device, and it is the sequence's last token.
                 row = prev_sampled_rows.get(seq.seq_id)
-                if num_pending != 1 or start + num != len(token_ids) or row is None:
+                if num_pending != 1 or known_end != len(token_ids) or row is None:
                     raise RuntimeError(f"{seq!r}: a chunk reads a token that the previous step did not sample")
-                pending.append((offset - 1, row))
-            if chunk.needs_sample:
+                pending.append((offset - 1 - len(drafts), row))
+            if chunk.needs_sample and not drafts:  # a verified chunk's row holds its bonus token, not its next one
                 sampled_rows[seq.seq_id] = i
         self._sampled_rows = sampled_rows
 

@@ -9,7 +9,8 @@ the watermark (nor preempts for one). A sequence's k is also capped by its max_t
 never be emitted) and by the step's sampling rows (each draft needs one: chunks + drafts <= max_num_seqs).
 
 Two kinds of proposer: a lookup (`Proposer`, n-gram) is asked per sequence as its room is decided, and may
-propose fewer tokens than asked (the rest of the room goes on to the next decode); a draft model
+propose fewer tokens than asked (the rest of the room goes on to the next decode); it also serves a decode
+whose last token is pending (the overlapped loop: `ngram_proposer`). A draft model
 (`BatchProposer`, `draft_runner`) always proposes as many as asked, so the grants are decided first and the
 draft then runs once for all of them, batched, after their blocks are allocated (it writes K/V there).
 """
@@ -21,6 +22,7 @@ from typing import Protocol
 
 from sarathi_jax.block_manager import BlockManager
 from sarathi_jax.ngram_proposer import propose_ngram
+from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.sequence import Sequence as Seq
 from sarathi_jax.speculative import SpeculativeConfig, speculates
 
@@ -40,7 +42,19 @@ class DraftableBatch(Protocol):
 
 
 def ngram_proposer(config: SpeculativeConfig) -> Proposer:
-    return lambda seq, k: propose_ngram(seq.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+    """Prompt lookup over the tokens on the host. In the overlapped loop a decode's last token may still be
+    pending (on the device): the lookup then continues the known tokens, its first token a guess of the
+    pending one, and proposes the rest. Verification is exact whatever the drafts are (the target scores the
+    chunk as it runs, the pending token read on the device), so a wrong guess only costs acceptance."""
+    lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(seq: Seq, k: int) -> Sequence[int]:
+        pending = seq.num_pending_tokens
+        if not pending:
+            return propose_ngram(seq.token_ids, k, lo, hi)
+        return propose_ngram(seq.token_ids[:-pending], k + pending, lo, hi)[pending:]
+
+    return propose
 
 
 class Speculation:
@@ -52,6 +66,17 @@ class Speculation:
         assert (propose is None) != (draft is None), "one proposer"
         self.num_speculative_tokens = num_speculative_tokens
         self.propose, self.draft = propose, draft
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a decode whose last token is still pending (the overlapped loop) may get drafts: a lookup
+        guesses that token (`ngram_proposer`); a draft model reads it on the host, so the engine core keeps
+        requests that may speculate with one synchronous (docs/design.md, "The loop")."""
+        return self.propose is not None
+
+    def synchronous(self, params: SamplingParams) -> bool:
+        """Whether a request needs the synchronous loop: it may get a draft model's drafts."""
+        return not self.overlaps and speculates(params)
 
     @classmethod
     def of(cls, config: SpeculativeConfig, draft: BatchProposer | None = None) -> Speculation:
@@ -74,8 +99,10 @@ class Speculation:
             seq, n, is_prefill = item
             room = min(self.num_speculative_tokens, batch.room, rows_left,
                        seq.max_total_tokens - seq.num_tokens - 1)  # the bonus token may be the last one
-            if is_prefill or n != 1 or room < 1 or seq.num_pending_tokens or not speculates(seq.sampling_params):
+            if is_prefill or n != 1 or room < 1 or not speculates(seq.sampling_params):
                 continue
+            if seq.num_pending_tokens and not self.overlaps:
+                continue  # a draft model's first step reads the last token on the host
             proposal = tuple(int(t) for t in self.propose(seq, room))[:room] if self.propose else None
             k = room if proposal is None else len(proposal)
             end = seq.num_computed_tokens + 1 + k  # tokens held once the chunk's K/V is written

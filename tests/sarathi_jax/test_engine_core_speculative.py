@@ -16,6 +16,7 @@ from sarathi_jax.engine_core import EngineCore, LoopConfig
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig, make_scheduler
 from sarathi_jax.scheduler.speculation import Speculation
+from sarathi_jax.sequence import PENDING_TOKEN
 from sarathi_jax.speculative import SpeculativeConfig, verify_rows
 
 VOCAB, MAX_NUM_SEQS, EOS = 64, 16, 2
@@ -32,37 +33,54 @@ class _Sampled:
 class _Done:
     num_padded_tokens = 0
 
-    def __init__(self, token_ids: np.ndarray) -> None:
-        self._sampled = _Sampled(token_ids)
+    def __init__(self, token_ids: np.ndarray, step: int, events: list) -> None:
+        self._sampled, self._step, self._events = _Sampled(token_ids), step, events
 
     def result(self) -> _Sampled:
+        self._events.append(("result", self._step))
         return self._sampled
 
 
 class BigramExecutor:
     """Scores each chunk as a bigram model would: row i (the chunk's last token) and each verification row
-    (`speculative.verify_rows`) hold succ[token at that position]. Pending tokens never occur: speculation
-    keeps the loop synchronous, which `submit` checks."""
+    (`speculative.verify_rows`) hold succ[token at that position]. A pending input token (the overlapped loop)
+    is read from the previous step's row of its sequence, as the runner reads it on the device; a verified
+    chunk's row is not readable (its sequence's next token is known only at retirement, `input_batch`), so a
+    sequence scheduled while its verification is in flight fails here. `events`: submits and fetches, in order."""
 
     def __init__(self, succ: dict[int, int]) -> None:
         self.succ = succ
         self.num_steps = 0
+        self.events: list[tuple[str, int]] = []
+        self.pending_drafts = 0  # verified chunks whose first token was pending (a lookup guessed it)
+        self._sampled_rows: dict[str, int] = {}  # the previous step: seq_id -> its token there
+        self.drafted: list[bool] = []  # per step: whether a chunk carried drafts
 
     def next_token(self, t: int) -> int:
         return self.succ.get(t, (t + 1) % VOCAB)
 
     def submit(self, chunks, sampling_of, token_bitmask=None) -> _Done:
         self.num_steps += 1
+        self.events.append(("submit", self.num_steps))
+        self.drafted.append(any(c.draft_token_ids for c in chunks))
         tokens = np.full(MAX_NUM_SEQS, -1, np.int64)
         verify = verify_rows(len(chunks), [c.num_draft_tokens for c in chunks])
+        sampled_rows = {}
         for i, c in enumerate(chunks):
-            known = c.seq.token_ids[c.start_position : c.start_position + c.num_new_tokens - c.num_draft_tokens]
-            assert -1 not in known, "a pending token in a speculating engine: the loop overlapped"
-            run = list(known) + list(c.draft_token_ids)
+            known = list(c.seq.token_ids[c.start_position : c.start_position + c.num_new_tokens - c.num_draft_tokens])
+            if known[-1] == PENDING_TOKEN:
+                assert c.seq.seq_id in self._sampled_rows, f"{c.seq!r} reads a token the previous step did not sample"
+                known[-1] = self._sampled_rows[c.seq.seq_id]
+                self.pending_drafts += bool(c.draft_token_ids)
+            assert PENDING_TOKEN not in known, c
+            run = known + list(c.draft_token_ids)
             tokens[i] = self.next_token(run[-1])
             for j in range(c.num_draft_tokens):
                 tokens[verify[i] + j] = self.next_token(run[len(run) - 1 - c.num_draft_tokens + j])
-        return _Done(tokens)
+            if c.needs_sample and not c.draft_token_ids:
+                sampled_rows[c.seq.seq_id] = int(tokens[i])
+        self._sampled_rows = sampled_rows
+        return _Done(tokens, self.num_steps, self.events)
 
     def now(self) -> float:
         return 0.0
@@ -219,3 +237,46 @@ def test_prefix_cache_registers_only_verified_tokens(succ):
     assert core.stats()["prefix_cache_hits"] >= 30
     assert list(outs["b"][-1].token_ids) == expected(first, 4, succ)
     bm.check_invariants([])
+
+
+def test_the_loop_overlaps_unless_a_verification_is_in_flight():
+    # "copy" speculates from the start (its prompt holds the model's cycle); "plain" has no match for its first
+    # outputs, so it decodes plainly; "late" arrives while both run. Each step() call that found a batch in
+    # flight either fetched it before it scheduled (that batch verified drafts: its sequences' lengths were
+    # unknown) or scheduled first and fetched it after (the overlap), or scheduled nothing.
+    core, admission, executor = make_core(SUCC)
+    requests = {"copy": (PROMPT, 10), "plain": (list(range(40, 52)), 30), "late": (PROMPT[2:], 12)}
+    outs: dict[str, list] = {}
+    calls = []  # (the step in flight when step() was called, or None; the executor events of that call)
+    for rid in ("copy", "plain"):
+        prompt, n = requests[rid]
+        core.add_request(rid, admission.admit(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    while core.has_unfinished_requests():
+        if len(calls) == 4:
+            prompt, n = requests["late"]
+            core.add_request("late", admission.admit(prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                            ignore_eos=True)))
+        in_flight, first = (executor.num_steps if core.num_in_flight else None), len(executor.events)
+        for out in core.step():
+            outs.setdefault(out.request_id, []).append(out)
+        calls.append((in_flight, executor.events[first:]))
+    overlapped = retired_first = 0
+    for in_flight, events in calls:
+        if in_flight is None or not any(kind == "submit" for kind, _ in events):
+            continue
+        submitted = next(i for i, (kind, _) in enumerate(events) if kind == "submit")
+        fetched = events.index(("result", in_flight))
+        if executor.drafted[in_flight - 1]:
+            assert fetched < submitted, (in_flight, events)
+            retired_first += 1
+        else:
+            assert submitted < fetched, (in_flight, events)
+            overlapped += 1
+    assert overlapped >= 10 and retired_first >= 2
+    assert executor.pending_drafts > 0  # some verified chunks read their first token on the device
+    for rid, (prompt, n) in requests.items():
+        assert list(outs[rid][-1].token_ids) == expected(prompt, n), rid
+    assert core.stats()["spec_num_accepted_tokens"] > 0
+    bm = core.scheduler.block_manager
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_total_blocks

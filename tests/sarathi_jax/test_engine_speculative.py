@@ -42,11 +42,16 @@ def make_engine(model_dir, speculative_config=NGRAM, **overrides) -> LLMEngine:
 
 
 def observe(engine) -> list[tuple]:
-    """Each dispatched step's chunks as (seq_id, num_new_tokens, draft tokens, is_decode)."""
+    """Each dispatched step's chunks as (seq_id, num_new_tokens, draft tokens, is_decode, pending): pending, a
+    speculating chunk whose first token is still on the device (the overlapped loop; a lookup guessed it)."""
     steps = []
     engine.runner.observe_steps(lambda chunks, packed, variant: steps.append(
-        [(c.seq.seq_id, c.num_new_tokens, c.draft_token_ids, c.is_decode) for c in chunks]))
+        [(c.seq.seq_id, c.num_new_tokens, c.draft_token_ids, c.is_decode,
+          bool(c.draft_token_ids and c.seq.num_pending_tokens)) for c in chunks]))
     return steps
+
+
+LOOPS = pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlapped", "synchronous"])
 
 
 def assert_no_leak(engine):
@@ -71,10 +76,13 @@ def test_greedy_speculation_matches_hf_and_no_speculation(llama_dir, prompts, hf
     assert stats["spec_mean_accepted_length"] > 1.0
     # One batch mixed a speculating decode, a plain decode and a prefill chunk (under a budget of 16 the
     # prefill chunks take the room that drafts would get: drafts only fill what the batch leaves).
-    assert token_budget == 16 or any(any(d for _, _, d, _ in step) and any(dec and not d for _, _, d, dec in step)
-               and any(not dec for *_, dec in step) for step in steps)
-    assert max(n for step in steps for _, n, _, _ in step) <= token_budget
-    assert all(sum(n for _, n, _, _ in step) <= token_budget for step in steps)
+    assert token_budget == 16 or any(any(d for _, _, d, *_ in step) and any(dec and not d for _, _, d, dec, _ in step)
+               and any(not dec for *_, dec, _ in step) for step in steps)
+    assert max(n for step in steps for _, n, *_ in step) <= token_budget
+    assert all(sum(n for _, n, *_ in step) <= token_budget for step in steps)
+    # The overlapped loop scheduled verifications while the step before was in flight (no verification in it):
+    # their first token was read on the device. The synchronous loop never has a pending token.
+    assert any(pending for step in steps for *_, pending in step) == async_scheduling
     assert_no_leak(engine)
 
 
@@ -97,8 +105,10 @@ def test_per_request_metrics_add_up_to_the_totals(llama_dir, prompts):
     assert len(engine.iteration_log) < 3 * MAX_TOKENS
 
 
-def test_preemption_with_speculation_gives_the_same_tokens(llama_dir, prompts, hf_greedy):
-    engine = make_engine(llama_dir, num_blocks=40)  # enough to run, too few for all: preempts (and speculates)
+@LOOPS
+def test_preemption_with_speculation_gives_the_same_tokens(llama_dir, prompts, hf_greedy, async_scheduling):
+    # Enough blocks to run, too few for all: it preempts (and speculates).
+    engine = make_engine(llama_dir, num_blocks=40, async_scheduling=async_scheduling)
     finished = run_staggered(engine, prompts, GREEDY, arrive_every=1)
     assert engine.stats()["num_preemptions"] > 0
     assert engine.stats()["spec_num_accepted_tokens"] > 0
@@ -122,11 +132,12 @@ def cut_runs(engine) -> int:
     return stats["spec_num_accepted_tokens"] + stats["spec_num_verify_steps"] - stats["spec_num_emitted_tokens"]
 
 
-def test_max_tokens_inside_an_accepted_run(llama_dir, prompts, hf_greedy):
+@LOOPS
+def test_max_tokens_inside_an_accepted_run(llama_dir, prompts, hf_greedy, async_scheduling):
     # Every max_tokens from 2 to MAX_TOKENS on one prompt: each stops exactly there, as HF's prefix; the
     # drafts are capped so that a run never passes max_tokens, and some runs end on it with several tokens.
     requests = {f"m{m}": (prompts[4], GREEDY.replace(max_tokens=m)) for m in range(2, MAX_TOKENS + 1)}
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, async_scheduling=async_scheduling)
     outs = serve(engine, requests)
     for m in range(2, MAX_TOKENS + 1):
         last = outs[f"m{m}"][-1]
@@ -135,14 +146,15 @@ def test_max_tokens_inside_an_accepted_run(llama_dir, prompts, hf_greedy):
     assert_no_leak(engine)
 
 
-def test_stop_ids_under_min_tokens_match_no_speculation(llama_dir, prompts, hf_greedy):
+@LOOPS
+def test_stop_ids_under_min_tokens_match_no_speculation(llama_dir, prompts, hf_greedy, async_scheduling):
     # One request per (stop id, min_tokens): the verification rows ban the stop ids below min_tokens as the
     # sampling row would, so the tokens are the same with and without speculation. (A tiny random model does
     # not copy its prompt, so its accepted drafts repeat earlier outputs and a stop id ends a request at its
     # first occurrence, before any run: tests/sarathi_jax/test_engine_core_speculative.py cuts runs by stop ids.)
     requests = {f"{t}-{m}": (prompts[i], GREEDY.replace(stop_token_ids=(t,), min_tokens=m))
                 for i in (3, 4) for t in set(hf_greedy[i][:8]) for m in range(2, 16, 3)}
-    spec_engine = make_engine(llama_dir)
+    spec_engine = make_engine(llama_dir, async_scheduling=async_scheduling)
     spec, plain = serve(spec_engine, requests), serve(make_engine(llama_dir, None), requests)
     for rid in requests:
         assert spec[rid][-1].token_ids == plain[rid][-1].token_ids, rid
@@ -152,7 +164,8 @@ def test_stop_ids_under_min_tokens_match_no_speculation(llama_dir, prompts, hf_g
     assert_no_leak(spec_engine)
 
 
-def test_stop_string_inside_an_accepted_run(llama_dir, prompts, hf_greedy):
+@LOOPS
+def test_stop_string_inside_an_accepted_run(llama_dir, prompts, hf_greedy, async_scheduling):
     from sarathi_jax.tokenizer import load_tokenizer
 
     # Stop strings: the text of every 2 to 4 consecutive output tokens of two greedy outputs; each request
@@ -165,7 +178,7 @@ def test_stop_string_inside_an_accepted_run(llama_dir, prompts, hf_greedy):
                 stop = tokenizer.decode(hf_greedy[i][p : p + n]).strip()
                 if stop:
                     requests[f"{i}-{n}-{p}"] = (prompts[i], GREEDY.replace(stop=(stop,)))
-    spec_engine = make_engine(llama_dir)
+    spec_engine = make_engine(llama_dir, async_scheduling=async_scheduling)
     spec, plain = serve(spec_engine, requests), serve(make_engine(llama_dir, None), requests)
     for rid in requests:
         a, b = spec[rid][-1], plain[rid][-1]
@@ -176,7 +189,8 @@ def test_stop_string_inside_an_accepted_run(llama_dir, prompts, hf_greedy):
     assert_no_leak(spec_engine)
 
 
-def test_logprobs_min_tokens_and_sampled_requests_match_no_speculation(llama_dir, prompts, hf_greedy):
+@LOOPS
+def test_logprobs_min_tokens_and_sampled_requests_match_no_speculation(llama_dir, prompts, hf_greedy, async_scheduling):
     # min_tokens bans a stop id that the greedy output holds early: the verification rows must ban it too.
     banned = hf_greedy[3][1]
     requests = {
@@ -190,7 +204,7 @@ def test_logprobs_min_tokens_and_sampled_requests_match_no_speculation(llama_dir
         "greedy": (prompts[1], GREEDY),
     }
 
-    spec_engine = make_engine(llama_dir)
+    spec_engine = make_engine(llama_dir, async_scheduling=async_scheduling)
     spec, plain = serve(spec_engine, requests), serve(make_engine(llama_dir, None), requests)
     for rid in requests:
         assert spec[rid][-1].token_ids == plain[rid][-1].token_ids, rid
@@ -219,8 +233,8 @@ def test_abort_during_a_speculation_frees_everything(llama_dir, prompts):
         outs = engine.step()
         if aborted is not None:
             after += [o for o in outs if o.request_id == aborted]
-        elif steps and any(d for _, _, d, _ in steps[-1]) and engine.core.num_in_flight:
-            aborted = next(rid for rid, _, d, _ in steps[-1] if d)
+        elif steps and any(d for _, _, d, *_ in steps[-1]) and engine.core.num_in_flight:
+            aborted = next(rid for rid, _, d, *_ in steps[-1] if d)
             assert engine.abort(aborted)
     assert aborted is not None
     # The abort's own output, then nothing: the in-flight verification's tokens are dropped.

@@ -10,7 +10,7 @@ from sarathi_jax.ngram_proposer import propose_ngram
 from sarathi_jax.outputs import RequestMetrics
 from sarathi_jax.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig, make_scheduler
-from sarathi_jax.scheduler.speculation import Speculation
+from sarathi_jax.scheduler.speculation import Speculation, ngram_proposer
 from sarathi_jax.sequence import ScheduledChunk, Sequence
 from sarathi_jax.speculative import SpeculationStats, SpeculativeConfig, emitted_rows, speculates, verify_rows
 
@@ -251,6 +251,31 @@ def test_drafts_never_take_the_watermark_blocks():
     assert scheduler.block_manager.num_free_blocks == 1
 
 
+def test_a_pending_decode_gets_a_lookups_drafts_but_no_draft_models():
+    # The overlapped loop schedules a decode whose last token is still on the device. Lookup continues the
+    # known tokens: its first token guesses the pending one, the rest are the drafts. A draft model would read
+    # that token on the host: it is not asked (the engine core keeps its requests synchronous).
+    seq = Sequence("a", [1, 2, 3, 4, 5, 1, 2], GREEDY, 0.0)
+    seq.append_pending_token()
+    propose = ngram_proposer(SpeculativeConfig("ngram", 4, 2, 2))
+    assert propose(seq, 2) == [4, 5]  # "1 2" recurs: 3 (the guess of the pending token), then 4 5
+    assert propose(Sequence("b", [1, 2, 3, 4, 5, 1, 2], GREEDY, 0.0), 2) == [3, 4]  # nothing pending
+    asked = []
+    lookup = Speculation(2, lambda seq, k: asked.append(("lookup", seq.num_pending_tokens)) or (7,) * k)
+    model = Speculation(2, draft=lambda granted: asked.append(("model", len(granted))) or [[7] * n for _, n in granted])
+    for speculation, drafts in ((lookup, (7, 7)), (model, ())):
+        scheduler, _ = _scheduler(k=2, proposal=())
+        (a,) = _decodings(scheduler, ("a", 3, GREEDY))
+        _run(scheduler)  # a plain decode (no proposal) dispatched: its token is pending
+        a.append_pending_token()
+        scheduler.speculation = speculation
+        asked.clear()
+        out = _run(scheduler)
+        chunks = [(c.seq.seq_id, c.num_new_tokens, c.draft_token_ids) for c in out.chunks]
+        assert chunks == [("a", 1 + len(drafts), drafts)]
+        assert asked == ([("lookup", 1)] if drafts else [])
+
+
 def test_no_drafts_in_a_schedule_that_preempted():
     # 3 blocks of 4 tokens: a at 9 tokens needs a third block for its decode, which b holds: b is
     # preempted, and a gets no drafts in that batch (memory pressure).
@@ -312,3 +337,33 @@ def test_verify_rows_in_the_packed_step():
                               lambda seq: (seq.sampling_params, 7, banned[seq.seq_id]))
     sv = sampling_views(packed.sampling, s)
     assert (sv.temperature[2:] == -1).all() and sv.steps[0] == 2
+
+
+def test_a_verified_chunk_may_start_with_a_pending_token_but_is_never_read_as_one():
+    from sarathi_jax.input_batch import InputBatch
+    from sarathi_jax.step_inputs import BatchLayout
+
+    s, block = 8, 4
+    bm = BlockManager(16, block_size=block)
+    a = Sequence("a", [11, 12, 13, 14, 15], GREEDY, 0.0)
+    bm.allocate(a, 12)
+    batch = InputBatch(s, 8, block, (8, 16))
+
+    def sampling(seq):
+        return seq.sampling_params, 7, ()
+
+    batch.prepare([ScheduledChunk(a, 5, 0)], 8, sampling)  # step 1: the prompt, sampling output 1 (pending)
+    a.num_computed_tokens = 5
+    a.append_pending_token()
+    # Step 2, overlapped: the pending token then 2 drafts; the pending one is read from step 1's row 0.
+    packed, _ = batch.prepare([ScheduledChunk(a, 3, 5, True, (31, 32))], 8, sampling)
+    v = BatchLayout(8, s, 8).host_views(packed.batch)
+    assert v["token_ids"][:3].tolist() == [0, 31, 32] and v["src_rows"][:3].tolist() == [0, -1, -1]
+    assert v["positions"][:3].tolist() == [5, 6, 7]
+    # Step 1 retires; a step 3 scheduled before step 2 retires would read a's next token from a verified
+    # chunk's row (its bonus token, if every draft was accepted): refused.
+    a.resolve_pending_token(16)
+    a.num_computed_tokens = 6
+    a.append_pending_token()
+    with pytest.raises(RuntimeError, match="did not sample"):
+        batch.prepare([ScheduledChunk(a, 1, 6, True)], 8, sampling)

@@ -14,7 +14,10 @@ can flip one, as between chunk sizes; sampled requests with a model draft draw i
 rejection-sample them, so their tokens differ from the plain run's and only their distribution is the same).
 `--proposals sampled,argmax` runs each model draft twice for sampled requests: drafts drawn from q (the
 engine's way) and the draft's argmax as a point-mass proposal (its former way; `DraftRunner.sampling_of`
-unset). Wall time on this machine: run it on a quiet one.
+unset). `--loops overlapped,synchronous` runs every configuration in each engine loop (`async_scheduling`);
+"x plain" is against the plain run in the same loop, "x sync" against the same configuration's synchronous
+run; "overlap", the share of timed steps dispatched before the step ahead of them retired (from the
+iteration records). Wall time on this machine: run it on a quiet one.
 """
 
 from __future__ import annotations
@@ -36,15 +39,20 @@ OPEN = ["What is the capital of France, and why is it famous?", "Give me three t
         "Why is the sky blue?", "Write a short poem about the sea."]
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, repeats: int) -> tuple[float, list, dict]:
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, repeats: int
+        ) -> tuple[float, list, dict, float]:
+    """Tokens/s (best of `repeats`), each request's tokens, the engine's stats, and the share of the timed
+    steps dispatched before the step ahead of them retired (the overlap; 0 in the synchronous loop)."""
     llm.generate(prompts, params)  # warm-up: the buckets this workload uses
-    best, outs = float("inf"), []
+    best, outs, first = float("inf"), [], len(llm.engine.iteration_log)
     for _ in range(repeats):
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         best = min(best, time.perf_counter() - t0)
     tokens = sum(len(o.token_ids) for o in outs)
-    return tokens / best, [o.token_ids for o in outs], llm.engine.stats()
+    log = llm.engine.iteration_log[first:]
+    overlapped = sum(b.start_time < a.start_time + a.duration for a, b in zip(log, log[1:]))
+    return tokens / best, [o.token_ids for o in outs], llm.engine.stats(), overlapped / max(len(log) - 1, 1)
 
 
 def draft_config(draft: str, k: int) -> dict:
@@ -73,6 +81,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--proposals", default="sampled", help="model drafts' proposals for sampled requests, "
                    "comma-separated: sampled (from q), argmax (a point mass)")
+    p.add_argument("--loops", default="overlapped", help="engine loops, comma-separated: overlapped, synchronous")
     args = p.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed if args.temperature > 0 else None)
@@ -81,30 +90,42 @@ def main() -> None:
     configs = [(None, "-")] + [(draft_config(d, int(k)), proposal) for d in args.drafts.split(",")
                                for k in args.k.split(",")
                                for proposal in (args.proposals.split(",") if d != "ngram" else ["-"])]
+    loops = args.loops.split(",")
+    if not set(loops) <= {"overlapped", "synchronous"}:
+        raise ValueError(f"--loops entries are overlapped and synchronous, got {args.loops!r}")
     rows = []
     for name, texts in (("copy", COPY), ("open", OPEN)):
         base_tokens = None
-        for spec, proposal in configs:
-            llm = LLM(args.model, speculative_config=spec, **engine)
+        for (spec, proposal), loop in ((config, loop) for config in configs for loop in loops):
+            llm = LLM(args.model, speculative_config=spec, async_scheduling=loop == "overlapped", **engine)
             if proposal == "argmax":
                 llm.engine.draft_runner.sampling_of = None  # every draft the draft's argmax
             prompts = [llm.chat_prompt_ids([{"role": "user", "content": t}])
                        for t in (texts * args.requests)[: args.requests]]
-            rate, tokens, stats = run(llm, prompts, params, args.repeats)
-            base_tokens = tokens if spec is None else base_tokens
-            rows.append({"workload": name, "draft": _name(spec) + ("" if proposal == "-" else f"/{proposal}"), "k": spec["num_speculative_tokens"] if spec else 0,
-                         "tokens_per_s": round(rate, 1),
+            rate, tokens, stats, overlap = run(llm, prompts, params, args.repeats)
+            base_tokens = tokens if base_tokens is None else base_tokens
+            rows.append({"workload": name, "draft": _name(spec) + ("" if proposal == "-" else f"/{proposal}"),
+                         "k": spec["num_speculative_tokens"] if spec else 0, "loop": loop,
+                         "tokens_per_s": round(rate, 1), "overlapped_steps": round(overlap, 2),
                          "acceptance_rate": stats.get("spec_acceptance_rate"),
                          "mean_accepted_length": stats.get("spec_mean_accepted_length"),
                          "same_tokens": sum(a == b for a, b in zip(tokens, base_tokens))})
             print(json.dumps(rows[-1]), flush=True)
-    print(f"{'workload':8} {'draft':>16} {'k':>2} {'tok/s':>8} {'x plain':>8} {'accept':>7} {'len':>5} same")
+    print(f"{'workload':8} {'draft':>16} {'k':>2} {'loop':>11} {'tok/s':>8} {'x plain':>8} {'x sync':>7} "
+          f"{'overlap':>7} {'accept':>7} {'len':>5} same")
     for row in rows:
-        plain = next(r["tokens_per_s"] for r in rows if r["workload"] == row["workload"] and r["k"] == 0)
-        acc, length = row["acceptance_rate"], row["mean_accepted_length"]
-        print(f"{row['workload']:8} {row['draft']:>16} {row['k']:>2} {row['tokens_per_s']:>8} {row['tokens_per_s'] / plain:>8.2f} "
-              f"{'-' if acc is None else f'{acc:.2f}':>7} {'-' if length is None else f'{length:.2f}':>5} "
-              f"{row['same_tokens']}/{args.requests}")
+        plain = _rate(rows, workload=row["workload"], k=0, loop=row["loop"])
+        sync = _rate(rows, workload=row["workload"], draft=row["draft"], k=row["k"], loop="synchronous")
+        acc, length, rate = row["acceptance_rate"], row["mean_accepted_length"], row["tokens_per_s"]
+        print(f"{row['workload']:8} {row['draft']:>16} {row['k']:>2} {row['loop']:>11} {rate:>8} {rate / plain:>8.2f} "
+              f"{'-' if sync is None else f'{rate / sync:.2f}':>7} {row['overlapped_steps']:>7.2f} "
+              f"{'-' if acc is None else f'{acc:.2f}':>7} "
+              f"{'-' if length is None else f'{length:.2f}':>5} {row['same_tokens']}/{args.requests}")
+
+
+def _rate(rows: list[dict], **match: object) -> float | None:
+    """The tokens/s of the first row with the `match`ing fields (None: no such row)."""
+    return next((r["tokens_per_s"] for r in rows if all(r[key] == value for key, value in match.items())), None)
 
 
 def _name(spec: dict | None) -> str:
