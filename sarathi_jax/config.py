@@ -160,7 +160,8 @@ class EngineConfig:
         "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup in the
         request's own tokens), or {"method": "self", "num_layers": L, "num_speculative_tokens": k} (the model's
         first L layers as the draft), or {"model": PRESET_OR_FOLDER, "num_speculative_tokens": k} (a draft
-        model with the same vocabulary). Unconstrained requests only; the loop is synchronous while one runs.
+        model with the same vocabulary). Unconstrained requests only. The overlapped loop retires first after a
+        step that verified drafts; a draft model's requests keep the loop synchronous.
         Not with pipeline parallelism or tile_size (draft models: nor tensor parallelism). See docs/design.md,
         "Speculative decoding".
     disaggregation: "P:D" splits prefill from decode (DistServe, Splitwise): P devices run prompts and sample
