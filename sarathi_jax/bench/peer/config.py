@@ -73,8 +73,9 @@ def vllm_info(python: str) -> dict | None:
 
 
 def _vllm_token_budget(args: argparse.Namespace) -> int | str | None:
-    """vLLM's max_num_batched_tokens (EngineSettings.vllm_token_budget: None for vLLM's default). This engine's "auto"/"dynamic" budget comes from the
-    TBT target --slo-tbt, which vLLM has no counterpart of: then vLLM's budget must be named."""
+    """vLLM's max_num_batched_tokens (EngineSettings.vllm_token_budget: None for vLLM's default). This engine's
+    "auto"/"dynamic" budget comes from the TBT target --slo-tbt, which vLLM has no counterpart of: then vLLM's
+    budget must be named."""
     if isinstance(args.token_budget, str):
         if args.slo_tbt is None:
             raise BenchError(f"--token-budget {args.token_budget} needs the TBT target --slo-tbt SECONDS")
