@@ -23,6 +23,7 @@ from sarathi_jax.bench.workload import Workload
 from sarathi_jax.engine_api import Engine
 from sarathi_jax.outputs import IterationRecord
 from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.speculative import SpeculationStats
 from sarathi_jax.structured_outputs import StructuredOutputs
 
 
@@ -56,7 +57,8 @@ class RunResult:
         return cls(**{**d, "records": [RequestRecord(**r) for r in d["records"]]})
 
 
-SPECULATION_COUNTS = ("draft_tokens", "accepted_tokens", "verify_steps", "emitted_tokens")  # SpeculationStats'
+# SpeculationStats' counts, named as `RunResult.speculation` holds them (its "num_" dropped)
+SPECULATION_COUNTS = tuple(f.name.removeprefix("num_") for f in dataclasses.fields(SpeculationStats))
 
 
 def sampling_params_for(output_len: int, temperature: float = 0.0, stop_at_eos: bool = False,
