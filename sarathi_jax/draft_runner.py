@@ -68,18 +68,6 @@ from sarathi_jax.step_inputs import BatchLayout, pack_sampling, unpack_sampling
 _DRAFT_FILTERS = ("none", "exact")
 
 
-def draft_params(params: Any, num_layers: int) -> Any:
-    """The draft's parameter tree: the target's `params` with its first `num_layers` layers (stacked `layers`
-    sliced; unrolled `layers_i` kept for i < num_layers), the embedding, final norm and LM head as they are."""
-    out = {name: leaf for name, leaf in params.items() if not name.startswith("layers")}
-    if "layers" in params:
-        out["layers"] = jax.tree.map(lambda x: x[:num_layers], params["layers"])
-    for i in range(num_layers):
-        if f"layers_{i}" in params:
-            out[f"layers_{i}"] = params[f"layers_{i}"]
-    return out
-
-
 class KVCacheHolder(Protocol):
     """Where a draft's KV cache lives: the target's `Stage` ("self") or the draft runner itself."""
 
@@ -87,15 +75,13 @@ class KVCacheHolder(Protocol):
 
 
 class DraftRunner:
-    """Proposes draft tokens with `model` (`propose`), over the KV cache that `cache` holds; `select(params)`
-    makes the model's parameter tree of `params` inside the jitted step."""
+    """Proposes draft tokens with `model` (`propose`) and its `params`, over the KV cache that `cache` holds."""
 
     # A request's (params, seed, banned ids) (`EngineCore.sampling_of`); None: every proposal is the argmax.
     sampling_of: Callable[[Seq], RequestSampling] | None = None
 
     def __init__(self, runner: ModelRunner, model: nn.Module, params: Any, cache: KVCacheHolder,
-                 num_speculative_tokens: int, select: Callable[[Any], Any] = lambda params: params,
-                 shadow: bool = False) -> None:
+                 num_speculative_tokens: int, shadow: bool = False) -> None:
         if len(runner.stages) != 1 or runner.plan is not None:
             raise ValueError("speculative_config with a draft model ('self' or 'model') runs on one device only "
                              "(no tensor or pipeline parallelism yet)")
@@ -127,14 +113,14 @@ class DraftRunner:
         def step(params, kv_cache, batch, prev_tokens):
             self.num_traces += 1  # Python side effect: once per trace, never per call
             x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
-            logits, kv_cache = model.apply({"params": select(params)}, x, positions, kv_cache, metadata,
+            logits, kv_cache = model.apply({"params": params}, x, positions, kv_cache, metadata,
                                            logits_indices)
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_cache
 
         def sample_step(params, kv_cache, batch, prev_tokens, sampling, filter_):
             self.num_traces += 1
             x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
-            logits, kv_cache = model.apply({"params": select(params)}, x, positions, kv_cache, metadata,
+            logits, kv_cache = model.apply({"params": params}, x, positions, kv_cache, metadata,
                                            logits_indices)
             tokens, probs = draft_sample(logits, unpack_sampling(sampling, s), filter_)
             return tokens, probs, kv_cache
@@ -142,7 +128,7 @@ class DraftRunner:
         def shadow_step(params, kv_cache, batch, prev_tokens):
             self.num_traces += 1
             x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
-            _, kv_cache = model.apply({"params": select(params)}, x, positions, kv_cache, metadata, logits_indices,
+            _, kv_cache = model.apply({"params": params}, x, positions, kv_cache, metadata, logits_indices,
                                       apply_lm_head=False)
             return kv_cache
 
@@ -156,11 +142,8 @@ class DraftRunner:
     @classmethod
     def self_draft(cls, runner: ModelRunner, num_layers: int, num_speculative_tokens: int) -> DraftRunner:
         """The "self" draft: `runner`'s first `num_layers` layers, final norm and LM head, over its KV cache."""
-        target, stage = runner.model_config, runner.stages[0]  # 1 <= num_layers < its layers: `check_model`
-        model = stage.model.clone(config=dataclasses.replace(target, num_hidden_layers=num_layers),
-                                  kv_cache_layers=target.num_hidden_layers)
-        return cls(runner, model, stage.params, stage, num_speculative_tokens,
-                   functools.partial(draft_params, num_layers=num_layers))
+        stage = runner.stages[0]  # 1 <= num_layers < its layers: `check_model`
+        return cls(runner, stage.model.clone(run_layers=num_layers), stage.params, stage, num_speculative_tokens)
 
     @classmethod
     def draft_model(cls, runner: ModelRunner, config: ModelConfig, params: Any, num_speculative_tokens: int

@@ -180,6 +180,10 @@ class PagedDecoderLayer(nn.Module):
     attention_fn: AttentionFn
     dtype: Any = jnp.float32
     out_major: bool = False  # projection weights stored [out..., in...] (`Projection`, `out_major.py`)
+    # Layers at or past this index pass the carry through unchanged (None: every layer runs): a self-speculative
+    # draft scans the target's own stacked weights and runs only its first layers, so nothing is sliced (a
+    # slice of stacked weights is a copy, on every call).
+    run_below: int | None = None
 
     def block(
         self, x: jax.Array, kv_cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -193,8 +197,10 @@ class PagedDecoderLayer(nn.Module):
         self, carry: tuple[jax.Array, KVCache], layer: jax.Array, cos: jax.Array, sin: jax.Array,
         metadata: AttentionMetadata,
     ) -> tuple[tuple[jax.Array, KVCache], None]:
-        x, kv_cache = carry
-        return self.block(x, kv_cache, layer, cos, sin, metadata), None
+        if self.run_below is None:
+            return self.block(*carry, layer, cos, sin, metadata), None
+        return nn.cond(layer < self.run_below, lambda mdl, c: mdl.block(*c, layer, cos, sin, metadata),
+                       lambda mdl, c: c, self, carry), None
 
 
 class PagedDecoderLM(nn.Module):
@@ -224,9 +230,9 @@ class PagedDecoderLM(nn.Module):
     scan_layers: bool = True
     # The layers' projection weights stored [out..., in...] (on a CPU; `out_major.py`).
     out_major_projections: bool = False
-    # The stacked KV cache's layers when it holds more than this model runs (None: as many): a self-speculative
-    # draft (`draft_runner`) runs a target's first layers over the target's own cache, layer i at layer i.
-    kv_cache_layers: int | None = None
+    # Run only the first `run_layers` decoder layers of the config's (None: all), then the final norm and LM
+    # head: a self-speculative draft (`draft_runner`) over the target's own parameters and KV cache.
+    run_layers: int | None = None
 
     # Name of the `[vocab, embed]` token embedding parameter (also the LM head when tied).
     embedding_name: ClassVar[str]
@@ -254,10 +260,12 @@ class PagedDecoderLM(nn.Module):
                 f"layer_range {self.layer_range} is not a non-empty range of {c.num_hidden_layers} layers"
             )
         num_layers = end - start
-        cache_layers = self.kv_cache_layers or num_layers
-        if kv_cache[0].ndim != 5 or kv_cache[0].shape[0] != cache_layers or cache_layers < num_layers:
-            raise ValueError(f"KV cache of shape {kv_cache[0].shape} is not [{cache_layers}, blocks, block_size, "
+        if kv_cache[0].ndim != 5 or kv_cache[0].shape[0] != num_layers:
+            raise ValueError(f"KV cache of shape {kv_cache[0].shape} is not [{num_layers}, blocks, block_size, "
                              "kv_heads, head_dim] for this model's layers")
+        run = num_layers if self.run_layers is None else self.run_layers
+        if not 0 < run <= num_layers or (self.run_layers is not None and self.layer_range is not None):
+            raise ValueError(f"run_layers={self.run_layers} is not 1..{num_layers} of a whole model")
         is_last = end == c.num_hidden_layers
         if start == 0 or (is_last and c.tie_word_embeddings):
             embedding = self.param(
@@ -279,10 +287,10 @@ class PagedDecoderLM(nn.Module):
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},  # logical axis name of the stacked axis
-            )(*layer_args, out_major=self.out_major_projections, name="layers")
+            )(*layer_args, out_major=self.out_major_projections, run_below=self.run_layers, name="layers")
             (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(num_layers, dtype=jnp.int32), cos, sin, metadata)
         else:
-            for i in range(num_layers):  # global layer names; layer i of this stage's KV cache
+            for i in range(run):  # global layer names; layer i of this stage's KV cache
                 (x, kv_cache), _ = self.layer_class(*layer_args, out_major=self.out_major_projections,
                                                     name=f"layers_{start + i}")(
                     (x, kv_cache), jnp.int32(i), cos, sin, metadata
