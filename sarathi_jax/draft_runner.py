@@ -327,10 +327,13 @@ class DraftRunner:
         return tokens, probs
 
     def _shadow(self, batch: np.ndarray, prev_tokens: jax.Array) -> None:
-        """A target step's packed batch through the separate draft: its K/V into the draft's cache."""
+        """A target step's packed batch through the separate draft: its K/V into the draft's cache. The runner's
+        previous tokens are committed as warm-up's are: on one device the sampler leaves them uncommitted and
+        the rejection step committed, and each placement would compile the step again."""
         stage = self.stage
         with jax.transfer_guard_host_to_device("allow"):
-            stage.kv_cache = self._shadow_step(stage.params, stage.kv_cache, stage.upload(batch), prev_tokens)
+            stage.kv_cache = self._shadow_step(stage.params, stage.kv_cache, stage.upload(batch),
+                                               self._commit(prev_tokens))
 
 
 def _filters(params: SamplingParams) -> bool:

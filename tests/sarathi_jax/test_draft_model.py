@@ -20,7 +20,9 @@ from sarathi_jax import engine as engine_module
 from sarathi_jax.compile_cache import record_compiles
 from sarathi_jax.config import resolve_dtype
 from sarathi_jax.engine import format_startup
+from sarathi_jax.models import ModelConfig
 from sarathi_jax.models.presets import get_preset
+from sarathi_jax.parallel import per_device_bytes
 from sarathi_jax.rejection_sampling import verify_sampled_drafts_jit
 from sarathi_jax.sizing import activation_bytes_estimate, draft_probs_bytes, jax_mem_fraction, kv_bytes_per_block
 from tests.sarathi_jax.engine_helpers import run_staggered
@@ -191,6 +193,26 @@ def test_a_draft_models_memory_counts_when_the_kv_cache_is_sized(monkeypatch):
     # Without the draft the same memory holds twice the blocks.
     plain = LLM("tiny-llama", token_budget=64, max_model_len=128, gpu_memory_utilization=0.8, warmup=False)
     assert plain.engine.block_manager.num_total_blocks == (32 << 20) // per_block
+
+
+def test_each_devices_share_of_both_kv_caches_fits_its_memory_under_tensor_parallelism(monkeypatch, llama_dir,
+                                                                                        other_dir):
+    # The target (4 KV heads) on 4 devices holds 1/4 of its cache per device, the draft (2 KV heads, each
+    # replicated on 2 devices) 1/2 of its own: each device's 32 MiB must hold both shares, not the target's
+    # budget split by the two caches' logical sizes (that gave each device 40 MiB of KV cache).
+    config = EngineConfig(model=str(other_dir), token_budget=64, max_model_len=128, gpu_memory_utilization=0.8,
+                          tensor_parallel_size=4, speculative_config=draft_spec(llama_dir, k=2),
+                          compilation_cache_dir=None)
+    act = activation_bytes_estimate(config, ModelConfig.from_pretrained(other_dir))  # with the draft's q
+    limit, fraction = 2 << 30, jax_mem_fraction() if jax.default_backend() == "gpu" else 1.0
+    in_use = int(0.8 * limit / fraction) - act - (32 << 20)
+    stats = {"bytes_limit": limit, "bytes_in_use": in_use, "peak_bytes_in_use": in_use}
+    monkeypatch.setattr(engine_module, "_memory_stats", lambda devices: [stats] * len(devices))
+    engine = LLMEngine(config, warmup=False)
+    used = per_device_bytes((engine.runner.kv_caches, engine.draft_runner.stage.kv_cache))
+    assert len(used) == 4 and len(set(used.values())) == 1
+    per_block = used[engine.devices[0]] / engine.block_manager.num_total_blocks
+    assert (32 << 20) - per_block < used[engine.devices[0]] <= 32 << 20
 
 
 def test_a_draft_model_is_loaded_before_the_memory_is_read(monkeypatch):

@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram) end to end on a tiny random Llama: greedy tokens equal HF `generate`'s and the
 same engine's without speculation, through chunked prefills, mixed batches, both loops, preemption, prefix
 caching, stops and max_tokens inside an accepted run, aborts; sampled requests speculate and give the tokens
-the same seeds give without speculation; no KV block leaks; nothing compiles after warm-up."""
+the same seeds give without speculation; no KV block leaks; nothing compiles after warm-up. Greedy exactness also
+at tensor_parallel_size 2 (8 virtual CPU devices, tests/conftest.py)."""
 
 from __future__ import annotations
 
