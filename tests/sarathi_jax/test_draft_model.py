@@ -86,6 +86,7 @@ def test_the_target_as_its_own_draft_proposes_its_own_tokens(llama_dir, prompts,
             plain = make_engine(llama_dir, None, token_budget=token_budget, tensor_parallel_size=tp)
             assert run_staggered(plain, prompts, GREEDY, arrive_every=2) == finished
     assert_no_leak(engine)
+    assert_placed_as_the_target(engine, tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -78,6 +78,7 @@ def test_self_draft_greedy_matches_hf_and_no_speculation(llama_dir, prompts, hf_
         assert run_staggered(plain_engine, prompts, GREEDY, arrive_every=2) == finished
     assert_drafts_are_the_cut_models(llama_dir, 1, steps)
     assert_no_leak(engine)
+    assert_placed_as_the_target(engine, tp)
 
 
 @pytest.mark.parametrize("num_layers, scan_layers", [(1, False), (3, True)])
