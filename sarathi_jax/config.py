@@ -162,8 +162,8 @@ class EngineConfig:
         first L layers as the draft), or {"model": PRESET_OR_FOLDER, "num_speculative_tokens": k} (a draft
         model with the same vocabulary). Unconstrained requests only. The overlapped loop retires first after a
         step that verified drafts; a draft model's requests keep the loop synchronous.
-        Not with pipeline parallelism or tile_size (draft models: nor tensor parallelism). See docs/design.md,
-        "Speculative decoding".
+        With tensor parallelism (a draft model on the model's devices, sharded alike); not with pipeline
+        parallelism or tile_size. See docs/design.md, "Speculative decoding".
     disaggregation: "P:D" splits prefill from decode (DistServe, Splitwise): P devices run prompts and sample
         each request's first token, then its KV cache moves to the D decode devices (a side may be
         DEVICES/TP: instances of TP devices; sarathi_jax/disaggregation_config.py). None: colocated. Runs on
@@ -243,13 +243,16 @@ class EngineConfig:
                              f"got {self.compilation_cache_dir!r}")
         check_scheduling_policy(self.scheduling_policy, self.priority_max_wait_s)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None and (self.pipeline_parallel_size > 1 or self.tile_size):
+        spec = self.speculative_config
+        if spec is not None and self.pipeline_parallel_size > 1 and spec.method != "ngram":
+            raise ValueError(f"speculative_config method {spec.method!r} (a draft model) is not supported with "
+                             "pipeline_parallel_size > 1: the draft runs its k steps on one stage's devices (a "
+                             "'self' draft's first layers and its LM head lie on different stages) while the host "
+                             "waits for its proposals before each dispatch, which would stall the pipeline; use "
+                             "tensor_parallel_size instead")
+        if spec is not None and (self.pipeline_parallel_size > 1 or self.tile_size):
             raise ValueError("speculative_config is not supported yet with pipeline_parallel_size > 1 (not "
                              "verified there) or with tile_size (draft tokens would unalign the batch)")
-        if self.speculative_config is not None and self.speculative_config.method != "ngram" and (
-                self.tensor_parallel_size > 1):
-            raise ValueError(f"speculative_config method {self.speculative_config.method!r} is not supported yet "
-                             "with tensor_parallel_size > 1 (the draft runs on one device)")
         self._check_batch_limits()
         if self.disaggregation is not None:
             DisaggregationSplit.parse(self.disaggregation)  # ValueError naming the bad part

@@ -36,14 +36,18 @@ previous step's output row (the `src_rows` path the overlapped loop uses), so on
 are fetched. Each step runs in the smallest of the draft's buckets that holds its rows: the runner's token
 buckets up to the first that holds max_num_seqs rows, each compiled once (`warmup`), never while serving (a
 separate draft's shadow step: once per runner bucket).
+
+Where it runs: on a `parallel.stages.Stage`, the target's for "self", the draft's own for a separate model.
+Under tensor parallelism that stage is on the target's mesh, its params and KV cache sharded by the target's
+rules; the draft's steps keep those shardings (docs/design.md, "Under tensor parallelism"). Pipeline
+parallelism is refused (`EngineConfig`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -54,6 +58,8 @@ from sarathi_jax.input_batch import make_sampling_arrays
 from sarathi_jax.model_runner import ModelRunner
 from sarathi_jax.models import ModelConfig, get_model, init_kv_cache, to_out_major
 from sarathi_jax.models.layers import unstack_layer_params
+from sarathi_jax.parallel.plan import ParallelPlan
+from sarathi_jax.parallel.stages import Stage, build_stages
 from sarathi_jax.rejection_sampling import draft_sample, verify_sampled_drafts_jit
 from sarathi_jax.sampling import SamplerOutput
 from sarathi_jax.sampling_inputs import SAMPLING_EPS, empty_sampling_arrays
@@ -68,33 +74,40 @@ from sarathi_jax.step_inputs import BatchLayout, pack_sampling, unpack_sampling
 _DRAFT_FILTERS = ("none", "exact")
 
 
-class KVCacheHolder(Protocol):
-    """Where a draft's KV cache lives: the target's `Stage` ("self") or the draft runner itself."""
-
-    kv_cache: Any
-
-
 class DraftRunner:
-    """Proposes draft tokens with `model` (`propose`) and its `params`, over the KV cache that `cache` holds."""
+    """Proposes draft tokens with `model` (`propose`) on `stage`: the `parallel.stages.Stage` that holds the
+    draft's parameters and KV cache and says where they live (the target's own stage for "self"; the draft's,
+    on the target's devices, for a separate model).
+
+    Under tensor parallelism the stage has the target's mesh: its params and KV cache are sharded by the
+    target's rules (`sarathi_jax.parallel`), every jitted step takes them as they are and returns the KV cache
+    with its sharding (`Stage.jit_shardings`) and tokens and q replicated, as the runner's step and sampler do,
+    so nothing is resharded or copied per step and warm-up compiles what serving calls."""
 
     # A request's (params, seed, banned ids) (`EngineCore.sampling_of`); None: every proposal is the argmax.
     sampling_of: Callable[[Seq], RequestSampling] | None = None
 
-    def __init__(self, runner: ModelRunner, model: nn.Module, params: Any, cache: KVCacheHolder,
-                 num_speculative_tokens: int, shadow: bool = False) -> None:
-        if len(runner.stages) != 1 or runner.plan is not None:
-            raise ValueError("speculative_config with a draft model ('self' or 'model') runs on one device only "
-                             "(no tensor or pipeline parallelism yet)")
-        self.runner, self.params, self.cache = runner, params, cache
+    def __init__(self, runner: ModelRunner, stage: Stage, model: nn.Module, num_speculative_tokens: int,
+                 shadow: bool = False) -> None:
+        if len(runner.stages) != 1:  # EngineConfig refuses it first, saying why
+            raise ValueError("speculative_config with a draft model ('self' or 'model') is not supported with "
+                             "pipeline_parallel_size > 1")
+        if jax.process_count() > 1:  # `propose` reads the drafts on the host as one process's arrays
+            raise ValueError("speculative_config with a draft model ('self' or 'model') runs in one process only "
+                             "(not yet in a multi-process engine)")
+        self.runner, self.stage = runner, stage
         s = self.max_num_seqs = runner.max_num_seqs
         b = self.max_blocks_per_seq = runner.max_blocks_per_seq
         self.block_size = runner.block_size
         top = bucket_for(runner.buckets, s) or runner.buckets[-1]
         self.buckets = tuple(bucket for bucket in runner.buckets if bucket <= top)
         self.num_traces = 0  # the draft's traces: one per bucket (and one per runner bucket of a shadow step)
-        # Committed to the cache's device as the step outputs are, so warm-up compiles what serving calls.
-        device = next(iter(jax.tree.leaves(runner.stages[0].kv_cache)[0].devices()))
-        self._commit = functools.partial(jax.device_put, device=device)
+        # Arrays made here as the step outputs are: committed to the cache's device, or replicated on the mesh.
+        if stage.mesh is None:
+            device = next(iter(jax.tree.leaves(stage.kv_cache)[0].devices()))
+            self._commit: Callable[[Any], Any] = functools.partial(jax.device_put, device=device)
+        else:
+            self._commit = stage.place
         self._no_tokens = self._commit(jnp.zeros(s, jnp.int32))
         self.num_speculative_tokens = num_speculative_tokens
         # What the last `propose` drew from q, for its verification step: seq_id -> draft row, q per draft step
@@ -103,65 +116,69 @@ class DraftRunner:
         self._draft_probs: tuple[jax.Array, ...] = ()
         self._no_probs = self._commit(jnp.zeros((s, runner.model_config.vocab_size), jnp.float32))
         self._filter = "none"
+        head = stage.lm_head()  # on a mesh: logits vocab-sharded, then gathered (as the target's sampler has them)
 
-        def inputs(batch, prev_tokens):
+        def forward(params, kv_cache, batch, prev_tokens, lm_head=True):
+            self.num_traces += 1  # Python side effect: once per trace, never per call
             layout = BatchLayout.of_packed(batch.shape[0], s, b)
             token_ids, src_rows, positions, metadata, logits_indices = layout.unpack_batch(batch)
             x = jnp.where(src_rows >= 0, prev_tokens[jnp.clip(src_rows, 0, s - 1)], token_ids)
-            return x, positions, metadata, logits_indices
+            h, kv_cache = model.apply({"params": params}, x, positions, kv_cache, metadata, logits_indices,
+                                      apply_lm_head=False)
+            return (head.logits(h, model.lm_head_weight(params)) if lm_head else None), kv_cache
 
         def step(params, kv_cache, batch, prev_tokens):
-            self.num_traces += 1  # Python side effect: once per trace, never per call
-            x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
-            logits, kv_cache = model.apply({"params": params}, x, positions, kv_cache, metadata,
-                                           logits_indices)
+            logits, kv_cache = forward(params, kv_cache, batch, prev_tokens)
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_cache
 
         def sample_step(params, kv_cache, batch, prev_tokens, sampling, filter_):
-            self.num_traces += 1
-            x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
-            logits, kv_cache = model.apply({"params": params}, x, positions, kv_cache, metadata,
-                                           logits_indices)
+            logits, kv_cache = forward(params, kv_cache, batch, prev_tokens)
             tokens, probs = draft_sample(logits, unpack_sampling(sampling, s), filter_)
             return tokens, probs, kv_cache
 
         def shadow_step(params, kv_cache, batch, prev_tokens):
-            self.num_traces += 1
-            x, positions, metadata, logits_indices = inputs(batch, prev_tokens)
-            _, kv_cache = model.apply({"params": params}, x, positions, kv_cache, metadata, logits_indices,
-                                      apply_lm_head=False)
-            return kv_cache
+            return forward(params, kv_cache, batch, prev_tokens, lm_head=False)[1]
 
-        self._step = jax.jit(step, donate_argnums=(1,))  # the KV cache, updated in place
-        self._sample_step = jax.jit(sample_step, donate_argnums=(1,), static_argnames=("filter_",))
-        self._shadow_step = jax.jit(shadow_step, donate_argnums=(1,)) if shadow else None
+        # The KV cache is donated (updated in place) and keeps its sharding; tokens and q come out replicated.
+        self._step = jax.jit(step, donate_argnums=(1,), **stage.jit_shardings(1))
+        self._sample_step = jax.jit(sample_step, donate_argnums=(1,), static_argnames=("filter_",),
+                                    **stage.jit_shardings(2))
+        self._shadow_step = jax.jit(shadow_step, donate_argnums=(1,), **stage.jit_shardings(0)) if shadow else None
         if shadow:
             runner.step_shadow = self._shadow
         runner.step_verify = self.verify
 
     @classmethod
     def self_draft(cls, runner: ModelRunner, num_layers: int, num_speculative_tokens: int) -> DraftRunner:
-        """The "self" draft: `runner`'s first `num_layers` layers, final norm and LM head, over its KV cache."""
+        """The "self" draft: `runner`'s first `num_layers` layers, final norm and LM head, over its KV cache,
+        on its stage (its devices and shardings)."""
         stage = runner.stages[0]  # 1 <= num_layers < its layers: `check_model`
-        return cls(runner, stage.model.clone(run_layers=num_layers), stage.params, stage, num_speculative_tokens)
+        return cls(runner, stage, stage.model.clone(run_layers=num_layers), num_speculative_tokens)
 
     @classmethod
-    def draft_model(cls, runner: ModelRunner, config: ModelConfig, params: Any, num_speculative_tokens: int
-                    ) -> DraftRunner:
-        """A separate draft (`config`, `params` as `models.load_model` gives them) with the target's vocabulary,
-        laid out as `runner`'s model is (scanned or unrolled layers, out-major projections), its own KV cache
-        on the target's blocks."""
-        target, stage = runner.model_config, runner.stages[0]
-        if config.vocab_size != target.vocab_size:
+    def draft_model(cls, runner: ModelRunner, config: ModelConfig, params: Any, num_speculative_tokens: int, *,
+                    attention_fn: Callable, plan: ParallelPlan | None = None) -> DraftRunner:
+        """A separate draft (`config`, `params` as `models.load_model` gives them, or with `plan` as
+        `parallel.load_parallel_model` does) with the target's vocabulary, laid out as `runner`'s model is
+        (scanned or unrolled layers, out-major projections), its own KV cache on the target's blocks. `plan`
+        (the target's tensor parallelism, one stage, the target's devices): params and KV cache sharded by the
+        same rules as the target's, attention per shard (`parallel.stages.build_stages`)."""
+        target = runner.stages[0]
+        if config.vocab_size != runner.model_config.vocab_size:
             raise ValueError(f"speculative_config.model has a vocabulary of {config.vocab_size} tokens, the model "
-                             f"{target.vocab_size}: a draft must share the target's vocabulary")
-        model = get_model(config, stage.model.dtype, attention_fn=stage.model.attention_fn)
-        if not stage.model.scan_layers:
-            model, params = model.clone(scan_layers=False), unstack_layer_params(params)
-        if stage.model.out_major_projections:
-            model, params = to_out_major(model, params)
-        holder = _OwnCache(init_kv_cache(config, runner.num_blocks, runner.block_size, stage.model.dtype))
-        return cls(runner, model, params, holder, num_speculative_tokens, shadow=True)
+                             f"{runner.model_config.vocab_size}: a draft must share the target's vocabulary")
+        dtype, num_blocks, block_size = target.model.dtype, runner.num_blocks, runner.block_size
+        if plan is None:
+            model = get_model(config, dtype, attention_fn=attention_fn)
+            stage = Stage(0, (0, config.num_hidden_layers), None, model, params,
+                          init_kv_cache(config, num_blocks, block_size, dtype), True)
+        else:
+            stage, = build_stages(plan, config, params, dtype, attention_fn, num_blocks, block_size)
+        if not target.model.scan_layers:
+            stage.model, stage.params = stage.model.clone(scan_layers=False), unstack_layer_params(stage.params)
+        if target.model.out_major_projections:
+            stage.model, stage.params = to_out_major(stage.model, stage.params)
+        return cls(runner, stage, stage.model, num_speculative_tokens, shadow=True)
 
     def warmup(self) -> None:
         """Compile every draft bucket (greedy and sampled: each filter), the shadow step and the verification's
@@ -175,14 +192,19 @@ class DraftRunner:
         if self._shadow_step is not None:
             for bucket in self.runner.buckets:
                 self._shadow(BatchLayout(bucket, s, b).empty_batch(), self._no_tokens)
-        runner, stage = self.runner, self.runner.stages[-1]
-        hidden = self._commit(jnp.zeros((s, runner.model_config.hidden_size), stage.model.dtype))  # final-normed rows
-        out = SamplerOutput(jnp.zeros(s, jnp.int32), None, None, None)  # uncommitted, as the sampler's
+        # The verification's inputs placed as serving has them: the target's final-normed rows (committed), its
+        # sampler's outputs (uncommitted on one device; replicated on a mesh) and its uploaded sampling part.
+        runner, target = self.runner, self.runner.stages[-1]
+        hidden = self._commit(jnp.zeros((s, runner.model_config.hidden_size), target.model.dtype))
+        out = SamplerOutput(target.place(jnp.zeros(s, jnp.int32)), None, None, None)
+        with jax.transfer_guard_host_to_device("allow"):
+            sampling = target.upload(padding)
         for rows in runner.row_ladder:
             for filter_ in _DRAFT_FILTERS:
-                self._verify(out._replace(logprobs=jnp.zeros(rows, jnp.float32)), hidden, stage.lm_head_weight,
-                             padding, rows, stage.lm_head(), filter_, np.full(s, -1, np.int32), np.zeros(s, np.int32))
-        jax.block_until_ready(self.cache.kv_cache)
+                self._verify(out._replace(logprobs=target.place(jnp.zeros(rows, jnp.float32))), hidden,
+                             target.lm_head_weight, sampling, rows, target.lm_head(), filter_,
+                             np.full(s, -1, np.int32), np.zeros(s, np.int32))
+        jax.block_until_ready(self.stage.kv_cache)
 
     def propose(self, granted: Sequence[tuple[Seq, int]]) -> list[list[int]]:
         """Each (sequence, n)'s n draft tokens after its last token (known on the host: the scheduler grants
@@ -257,6 +279,7 @@ class DraftRunner:
                 head: Any, filter_: str, q_index: np.ndarray, draft_ids: np.ndarray) -> SamplerOutput:
         probs = self._draft_probs or (self._no_probs,) * self.num_speculative_tokens
         with jax.transfer_guard_host_to_device("allow"):  # the small host index arrays (and sampling part)
+            q_index, draft_ids = self.runner.stages[-1].upload((q_index, draft_ids))
             token_ids, logprobs = verify_sampled_drafts_jit(hidden, head_weight, sampling, out.token_ids,
                                                             out.logprobs, probs, q_index, draft_ids,
                                                             rows=rows, head=head, filter_=filter_)
@@ -275,27 +298,26 @@ class DraftRunner:
     def _run(self, batch: np.ndarray, prev_tokens: jax.Array, sampling: np.ndarray | None = None,
              filter_: str = "none") -> Any:
         """A greedy draft step's tokens, or (with `sampling`) a sampled one's (tokens, q)."""
-        cache = self.cache
-        with jax.transfer_guard_host_to_device("allow"):  # the packed host batch, only
+        stage = self.stage
+        with jax.transfer_guard_host_to_device("allow"):  # the packed host batch (and sampling part), only
             if sampling is None:
-                tokens, cache.kv_cache = self._step(self.params, cache.kv_cache, batch, prev_tokens)
+                tokens, stage.kv_cache = self._step(stage.params, stage.kv_cache, stage.upload(batch), prev_tokens)
                 return tokens
-            tokens, probs, cache.kv_cache = self._sample_step(self.params, cache.kv_cache, batch, prev_tokens,
+            batch, sampling = stage.upload((batch, sampling))
+            tokens, probs, stage.kv_cache = self._sample_step(stage.params, stage.kv_cache, batch, prev_tokens,
                                                               sampling, filter_)
         return tokens, probs
 
     def _shadow(self, batch: np.ndarray, prev_tokens: jax.Array) -> None:
-        """A target step's packed batch through the separate draft: its K/V into the draft's cache."""
-        cache = self.cache
+        """A target step's packed batch through the separate draft: its K/V into the draft's cache. The runner's
+        previous tokens are committed as warm-up's are: on one device the sampler leaves them uncommitted and
+        the rejection step committed, and each placement would compile the step again."""
+        stage = self.stage
         with jax.transfer_guard_host_to_device("allow"):
-            cache.kv_cache = self._shadow_step(self.params, cache.kv_cache, batch, prev_tokens)
+            stage.kv_cache = self._shadow_step(stage.params, stage.kv_cache, stage.upload(batch),
+                                               self._commit(prev_tokens))
 
 
 def _filters(params: SamplingParams) -> bool:
     """Whether a sampled request needs the top-k / top-p filter (else filter "none" serves it: min-p only)."""
     return params.top_k > 0 or params.top_p < 1.0
-
-
-@dataclasses.dataclass
-class _OwnCache:
-    kv_cache: Any

@@ -43,7 +43,8 @@ from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.scheduler.speculation import Speculation
 from sarathi_jax.sizing import (
-    bucket_ladder, jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, platform_buckets, size_engine)
+    bucket_ladder, jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, kv_cache_shares, platform_buckets,
+    size_engine)
 from sarathi_jax.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -104,9 +105,9 @@ class LLMEngine(CoreFrontEnd):
                     load_tokenizer(config.model) if Path(config.model).is_dir() else None
                 )
                 spec = config.speculative_config
-                draft = None  # a separate draft's (config, params): loaded before the KV cache is sized
-                if spec is not None and spec.model is not None:
-                    draft = load_model(spec.model, dtype, seed=config.seed)
+                draft, draft_plan = None, None  # a separate draft's (config, params), its plan under TP
+                if spec is not None and spec.model is not None:  # loaded before the KV cache is sized
+                    draft, draft_plan = _load_draft(spec.model, dtype, config, self.parallel_plan, self.devices)
             mc = self.model_config
 
             with timer.phase("init"):
@@ -122,7 +123,11 @@ class LLMEngine(CoreFrontEnd):
                 draft_block = kv_bytes_per_block(draft[0], config.block_size, config.dtype) if draft else 0
                 target_block = kv_bytes_per_block(mc, config.block_size, config.dtype)
                 if kv_bytes is not None and draft_block:
-                    kv_bytes = kv_bytes // (target_block + draft_block) * target_block  # the target's share
+                    # Sized from device memory, a block costs each device its share of both caches: a draft with
+                    # fewer KV heads than the TP devices replicates them, so its share may be the larger.
+                    cost = draft_block * kv_cache_shares(config, mc) / kv_cache_shares(config, draft[0]) if (
+                        config.gpu_memory_utilization) else draft_block
+                    kv_bytes = int(kv_bytes // (target_block + cost)) * target_block  # the target's share
                 cost_path, cost_model, cost_source = None, None, None
                 if isinstance(requested_budget, str):  # "auto" / "dynamic": resolve before sizing when a cost
                     top = dataclasses.replace(config, token_budget=config.budget_ceiling,  # model is at hand;
@@ -162,7 +167,9 @@ class LLMEngine(CoreFrontEnd):
                         self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers,
                                                                    spec.num_speculative_tokens)
                     else:
-                        self.draft_runner = DraftRunner.draft_model(self.runner, *draft, spec.num_speculative_tokens)
+                        self.draft_runner = DraftRunner.draft_model(
+                            self.runner, *draft, spec.num_speculative_tokens,
+                            attention_fn=get_attention_fn(attention_backend), plan=draft_plan)
                 if spec is not None:
                     self.scheduler.speculation = Speculation.of(
                         spec, self.draft_runner.propose if self.draft_runner is not None else None)
@@ -315,6 +322,23 @@ class LLMEngine(CoreFrontEnd):
         background = self.runner.background
         return {**self._startup_stats,
                 "background_compile_s": background.seconds if background is not None and background.done else None}
+
+
+def _load_draft(name: str, dtype: Any, config: EngineConfig, plan: Any, devices: Sequence[Any]
+                ) -> tuple[tuple[Any, Any], Any]:
+    """A separate draft's ((config, params), parallel plan): on one device (`plan` None), or on the target's
+    devices with the target's tensor parallelism, sharded by the same rules (a draft whose heads do not split
+    is refused as the target would be). Errors name the draft."""
+    try:
+        if plan is None:
+            return load_model(name, dtype, seed=config.seed), None
+        from sarathi_jax.parallel import load_parallel_model
+
+        draft_plan, *draft = load_parallel_model(name, dtype, config.seed, config.tensor_parallel_size, 1,
+                                                 devices=devices)
+        return (draft[0], draft[1]), draft_plan
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model {name!r}: {error}") from error
 
 
 def _memory_stats(devices: Sequence[Any]) -> list[dict | None]:

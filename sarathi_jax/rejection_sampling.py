@@ -124,7 +124,8 @@ def verify_sampled_drafts(hidden: jax.Array, head_weight: jax.Array, sampling: j
     use = (index >= 0) & (arrays.temperature >= SAMPLING_EPS) & jnp.isfinite(masked_max)
     tokens = jnp.where(use, tokens, token_ids[:rows])
     token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
-    return token_ids.at[:rows].set(tokens), jnp.where(use, token_logprobs, logprobs)
+    # Replicated under TP, as the sampler's outputs (the next step reads the tokens as it reads the sampler's).
+    return head.replicate((token_ids.at[:rows].set(tokens), jnp.where(use, token_logprobs, logprobs)))
 
 
 verify_sampled_drafts_jit = jax.jit(verify_sampled_drafts, static_argnames=("rows", "head", "filter_"))

@@ -196,6 +196,13 @@ def draft_probs_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
     return 4 * (spec.num_speculative_tokens + 1) * config.max_num_seqs * model_config.vocab_size
 
 
+def kv_cache_shares(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Into how many distinct per-device shares a model's KV cache is split: a device holds 1/pp of the layers
+    and 1/min(tp, kv heads) of the KV heads (KV heads fewer than the tensor-parallel devices are replicated:
+    docs/parallelism.md). A memory budget counts the logical cache: per device x shares."""
+    return config.pipeline_parallel_size * min(config.tensor_parallel_size, model_config.num_key_value_heads)
+
+
 def kv_cache_budget(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -251,10 +258,7 @@ def kv_cache_budget(
             f"{activations / 2**20:.0f} MiB of activations (or no free block of device memory holds it); raise "
             f"it, or use a smaller model or token budget"
         )
-    # A device holds 1/pp of the layers and 1/min(tp, kv heads) of the KV heads (KV heads fewer than the
-    # tensor-parallel devices are replicated: docs/parallelism.md); the budget counts the logical cache.
-    shares = config.pipeline_parallel_size * min(config.tensor_parallel_size, model_config.num_key_value_heads)
-    return KVBudget(per_device * shares, utilization, activations,
+    return KVBudget(per_device * kv_cache_shares(config, model_config), utilization, activations,
                     unfragmented_bytes=by_fraction if by_block < by_fraction else None)
 
 

@@ -123,12 +123,14 @@ class Stage:
         """This (last) stage's LM head weight (the embedding's copy when tied), as `LMHead.logits` takes it."""
         return self.model.lm_head_weight(self.params)
 
-    def jit_shardings(self) -> dict[str, Any]:
-        """`jax.jit` keyword arguments for the step (params, kv_cache, ...) -> (out, kv_cache): on a mesh the
-        output is replicated and the KV cache keeps its sharding."""
+    def jit_shardings(self, outputs: int = 1) -> dict[str, Any]:
+        """`jax.jit` keyword arguments for a step (params, kv_cache, ...) -> (out, kv_cache) (with `outputs`
+        n: (out_1 .. out_n, kv_cache); 0: kv_cache alone): on a mesh the outputs are replicated and the KV
+        cache keeps its sharding, so the next step (the runner's or a draft's, `draft_runner`) takes it as it is."""
         if self.mesh is None:
             return {}
-        return {"out_shardings": (self.replicated, (self.kv_sharding, self.kv_sharding))}
+        kv_cache = (self.kv_sharding, self.kv_sharding)
+        return {"out_shardings": (*(self.replicated,) * outputs, kv_cache) if outputs else kv_cache}
 
 
 def build_stages(plan: ParallelPlan, model_config: Any, params: Any, dtype: Any, attention_fn: Callable,

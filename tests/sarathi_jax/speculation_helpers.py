@@ -100,3 +100,25 @@ def assert_drafts_are_the_cut_models(model_dir, num_layers, steps, most=40):
     assert proposals
     same = sum(hf_greedy(draft, tokens, len(d)) == list(d) for tokens, d in proposals)
     assert same >= 0.9 * len(proposals), (same, len(proposals))  # float32 near-ties may differ, rarely
+
+
+def assert_placed_as_the_target(engine, tp: int):
+    """The draft's parameters and KV cache on the target's devices, sharded by the target's rules: the KV cache
+    with the target's sharding (kept through serving: no step resharded it), each device holding 1/tp of it
+    and about 1/tp of the parameters (norms replicate); one device without tensor parallelism."""
+    import jax
+
+    from sarathi_jax.parallel import per_device_bytes
+
+    stage, target = engine.draft_runner.stage, engine.runner.stages[0]
+    devices = set(engine.devices)
+    assert len(devices) == tp
+    kv_usage, param_usage = per_device_bytes(stage.kv_cache), per_device_bytes(stage.params)
+    assert set(kv_usage) == set(param_usage) == devices
+    if tp == 1:
+        assert devices == {jax.devices()[0]}
+        return
+    assert all(pages.sharding == target.kv_sharding for pages in stage.kv_cache)
+    assert set(kv_usage.values()) == {sum(pages.nbytes for pages in stage.kv_cache) // tp}
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(stage.params))
+    assert all(nbytes <= 1.05 * total / tp for nbytes in param_usage.values()), (param_usage, total)

@@ -5,7 +5,9 @@ proposals are HF's greedy tokens of that draft; the target's tokens equal HF `ge
 engine's through chunked prefills, mixed batches, both loops, preemption and prefix-cache hits; seeded sampled
 requests draw drafts from the draft's q (accepted min(1, p/q)); no KV block leaks; nothing compiles after
 warm-up; a draft with another vocabulary is refused; a draft's parameters and KV cache count when the KV cache
-is sized from device memory."""
+is sized from device memory. Under tensor parallelism (tp 2, and 4 with KV heads replicated) the same, with the
+draft's params and KV cache sharded on the target's mesh by the target's rules (a draft whose heads do not split
+is refused at start-up); pipeline parallelism is refused."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ import jax
 
 from sarathi_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax import engine as engine_module
+from sarathi_jax.compile_cache import record_compiles
 from sarathi_jax.config import resolve_dtype
 from sarathi_jax.engine import format_startup
+from sarathi_jax.models import ModelConfig
 from sarathi_jax.models.presets import get_preset
+from sarathi_jax.parallel import per_device_bytes
 from sarathi_jax.rejection_sampling import verify_sampled_drafts_jit
 from sarathi_jax.sizing import activation_bytes_estimate, draft_probs_bytes, jax_mem_fraction, kv_bytes_per_block
 from tests.sarathi_jax.engine_helpers import run_staggered
@@ -25,6 +30,7 @@ from tests.sarathi_jax.speculation_helpers import (
     GREEDY,
     MAX_TOKENS,
     assert_no_leak,
+    assert_placed_as_the_target,
     hf_greedy,
     hf_model,
     make_engine,
@@ -59,11 +65,14 @@ def other_dir(tiny_checkpoint):
     return tiny_checkpoint()  # 4 layers, 8 heads of 16: another KV cache shape, the same 256-token vocabulary
 
 
-@pytest.mark.parametrize("token_budget, async_scheduling", [(16, True), (64, False)])
+@pytest.mark.parametrize("token_budget, async_scheduling, tp", [(16, True, 1), (64, False, 1), (16, True, 2),
+                                                                 (64, False, 4)])
 def test_the_target_as_its_own_draft_proposes_its_own_tokens(llama_dir, prompts, hf_outputs, token_budget,
-                                                              async_scheduling):
+                                                              async_scheduling, tp):
+    # tp 2 and 4 (the draft's 2 KV heads replicated on 4 devices, as the target's): its own params and KV
+    # cache sharded on the target's mesh, its shadow and proposal steps run there.
     engine = make_engine(llama_dir, draft_spec(llama_dir), token_budget=token_budget,
-                         async_scheduling=async_scheduling)
+                         async_scheduling=async_scheduling, tensor_parallel_size=tp)
     steps = observe(engine)
     finished = run_staggered(engine, prompts, GREEDY, arrive_every=2)
     assert [finished[f"r{i}"] for i in range(len(prompts))] == hf_outputs
@@ -73,11 +82,16 @@ def test_the_target_as_its_own_draft_proposes_its_own_tokens(llama_dir, prompts,
     assert stats["spec_num_accepted_tokens"] >= 0.97 * stats["spec_num_draft_tokens"]  # float32 near-ties aside
     if token_budget == 64:
         assert any(any(d for _, _, d, *_ in step) and any(not dec for _, _, _, dec, _ in step) for step in steps)
+        if tp > 1:
+            plain = make_engine(llama_dir, None, token_budget=token_budget, tensor_parallel_size=tp)
+            assert run_staggered(plain, prompts, GREEDY, arrive_every=2) == finished
     assert_no_leak(engine)
+    assert_placed_as_the_target(engine, tp)
 
 
-def test_another_draft_proposes_its_own_greedy_tokens(llama_dir, other_dir, prompts, hf_outputs):
-    engine = make_engine(llama_dir, draft_spec(other_dir, k=3), async_scheduling=False)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_another_draft_proposes_its_own_greedy_tokens(llama_dir, other_dir, prompts, hf_outputs, tp):
+    engine = make_engine(llama_dir, draft_spec(other_dir, k=3), async_scheduling=False, tensor_parallel_size=tp)
     steps = observe(engine)
     finished = run_staggered(engine, prompts, GREEDY, arrive_every=2)
     assert [finished[f"r{i}"] for i in range(len(prompts))] == hf_outputs
@@ -89,8 +103,9 @@ def test_another_draft_proposes_its_own_greedy_tokens(llama_dir, other_dir, prom
     assert_no_leak(engine)
 
 
-def test_preemption_prefix_cache_and_sampled_requests_with_a_draft_model(llama_dir, prompts, hf_outputs):
-    engine = make_engine(llama_dir, draft_spec(llama_dir), num_blocks=12)  # too few blocks for all: preempts
+@pytest.mark.parametrize("tp", [1, 2])
+def test_preemption_prefix_cache_and_sampled_requests_with_a_draft_model(llama_dir, prompts, hf_outputs, tp):
+    engine = make_engine(llama_dir, draft_spec(llama_dir), num_blocks=12, tensor_parallel_size=tp)  # preempts
     finished = run_staggered(engine, prompts, GREEDY, arrive_every=1)
     stats = engine.stats()
     assert stats["num_preemptions"] > 0
@@ -98,7 +113,7 @@ def test_preemption_prefix_cache_and_sampled_requests_with_a_draft_model(llama_d
     assert [finished[f"r{i}"] for i in range(len(prompts))] == hf_outputs
     assert_no_leak(engine)
 
-    engine = make_engine(llama_dir, draft_spec(llama_dir), enable_prefix_caching=True)
+    engine = make_engine(llama_dir, draft_spec(llama_dir), enable_prefix_caching=True, tensor_parallel_size=tp)
     first = run_staggered(engine, prompts, GREEDY)
     drafts, accepted = engine.stats()["spec_num_draft_tokens"], engine.stats()["spec_num_accepted_tokens"]
     again = run_staggered(engine, prompts, GREEDY)  # cached blocks: the draft's K/V for them is there too
@@ -112,34 +127,45 @@ def test_preemption_prefix_cache_and_sampled_requests_with_a_draft_model(llama_d
                 "nucleus": (prompts[3], SamplingParams(temperature=0.7, top_p=0.8, seed=4, max_tokens=16,
                                                        ignore_eos=True))}
     # The target as its own draft: q == p, so rejection sampling accepts (about) every draft drawn from q.
-    spec = serve(make_engine(llama_dir, draft_spec(llama_dir)), requests)
+    spec = serve(make_engine(llama_dir, draft_spec(llama_dir), tensor_parallel_size=tp), requests)
     for rid in requests:
         metrics = spec[rid][-1].metrics
         assert metrics.num_accepted_tokens >= 0.9 * metrics.num_draft_tokens > 0, rid
         assert len(spec[rid][-1].token_ids) == 16
 
 
-def test_no_compilation_after_warmup_with_a_draft_model(llama_dir, other_dir, prompts):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_no_compilation_after_warmup_with_a_draft_model(llama_dir, other_dir, prompts, tp):
     engine = LLMEngine(EngineConfig(model=llama_dir, token_budget=64, max_num_seqs=8, num_blocks=256,
                                     max_model_len=512, speculative_config=draft_spec(other_dir),
-                                    compilation_cache_dir=None), warmup=True)
+                                    compilation_cache_dir=None, tensor_parallel_size=tp), warmup=True)
     assert engine.wait_until_compiled(timeout=600)
     draft = engine.draft_runner
     built = draft.num_traces
     assert built == 3 * len(draft.buckets) + len(engine.runner.buckets)  # proposals (greedy, 2 sampled), shadows
     compiled, verifiers = engine.runner.num_compilations, verify_sampled_drafts_jit._cache_size()
-    run_staggered(engine, prompts, GREEDY, arrive_every=1)
-    run_staggered(engine, prompts, SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=12, ignore_eos=True))
+    with record_compiles() as serving:  # any compile at all (a sharding warm-up missed recompiles, not retraces)
+        run_staggered(engine, prompts, GREEDY, arrive_every=1)
+        run_staggered(engine, prompts, SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=12,
+                                                      ignore_eos=True))
     assert engine.stats()["spec_num_draft_tokens"] > 0
+    assert serving.executables == 0
     assert engine.runner.num_compilations == compiled and draft.num_traces == built
     assert verify_sampled_drafts_jit._cache_size() == verifiers
+    assert_placed_as_the_target(engine, tp)  # 8 heads of 16, 4 KV heads: its own shapes, the target's rules
 
 
-def test_a_draft_with_another_vocabulary_is_refused(llama_dir):
+def test_a_draft_with_another_vocabulary_a_split_it_cannot_take_or_a_pipeline_is_refused(llama_dir):
     with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the model 256"):
         make_engine(llama_dir, draft_spec("tiny-llama"))
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model=llama_dir, speculative_config=draft_spec(llama_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the model 256"):
+        make_engine(llama_dir, draft_spec("tiny-llama"), tensor_parallel_size=2)
+    # The target's own rules, at start-up, before any weight of it is read: 9 heads do not split over 2 devices.
+    with pytest.raises(ValueError, match="speculative_config.model 'smollm2-135m': num_attention_heads=9 is not "
+                                         "divisible by tensor_parallel_size=2"):
+        make_engine(llama_dir, draft_spec("smollm2-135m"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="'draft_model' .* pipeline_parallel_size > 1: .*would stall the pipeline"):
+        EngineConfig(model=llama_dir, speculative_config=draft_spec(llama_dir), pipeline_parallel_size=2)
 
 
 def test_a_draft_models_memory_counts_when_the_kv_cache_is_sized(monkeypatch):
@@ -168,6 +194,26 @@ def test_a_draft_models_memory_counts_when_the_kv_cache_is_sized(monkeypatch):
     # Without the draft the same memory holds twice the blocks.
     plain = LLM("tiny-llama", token_budget=64, max_model_len=128, gpu_memory_utilization=0.8, warmup=False)
     assert plain.engine.block_manager.num_total_blocks == (32 << 20) // per_block
+
+
+def test_each_devices_share_of_both_kv_caches_fits_its_memory_under_tensor_parallelism(monkeypatch, llama_dir,
+                                                                                        other_dir):
+    # The target (4 KV heads) on 4 devices holds 1/4 of its cache per device, the draft (2 KV heads, each
+    # replicated on 2 devices) 1/2 of its own: each device's 32 MiB must hold both shares, not the target's
+    # budget split by the two caches' logical sizes (that gave each device 40 MiB of KV cache).
+    config = EngineConfig(model=str(other_dir), token_budget=64, max_model_len=128, gpu_memory_utilization=0.8,
+                          tensor_parallel_size=4, speculative_config=draft_spec(llama_dir, k=2),
+                          compilation_cache_dir=None)
+    act = activation_bytes_estimate(config, ModelConfig.from_pretrained(other_dir))  # with the draft's q
+    limit, fraction = 2 << 30, jax_mem_fraction() if jax.default_backend() == "gpu" else 1.0
+    in_use = int(0.8 * limit / fraction) - act - (32 << 20)
+    stats = {"bytes_limit": limit, "bytes_in_use": in_use, "peak_bytes_in_use": in_use}
+    monkeypatch.setattr(engine_module, "_memory_stats", lambda devices: [stats] * len(devices))
+    engine = LLMEngine(config, warmup=False)
+    used = per_device_bytes((engine.runner.kv_caches, engine.draft_runner.stage.kv_cache))
+    assert len(used) == 4 and len(set(used.values())) == 1
+    per_block = used[engine.devices[0]] / engine.block_manager.num_total_blocks
+    assert (32 << 20) - per_block < used[engine.devices[0]] <= 32 << 20
 
 
 def test_a_draft_model_is_loaded_before_the_memory_is_read(monkeypatch):

@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram) end to end on a tiny random Llama: greedy tokens equal HF `generate`'s and the
 same engine's without speculation, through chunked prefills, mixed batches, both loops, preemption, prefix
 caching, stops and max_tokens inside an accepted run, aborts; sampled requests speculate and give the tokens
-the same seeds give without speculation; no KV block leaks; nothing compiles after warm-up."""
+the same seeds give without speculation; no KV block leaks; nothing compiles after warm-up. Greedy exactness also
+at tensor_parallel_size 2 (8 virtual CPU devices, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -60,15 +61,18 @@ def assert_no_leak(engine):
     assert bm.num_free_blocks == bm.num_total_blocks
 
 
-@pytest.mark.parametrize("token_budget, async_scheduling", [(16, True), (64, False), (64, True)])
+@pytest.mark.parametrize("token_budget, async_scheduling, tp", [(16, True, 1), (64, False, 1), (64, True, 1),
+                                                                 (64, True, 2)])
 def test_greedy_speculation_matches_hf_and_no_speculation(llama_dir, prompts, hf_greedy, token_budget,
-                                                           async_scheduling):
-    engine = make_engine(llama_dir, token_budget=token_budget, async_scheduling=async_scheduling)
+                                                           async_scheduling, tp):
+    # tp 2: the verification rows' LM head and sampler on the mesh (lookup itself runs on the host)
+    engine = make_engine(llama_dir, token_budget=token_budget, async_scheduling=async_scheduling,
+                         tensor_parallel_size=tp)
     steps = observe(engine)
     finished = run_staggered(engine, prompts, GREEDY, arrive_every=2)
     assert [finished[f"r{i}"] for i in range(len(prompts))] == hf_greedy
     if token_budget == 64 and async_scheduling:
-        plain = run_staggered(make_engine(llama_dir, None), prompts, GREEDY, arrive_every=2)
+        plain = run_staggered(make_engine(llama_dir, None, tensor_parallel_size=tp), prompts, GREEDY, arrive_every=2)
         assert plain == finished
     stats = engine.stats()
     # Proposals were accepted, and some were rejected: both paths ran.

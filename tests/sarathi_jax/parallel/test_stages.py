@@ -40,6 +40,9 @@ def test_a_tensor_parallel_stage_replicates_its_inputs_and_gathers_its_logits():
     placed = stage.place(np.arange(6, dtype=np.float32))
     assert placed.sharding.is_fully_replicated and len(placed.devices()) == 2
     assert stage.jit_shardings() == {"out_shardings": (stage.replicated, (kv, kv))}
+    # a draft's steps (draft_runner): tokens and q replicated, or the KV cache alone (a shadow step)
+    assert stage.jit_shardings(2) == {"out_shardings": (stage.replicated, stage.replicated, (kv, kv))}
+    assert stage.jit_shardings(0) == {"out_shardings": (kv, kv)}
     head = stage.lm_head()
     assert head.vocab_sharding == NamedSharding(mesh, PartitionSpec(None, TP_AXIS)) and head.replicated == stage.replicated
     assert stage.lm_head_weight is weight
