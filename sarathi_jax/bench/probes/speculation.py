@@ -53,8 +53,9 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, repeats: int
     for _ in range(repeats):
         t0 = time.perf_counter()
         pass_outs = llm.generate(prompts, params)
-        if time.perf_counter() - t0 < best:
-            best, outs = time.perf_counter() - t0, pass_outs
+        elapsed = time.perf_counter() - t0
+        if elapsed < best:
+            best, outs = elapsed, pass_outs
     tokens = sum(len(o.token_ids) for o in outs)
     log = llm.engine.iteration_log[first:]
     overlapped = sum(b.start_time < a.start_time + a.duration for a, b in zip(log, log[1:]))
