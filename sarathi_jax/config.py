@@ -71,12 +71,15 @@ def resolve_dtype(name: str, platform: str) -> str:
 
 def resolve_scan_layers(scan_layers: bool | None, platform: str) -> bool:
     """Whether the decoder layers run as one `nn.scan` (None: decide by platform). Scanned layers compile
-    once whatever the depth, but on a GPU each layer's weights are then sliced out of the stacked arrays by
-    a copy (XLA does not fuse the loop's dynamic slice into the matmuls) and the loop adds launches: llama-1b
-    decode x32 on an H100 took 5.8 ms per step scanned against 4.0 ms unrolled. So: unrolled on GPU, where
-    the persistent compilation cache pays the longer compile once; scanned elsewhere."""
+    once whatever the depth, but on GPUs and CPUs each layer's weights are then sliced out of the stacked
+    arrays by a copy every step (XLA fuses the loop's dynamic slice into neither backend's matmuls): llama-1b
+    decode x32 on an H100 took 5.8 ms per step scanned against 4.0 ms unrolled; on a 2-core CPU, decode steps
+    of SmolLM2 and a 60M Llama took 0.62-0.94x the time unrolled (docs/results-cpu.md §11). Unrolled start-up
+    is about twice as long (SmolLM2 on that CPU: ready in 10.5 s cold, 8.2 s warm, against 6.9 and 4.1 s),
+    paid once per process and mostly cached. So: unrolled on GPUs and CPUs; scanned on TPUs (not measured
+    here: XLA's TPU backend is the one `scan_layers` was made for)."""
     if scan_layers is None:
-        return platform not in GPU_PLATFORMS
+        return platform == "tpu"
     return scan_layers
 
 
@@ -126,8 +129,8 @@ class EngineConfig:
         N's sampled tokens are fetched, and decodes read their input token on the device (see
         sarathi_jax/engine_core.py). False: the synchronous loop (dispatch, wait, postprocess), for comparison.
     scan_layers: run the decoder layers as one `nn.scan` over the stacked layer weights (compile time
-        independent of depth) or unrolled (faster steps on GPU); None: unrolled on GPU, scanned elsewhere
-        (see `resolve_scan_layers`). Weights are stored and loaded stacked either way.
+        independent of depth) or unrolled (faster steps on GPU and CPU); None: unrolled on GPU and CPU,
+        scanned on TPU (see `resolve_scan_layers`). Weights are stored and loaded stacked either way.
     enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (automatic prefix
         caching, as vLLM V1: on by default); see sarathi_jax/block_manager.py.
     compilation_cache_dir: JAX's persistent compilation cache. "auto": $SARATHI_JAX_COMPILATION_CACHE (a

@@ -120,14 +120,15 @@ def test_matmul_precision_follows_dtype(dtype, precision):
 def test_scan_layers_default_follows_the_platform():
     from sarathi_jax.config import resolve_scan_layers
 
-    assert resolve_scan_layers(None, "cpu") and resolve_scan_layers(None, "tpu")
+    assert resolve_scan_layers(None, "tpu")
+    assert not resolve_scan_layers(None, "cpu")
     assert not resolve_scan_layers(None, "gpu") and not resolve_scan_layers(None, "cuda")
     assert resolve_scan_layers(True, "gpu") and not resolve_scan_layers(False, "cpu")
 
 
 def test_unrolled_engine_generates_the_scanned_engines_tokens():
-    """The engine with unrolled layers (the GPU default), single-device and as a 2-stage pipeline (stage
-    params keep their global `layers_{i}` names), gives the scanned engine's greedy tokens."""
+    """The engine with unrolled layers (the GPU and CPU default), single-device and as a 2-stage pipeline
+    (stage params keep their global `layers_{i}` names), gives the scanned engine's greedy tokens."""
     from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 
     prompts = [list(range(3, 3 + n)) for n in (5, 19, 40)]
@@ -135,7 +136,7 @@ def test_unrolled_engine_generates_the_scanned_engines_tokens():
     def run(**overrides) -> dict[str, list[int]]:
         engine = LLMEngine(EngineConfig(model="tiny-llama", token_budget=32, num_blocks=64, max_model_len=128,
                                         **overrides))
-        assert engine.config.scan_layers == overrides.get("scan_layers", True)
+        assert engine.config.scan_layers == overrides.get("scan_layers", False)  # the CPU default: unrolled
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, temperature=0.0))
         tokens: dict[str, list[int]] = {}
@@ -144,6 +145,6 @@ def test_unrolled_engine_generates_the_scanned_engines_tokens():
                 tokens[out.request_id] = list(out.token_ids)
         return tokens
 
-    scanned = run()
-    assert run(scan_layers=False) == scanned
+    scanned = run(scan_layers=True)
+    assert run() == scanned
     assert run(scan_layers=False, pipeline_parallel_size=2) == scanned
