@@ -76,8 +76,8 @@ def resolve_scan_layers(scan_layers: bool | None, platform: str) -> bool:
     decode x32 on an H100 took 5.8 ms per step scanned against 4.0 ms unrolled; on a 2-core CPU, decode steps
     of SmolLM2 and a 60M Llama took 0.62-0.94x the time unrolled (docs/results-cpu.md §11). Unrolled start-up
     is about twice as long (SmolLM2 on that CPU: ready in 10.5 s cold, 8.2 s warm, against 6.9 and 4.1 s),
-    paid once per process and mostly cached. So: unrolled on GPUs and CPUs; scanned on TPUs (not measured
-    here: XLA's TPU backend is the one `scan_layers` was made for)."""
+    paid once per process and mostly cached. So: unrolled on GPUs and CPUs; scanned on TPUs, as MaxText runs
+    them there (not measured here)."""
     if scan_layers is None:
         return platform == "tpu"
     return scan_layers
