@@ -56,10 +56,9 @@ import numpy as np
 
 from sarathi_jax.input_batch import make_sampling_arrays
 from sarathi_jax.model_runner import ModelRunner
-from sarathi_jax.models import ModelConfig, get_model, init_kv_cache, to_out_major
-from sarathi_jax.models.layers import unstack_layer_params
+from sarathi_jax.models import ModelConfig
 from sarathi_jax.parallel.plan import ParallelPlan
-from sarathi_jax.parallel.stages import Stage, build_stages
+from sarathi_jax.parallel.stages import Stage, runner_stages
 from sarathi_jax.rejection_sampling import draft_sample, verify_sampled_drafts_jit
 from sarathi_jax.sampling import SamplerOutput
 from sarathi_jax.sampling_inputs import SAMPLING_EPS, empty_sampling_arrays
@@ -162,22 +161,14 @@ class DraftRunner:
         `parallel.load_parallel_model` does) with the target's vocabulary, laid out as `runner`'s model is
         (scanned or unrolled layers, out-major projections), its own KV cache on the target's blocks. `plan`
         (the target's tensor parallelism, one stage, the target's devices): params and KV cache sharded by the
-        same rules as the target's, attention per shard (`parallel.stages.build_stages`)."""
+        same rules as the target's, attention per shard (`parallel.stages.runner_stages`)."""
         target = runner.stages[0]
         if config.vocab_size != runner.model_config.vocab_size:
             raise ValueError(f"speculative_config.model has a vocabulary of {config.vocab_size} tokens, the model "
                              f"{runner.model_config.vocab_size}: a draft must share the target's vocabulary")
-        dtype, num_blocks, block_size = target.model.dtype, runner.num_blocks, runner.block_size
-        if plan is None:
-            model = get_model(config, dtype, attention_fn=attention_fn)
-            stage = Stage(0, (0, config.num_hidden_layers), None, model, params,
-                          init_kv_cache(config, num_blocks, block_size, dtype), True)
-        else:
-            stage, = build_stages(plan, config, params, dtype, attention_fn, num_blocks, block_size)
-        if not target.model.scan_layers:
-            stage.model, stage.params = stage.model.clone(scan_layers=False), unstack_layer_params(stage.params)
-        if target.model.out_major_projections:
-            stage.model, stage.params = to_out_major(stage.model, stage.params)
+        stage, = runner_stages(plan, config, params, target.model.dtype, attention_fn, runner.num_blocks,
+                               runner.block_size, scan_layers=target.model.scan_layers,
+                               out_major=target.model.out_major_projections)
         return cls(runner, stage, stage.model, num_speculative_tokens, shadow=True)
 
     def warmup(self) -> None:

@@ -37,10 +37,9 @@ import numpy as np
 from sarathi_jax.config import EngineConfig, resolve_dtype, resolve_scan_layers
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.input_batch import InputBatch
-from sarathi_jax.models import ModelConfig, get_model, init_kv_cache, to_out_major, use_out_major
-from sarathi_jax.models.layers import unstack_layer_params
+from sarathi_jax.models import ModelConfig, use_out_major
 from sarathi_jax.parallel.pipeline import PipelineTimeline
-from sarathi_jax.parallel.stages import LMHead, Stage, build_stages, copy_to_every_process, local_copy
+from sarathi_jax.parallel.stages import LMHead, Stage, copy_to_every_process, local_copy, runner_stages
 from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, on_stages, run_builds
 from sarathi_jax.precompile import compile_threads as _default_compile_threads
 from sarathi_jax.sampling import FULL_VARIANT, SAMPLER_VARIANTS, SamplerOutput, SamplerVariant, captured_logits
@@ -125,24 +124,12 @@ class ModelRunner:
         # One device: the default device's plain path (a mesh of one other device keeps its plan: placement).
         self.plan = None if plan is None or plan.is_single_device and plan.on_default_device else plan
         self.timeline = None
+        self.stages = runner_stages(self.plan, model_config, params, dtype, attention_fn, num_blocks, block_size,
+                                    scan_layers=scan_layers, out_major=self.plan is None and use_out_major(platform))
         if self.plan is None:
-            self.model = get_model(model_config, dtype, attention_fn=attention_fn)
-            kv_cache = init_kv_cache(model_config, num_blocks, block_size, dtype)
-            self.stages = [Stage(0, (0, model_config.num_hidden_layers), None, self.model, params, kv_cache, True)]
-        else:
-            self.stages = build_stages(self.plan, model_config, params, dtype, attention_fn, num_blocks, block_size)
-            if len(self.stages) > 1:
-                self.timeline = PipelineTimeline(len(self.stages))
-        if not scan_layers:  # unrolled layers: each stage's stacked weights become per-layer arrays, once
-            for stage in self.stages:
-                stage.model = stage.model.clone(scan_layers=False)
-                if "layers" in stage.params:  # still stacked (pipeline stages; the engine unstacks a single device's)
-                    stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
-            if self.plan is None:
-                self.model = self.stages[0].model
-        if self.plan is None and use_out_major(platform):  # projection weights [out, in] (`models/out_major.py`)
-            self.model, self.stages[0].params = to_out_major(self.model, self.stages[0].params)
-            self.stages[0].model = self.model
+            self.model = self.stages[0].model
+        elif len(self.stages) > 1:
+            self.timeline = PipelineTimeline(len(self.stages))
         # Executables built ahead of time, what is ready (until `warmup`: everything, compiled on first run).
         self._table = ExecutableTable(self.buckets, len(self.stages), self.row_ladder)
         self._capture_logits = False

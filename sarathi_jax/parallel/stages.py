@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sarathi_jax.models import get_model
-from sarathi_jax.models.layers import lm_head_logits, lm_head_logits_vocab_major
+from sarathi_jax.models import get_model, init_kv_cache, to_out_major
+from sarathi_jax.models.layers import lm_head_logits, lm_head_logits_vocab_major, unstack_layer_params
 from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
 from sarathi_jax.parallel.sharding import init_stage_kv_cache, place_params, shard_attention
 
@@ -152,6 +152,29 @@ def build_stages(plan: ParallelPlan, model_config: Any, params: Any, dtype: Any,
         stages.append(Stage(s, layer_range, mesh, model, stage_params[s], kv, s == plan.num_stages - 1,
                             tensor_parallel_size=tp, shard_vocab=plan.shard_vocab,
                             kv_sharding=plan.kv_cache_sharding(s)))
+    return stages
+
+
+def runner_stages(plan: ParallelPlan | None, model_config: Any, params: Any, dtype: Any, attention_fn: Callable,
+                  num_blocks: int, block_size: int, *, scan_layers: bool, out_major: bool) -> list[Stage]:
+    """A model's stages laid out as a runner steps them (the target's, `model_runner`, and a separate draft's,
+    `draft_runner`): one stage on the default device (`plan` None) or `plan`'s (`build_stages`); unrolled
+    unless `scan_layers` (stacked weights split into per-layer arrays once, where still stacked); with
+    `out_major` (one stage only) the projection weights moved to `[out, in]` (`models/out_major.py`)."""
+    if plan is None:
+        model = get_model(model_config, dtype, attention_fn=attention_fn)
+        kv_cache = init_kv_cache(model_config, num_blocks, block_size, dtype)
+        stages = [Stage(0, (0, model_config.num_hidden_layers), None, model, params, kv_cache, True)]
+    else:
+        stages = build_stages(plan, model_config, params, dtype, attention_fn, num_blocks, block_size)
+    if not scan_layers:
+        for stage in stages:
+            stage.model = stage.model.clone(scan_layers=False)
+            if "layers" in stage.params:  # still stacked (the engine unstacks a single device's target early)
+                stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
+    if out_major:
+        stage, = stages
+        stage.model, stage.params = to_out_major(stage.model, stage.params)
     return stages
 
 
