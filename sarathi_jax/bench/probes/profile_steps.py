@@ -30,7 +30,8 @@ def steady_decode(engine, batch: int, context: int, max_tokens: int, seed: int =
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     while len(engine.scheduler.running) < batch or engine.scheduler.waiting or any(
             s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running):
-        engine.step()
+        if any(o.finished for o in engine.step()):  # it would never fill again: say so rather than spin
+            raise RuntimeError(f"a request finished before all {batch} were decoding: raise max_tokens ({max_tokens})")
 
 
 def trace_steps(engine, steps: int, out: str, before_step=None) -> tuple[dict, str]:
@@ -71,13 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     from sarathi_jax.bench.probes.trace_summary import format_summary
     from sarathi_jax.engine import format_startup
 
+    # Each request must outlive the prefill of all the others (the first admitted decode while later prompts
+    # get what the budget leaves, at least token_budget - batch tokens a step), or steady decode never comes.
+    prefill_steps = -(-args.batch * args.context // max(args.token_budget - args.batch, 1)) + args.batch + 2
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
                                     token_budget=args.token_budget, max_num_seqs=args.batch + 2,
-                                    max_model_len=args.context + 4 * args.steps + 64,
+                                    max_model_len=args.context + 4 * args.steps + 64 + prefill_steps,
                                     async_scheduling=not args.no_async, scan_layers=args.scan_layers,
                                     background_compile=False))  # profiled steps: every bucket built before
     print(format_startup(engine.startup_stats()))
-    steady_decode(engine, args.batch, args.context, max_tokens=3 * args.steps + 16)
+    steady_decode(engine, args.batch, args.context, max_tokens=prefill_steps + 3 * args.steps + 16)
     for _ in range(args.steps):  # settle: every sequence decoding, all buckets in use warm
         engine.step()
     summary, trace = trace_steps(engine, args.steps, args.out)

@@ -66,12 +66,13 @@ def test_profiles_steady_decode_and_summarises_the_trace(fake_engine, tmp_path, 
                                "--dtype", "float32", "--no-async", "--out", str(out)]) == 0
     (engine,) = fake_engine.instances
     c = engine.config
+    prefill_steps = 2 + 5 + 2  # 100 prompt tokens at 64 - 5 a step, one step for each request, two spare
     assert (c.model, c.dtype, c.token_budget, c.max_num_seqs, c.max_model_len, c.async_scheduling) == (
-        "tiny-llama", "float32", 64, 7, 20 + 4 * 3 + 64, False)
+        "tiny-llama", "float32", 64, 7, 20 + 4 * 3 + 64 + prefill_steps, False)
     assert [rid for rid, _, _ in engine.added] == [f"r{i}" for i in range(5)]
     assert all(len(p) == 20 and all(3 <= t < 100 for t in p) for _, p, _ in engine.added)
     params = engine.added[0][2]
-    assert params.temperature == 0.0 and params.ignore_eos and params.max_tokens == 3 * 3 + 16
+    assert params.temperature == 0.0 and params.ignore_eos and params.max_tokens == prefill_steps + 3 * 3 + 16
     # Every request admitted and prefilled before the settling and traced steps: 100 prompt tokens under a budget
     # of 64 take two steps, after which every step starts in steady decode (3 settling steps, 3 traced ones).
     assert engine.steady_before_step == [False, False] + [True] * (3 + 3)
@@ -88,3 +89,20 @@ def test_bad_arguments_exit(fake_engine):
     with pytest.raises(SystemExit):
         profile_steps.main(["--dtype", "float16"])
     assert fake_engine.instances == []
+
+
+def test_requests_outlive_a_long_prefill_under_a_small_budget(fake_engine, tmp_path):
+    # 8 prompts of 200 tokens under a budget of 16: about 200 steps of prefill while the first requests already
+    # decode. Every request must still be running when the last prompt is in (it used to finish first, and the
+    # probe spun forever waiting for the batch to fill).
+    assert profile_steps.main(["--batch", "8", "--context", "200", "--steps", "2", "--token-budget", "16",
+                               "--dtype", "float32", "--no-async", "--out", str(tmp_path / "prof")]) == 0
+    (engine,) = fake_engine.instances
+    assert engine.steady_before_step[-4:] == [True] * 4 and len(engine.scheduler.running) == 8
+
+
+def test_steady_decode_says_when_a_request_finishes_first(fake_engine):
+    engine = fake_engine(sarathi_jax.EngineConfig(model="tiny-llama", token_budget=16, max_num_seqs=8,
+                                                  max_model_len=512))
+    with pytest.raises(RuntimeError, match="finished before all 4 were decoding"):
+        profile_steps.steady_decode(engine, batch=4, context=100, max_tokens=3)
