@@ -97,6 +97,22 @@ class ClientRequestResult:
         return self.send_time - self.arrival_time
 
 
+# How long a load client keeps an idle HTTP connection for reuse. Below the servers' own idle timeouts
+# (uvicorn's keep-alive, 5 s, on this server and vLLM's alike): with equal timeouts (httpx's default expiry is 5 s
+# too) the client may send a request on a connection the server is closing at that moment, and the request
+# fails with a ReadError that no server caused. One such request failed a capacity probe at 1 req/s.
+HTTP_KEEPALIVE_EXPIRY_S = 2.0
+
+
+def http_pool_limits() -> Any:
+    """The connection-pool limits of the load clients' `httpx2.AsyncClient`: no cap on connections (every
+    request in flight has its own), idle ones dropped after `HTTP_KEEPALIVE_EXPIRY_S`."""
+    import httpx2
+
+    return httpx2.Limits(max_connections=None, max_keepalive_connections=None,
+                         keepalive_expiry=HTTP_KEEPALIVE_EXPIRY_S)
+
+
 def new_result(index: int, request_id: str, arrival: float, t0: float) -> ClientRequestResult:
     """The record of a request about to be sent now."""
     return ClientRequestResult(index=index, request_id=request_id, arrival_time=arrival,

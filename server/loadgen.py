@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from server.load_client import ClientRequestResult, is_http, new_result, send_grpc, send_http
+from server.load_client import ClientRequestResult, http_pool_limits, is_http, new_result, send_grpc, send_http
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 
 LoadRequest = tuple  # (arrival_time: float, prompt: list[int] | str, params: SamplingParams)
@@ -62,8 +62,7 @@ async def _run_load_http(target: str, requests: Sequence[LoadRequest], request_t
                          prefix: str) -> list[ClientRequestResult]:
     import httpx2
 
-    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx2.AsyncClient(base_url=target, timeout=request_timeout, limits=limits) as client:
+    async with httpx2.AsyncClient(base_url=target, timeout=request_timeout, limits=http_pool_limits()) as client:
         t0 = time.monotonic()
         return list(await asyncio.gather(*(
             _one_http(client, i, float(arrival), prompt, params, t0, prefix)

@@ -39,7 +39,8 @@ import grpc
 
 from sarathi_jax.percentiles import percentiles
 from sarathi_jax.sampling_params import SamplingParams
-from server.load_client import ClientBehaviour, ClientRequestResult, new_result, send_grpc, send_http
+from server.load_client import (ClientBehaviour, ClientRequestResult, http_pool_limits, new_result, send_grpc,
+                                send_http)
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 from server.soak_server import LocalServer, ServerProbe, ServerSnapshot, ServerTraits, read_traits
 
@@ -268,8 +269,7 @@ async def run_soak(config: SoakConfig, grpc_target: str | None, http_target: str
     routes = tuple(r for r, t in (("grpc", grpc_target), ("http", http_target)) if t)
     rng = random.Random(config.seed)
     probe = ServerProbe(grpc_target, metrics_url)
-    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
-    http = (httpx2.AsyncClient(base_url=http_target, timeout=config.request_timeout_s, limits=limits)
+    http = (httpx2.AsyncClient(base_url=http_target, timeout=config.request_timeout_s, limits=http_pool_limits())
             if http_target else None)
     channel = grpc.aio.insecure_channel(grpc_target) if grpc_target else None
     stub = pb_grpc.GenerationStub(channel) if channel is not None else None
