@@ -7,7 +7,11 @@ named host function (`--step-name`, default the engine's `step`):
 * wall time per step, and how much of it the device was busy (the union of kernel intervals on the
   `/device:...` processes, memcpy streams included or not with `--no-memcpy`);
 * kernels per step and the busiest kernels by total device time;
-* host time per step in the busiest host events on the thread that ran the steps.
+* host time per step in the busiest host events on the thread that ran the steps;
+* on a CPU, where the trace has no device: the XLA:CPU ops (thunks, whose events name their `hlo_module` and
+  `hlo_op`) by executable and kind of op (`ynn_fusion`, `ffi_call`, ...: the op's name less its `.N` suffix),
+  their time summed over the threads that ran them. The work an op hands to other threads (a YNNPACK matmul's
+  parallel parts) is not in its event, so these sums are not wall time and do not add up to the step.
 
 Busy fraction is what the engine-core issue asks about: a decode step whose device is idle most of the wall
 time is bound by the host (Python, launches, syncs), not by the GPU.
@@ -81,6 +85,14 @@ def summarize(events: list[dict[str, Any]], step_name: str = "step", memcpy: boo
     for e in spans:
         if (e["pid"], e["tid"]) == step_tid and in_window(e) and e["name"] != steps[0]["name"]:
             host[e["name"]] += e["dur"]
+    cpu_ops: collections.Counter[tuple[str, str]] = collections.Counter()
+    cpu_count: collections.Counter[tuple[str, str]] = collections.Counter()
+    for e in host_spans:
+        args = e.get("args") or {}
+        if "hlo_module" in args and "hlo_op" in args and in_window(e):
+            key = (args["hlo_module"], args["hlo_op"].split(".")[0])
+            cpu_ops[key] += e["dur"]
+            cpu_count[key] += 1
     n, wall = len(steps), end - begin
     return {
         "steps": n,
@@ -90,6 +102,8 @@ def summarize(events: list[dict[str, Any]], step_name: str = "step", memcpy: boo
         "kernels_per_step": len(kernels) / n,
         "top_kernels": [(name, t / n, count[name] / n) for name, t in by_kernel.most_common(top)],
         "top_host_events": [(name, t / n) for name, t in host.most_common(top)],
+        "top_cpu_ops": [(module, op, t / n, cpu_count[(module, op)] / n)
+                        for (module, op), t in cpu_ops.most_common(top)],
     }
 
 
@@ -103,6 +117,9 @@ def format_summary(s: dict[str, Any]) -> str:
         "busiest host events on the stepping thread (us per step, nested events overlap):",
         *(f"  {t:9.1f}  {name[:110]}" for name, t in s["top_host_events"]),
     ]
+    if s.get("top_cpu_ops"):
+        lines += ["busiest XLA:CPU ops (us per step summed over threads, runs per step; executable, op):",
+                  *(f"  {t:9.1f}  x{c:<5.1f} {module} {op}" for module, op, t, c in s["top_cpu_ops"])]
     return "\n".join(lines)
 
 

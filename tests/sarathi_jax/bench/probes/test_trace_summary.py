@@ -98,3 +98,22 @@ def test_main_reads_gzipped_and_plain_traces(tmp_path, capsys):
     assert out["steps"] == 2 and out["device_busy_us_per_step"] == pytest.approx(45.0)
     assert main([str(plain), "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("2 steps: 0.10 ms wall per step")
+
+
+def _thunk(module: str, op: str, tid: int, ts: float, dur: float) -> dict:
+    return {**_span(op, 1, tid, ts, dur), "args": {"hlo_module": module, "hlo_op": op}}
+
+
+def test_cpu_thunks_are_summed_by_executable_and_kind_of_op():
+    events = [_meta("process_name", 1, "/host:CPU"), _span("step", 1, 5, 0, 100), _span("step", 1, 5, 100, 100),
+              _span("ThunkExecutor::Execute", 1, 9, 0, 90),  # no hlo_op: a wrapper, not an op
+              _thunk("jit_step_impl", "ynn_fusion.3", 9, 10, 30), _thunk("jit_step_impl", "ynn_fusion", 10, 20, 20),
+              _thunk("jit_step_impl", "ffi_call.1", 9, 110, 40), _thunk("jit_sample", "ynn_fusion.1", 9, 160, 10),
+              _thunk("jit_step_impl", "ynn_fusion.7", 9, 190, 20)]  # ends after the last step: outside
+    s = summarize(events)
+    assert s["top_cpu_ops"] == [("jit_step_impl", "ynn_fusion", 25.0, 1.0), ("jit_step_impl", "ffi_call", 20.0, 0.5),
+                                ("jit_sample", "ynn_fusion", 5.0, 0.5)]
+    assert summarize(events, top=1)["top_cpu_ops"] == [("jit_step_impl", "ynn_fusion", 25.0, 1.0)]
+    text = format_summary(s)
+    assert "busiest XLA:CPU ops" in text and "x1.0   jit_step_impl ynn_fusion" in text
+    assert "XLA:CPU" not in format_summary(summarize(_trace()))  # a GPU trace: no such section
