@@ -52,7 +52,7 @@ from sarathi_jax.bench.metrics import fmt_seconds
 from sarathi_jax.bench.peer.config import PeerConfig, config_from_args
 from sarathi_jax.bench.peer.report import SARATHI, VLLM, format_report, ratios
 from sarathi_jax.bench.peer.servers import (ServerCommand, cpu_ids, drive, free_port, sarathi_server_command,
-                                            start_server, stop_server, vllm_server_command)
+                                            sigterm_as_exit, start_server, stop_server, vllm_server_command)
 from sarathi_jax.bench.peer.workloads import (check_model_dir, describe_requests, offline_workload, peer_requests,
                                               rate_workload, warmup_workload)
 from sarathi_jax.bench.workload import Workload
@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"note: {note}", file=sys.stderr, flush=True)
         if not cfg.parts:
             return 0
-        report = run_peer(cfg, notes, sys.argv[1:] if argv is None else list(argv))
+        with sigterm_as_exit():
+            report = run_peer(cfg, notes, sys.argv[1:] if argv is None else list(argv))
     except (BenchError, ValueError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

@@ -19,13 +19,16 @@ is given this engine's bucket boundaries (`--custom-histogram-buckets`), so the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -198,6 +201,22 @@ def start_server(cmd: ServerCommand, port: int, log_dir: Path, timeout: float) -
             time.sleep(1.0)
     server.startup_s = time.monotonic() - t0
     return server
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Inside it, SIGTERM (a `kill`, a job runner's stop) raises SystemExit, so that the `finally` around each
+    server stops it: the servers run in sessions of their own and would outlive the bench otherwise (one did,
+    and loaded the machine under the next run). Only the main thread can set a handler; elsewhere it does
+    nothing. The previous handler comes back on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop_server(server: RunningServer, grace: float = 60.0) -> None:

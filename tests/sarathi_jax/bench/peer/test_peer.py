@@ -418,3 +418,46 @@ def test_offline_repeats_alternate_the_engines_and_report_the_median(tiny_model,
     assert report["offline"][SARATHI]["passes"] == [3.0, 1.0, 2.0]
     table = offline_table(report["offline"])
     assert f"{SARATHI} passes (total tok/s): 33.3, 100.0, 50.0" in table
+
+
+_SIGTERM_CHILD = """
+import subprocess, sys, time
+from pathlib import Path
+from sarathi_jax.bench.peer.servers import RunningServer, sigterm_as_exit, stop_server
+proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+with sigterm_as_exit():
+    server = RunningServer("fake", "http://127.0.0.1:1", proc, Path("/dev/null"))
+    try:
+        print(proc.pid, flush=True)
+        time.sleep(600)
+    finally:
+        stop_server(server)
+"""
+
+
+def test_a_terminated_bench_stops_its_servers():
+    # The servers run in sessions of their own: a bench killed with SIGTERM must stop them on its way out.
+    import signal
+    import subprocess
+
+    bench = subprocess.Popen([sys.executable, "-c", _SIGTERM_CHILD], stdout=subprocess.PIPE, text=True)
+    server_pid = int(bench.stdout.readline())
+    os.kill(server_pid, 0)  # running
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)  # stopped and reaped by the bench
+
+
+def test_sigterm_as_exit_restores_the_previous_handler():
+    import signal
+
+    from sarathi_jax.bench.peer.servers import sigterm_as_exit
+
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_as_exit():
+        assert signal.getsignal(signal.SIGTERM) is not before
+        with pytest.raises(SystemExit) as exc:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+        assert exc.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
