@@ -63,6 +63,19 @@ def rope_inv_freq(head_dim: int, rope_theta: float, scaling: RopeScaling | None)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+def materialized(x: jax.Array) -> jax.Array:
+    """`x [T, N]` float32, the same values, computed once into a buffer of its own.
+
+    XLA fuses an elementwise producer into each of its consumers, and a loop fusion evaluates it per output
+    element: the RoPE cos/sin of a step, read by every layer's q and k rotation and broadcast over the heads,
+    were evaluated heads x layers x 2 times over (on a CPU 9 of 180 ms of a 512-token step of the 60M Llama,
+    `bench.probes.profile_steps`). `optimization_barrier` does not stop it (XLA:CPU expands barriers before
+    fusion); a dot with the identity does: it is its own (matmul) op, and exact in float32 (x * 1 + 0s) but
+    for subnormals, which flush to zero (no cos or sin of a RoPE angle is one)."""
+    eye = jnp.eye(x.shape[-1], dtype=x.dtype)
+    return jnp.dot(x, eye, precision=jax.lax.Precision.HIGHEST)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on `x [T, heads, head_dim]` with `cos`/`sin` `[T, head_dim // 2]`, in float32."""
     x32 = x.astype(jnp.float32)
@@ -276,7 +289,7 @@ class PagedDecoderLM(nn.Module):
         # RoPE angles once per step, shared by all layers.
         inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, head_dim // 2]
+        cos, sin = materialized(jnp.cos(angles)), materialized(jnp.sin(angles))  # [T, head_dim // 2]
 
         layer_args = (c, self.attention_fn, self.dtype)
         if self.scan_layers:

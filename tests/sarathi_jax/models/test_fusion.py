@@ -225,4 +225,4 @@ def test_a_decoder_layer_runs_four_weight_matmuls(name):
     config = CONFIGS[name]
     per_layer = _dot_count(config, 3) - _dot_count(config, 2)
     assert per_layer == 4
-    assert _dot_count(config, 2) == 2 * 4 + 1  # plus the LM head
+    assert _dot_count(config, 2) == 2 * 4 + 1 + 2  # plus the LM head and the step's RoPE cos/sin (`materialized`)
