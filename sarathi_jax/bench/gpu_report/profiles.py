@@ -87,7 +87,7 @@ def _traced_section(res: Result, cfg: ReportConfig, label: str, engine: Any, rec
 
 def _profile(cfg: ReportConfig, res: Result, out: str, part: str, model: str, mixed: bool, rates: dict | None):
     from sarathi_jax import SamplingParams
-    from sarathi_jax.bench.probes.profile_steps import steady_decode
+    from sarathi_jax.bench.probes.profile_steps import prefill_steps, steady_decode
     from sarathi_jax.bench.probes.step_replay import StepRecorder
     from sarathi_jax.engine import format_startup
 
@@ -95,9 +95,8 @@ def _profile(cfg: ReportConfig, res: Result, out: str, part: str, model: str, mi
     settle = 4
     prompt_len = 4 * cfg.token_budget if mixed else 0
     b = cfg.profile_batch
-    # Decodes start while later prompts are prefilled (at least budget - b prompt tokens a step): none may finish.
-    prefill_steps = -(-b * cfg.profile_context // (cfg.token_budget - b)) + b + 2
-    steps = prefill_steps + 2 * settle + cfg.profile_steps + (cfg.mixed_steps if mixed else 0) + 16
+    steps = (prefill_steps(b, cfg.profile_context, cfg.token_budget) + 2 * settle + cfg.profile_steps
+             + (cfg.mixed_steps if mixed else 0) + 16)  # none may finish before the traced steps
     t0 = time.perf_counter()
     engine = _profile_engine(cfg, model, prompt_len, steps)
     res.doc["info"].update(startup=format_startup(engine.startup_stats()), model=model,

@@ -17,6 +17,13 @@ from pathlib import Path
 from sarathi_jax.paths import cli_path
 
 
+def prefill_steps(batch: int, context: int, token_budget: int) -> int:
+    """Steps, at most, until `batch` prompts of `context` tokens are all prefilled: the first admitted decode
+    while later prompts get what the budget leaves (at least token_budget - batch tokens a step), one step each
+    to admit, two spare. Each request's max_tokens must exceed it, or some finish before steady decode."""
+    return -(-batch * context // max(token_budget - batch, 1)) + batch + 2
+
+
 def steady_decode(engine, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
     """Add `batch` greedy requests with `context`-token prompts and step until every one of them is decoding."""
     import numpy as np
@@ -72,16 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     from sarathi_jax.bench.probes.trace_summary import format_summary
     from sarathi_jax.engine import format_startup
 
-    # Each request must outlive the prefill of all the others (the first admitted decode while later prompts
-    # get what the budget leaves, at least token_budget - batch tokens a step), or steady decode never comes.
-    prefill_steps = -(-args.batch * args.context // max(args.token_budget - args.batch, 1)) + args.batch + 2
+    prefill = prefill_steps(args.batch, args.context, args.token_budget)  # each request must outlive it
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
                                     token_budget=args.token_budget, max_num_seqs=args.batch + 2,
-                                    max_model_len=args.context + 4 * args.steps + 64 + prefill_steps,
+                                    max_model_len=args.context + 4 * args.steps + 64 + prefill,
                                     async_scheduling=not args.no_async, scan_layers=args.scan_layers,
                                     background_compile=False))  # profiled steps: every bucket built before
     print(format_startup(engine.startup_stats()))
-    steady_decode(engine, args.batch, args.context, max_tokens=prefill_steps + 3 * args.steps + 16)
+    steady_decode(engine, args.batch, args.context, max_tokens=prefill + 3 * args.steps + 16)
     for _ in range(args.steps):  # settle: every sequence decoding, all buckets in use warm
         engine.step()
     summary, trace = trace_steps(engine, args.steps, args.out)
