@@ -88,8 +88,8 @@ class KVBlockMover:
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy-wait")
         self.buckets = block_buckets(source.max_blocks_per_seq)
         self.num_traces = 0  # gathers and scatters traced: one each per bucket used, never per request
-        src_kv, self._src_ids = _sharding(self.source)
-        dst_kv, self._dst_ids = _sharding(self.target)
+        src_kv, src_replicated = _sharding(self.source)
+        dst_kv, _ = _sharding(self.target)
         self._dst_kv = dst_kv
         src_heads, dst_heads = self.source.kv_cache[0].shape[3], self.target.kv_cache[0].shape[3]
         self._pad_dst = self.target.kv_cache[0].shape[1]  # an id past the cache: the scatter drops it
@@ -109,7 +109,7 @@ class KVBlockMover:
 
         # The gathered blocks keep the cache's KV-head sharding when the layouts match; else they are gathered
         # replicated on the source (a head count the source's TP may not divide) and resharded by the copy.
-        out = src_kv if src_heads == dst_heads else self._src_ids
+        out = src_kv if src_heads == dst_heads else src_replicated
         self._gather: Callable = jax.jit(gather, out_shardings=None if self.source.mesh is None else (out, out))
         self._scatter: Callable = jax.jit(scatter, donate_argnums=(0,),
                                           out_shardings=None if self.target.mesh is None else (dst_kv, dst_kv))
@@ -126,14 +126,16 @@ class KVBlockMover:
         src = np.zeros(bucket, np.int32)
         dst = np.full(bucket, self._pad_dst, np.int32)
         src[:n], dst[:n] = source_blocks, target_blocks[:n]
-        src_ids, dst_ids = jax.device_put(src, self._src_ids), jax.device_put(dst, self._dst_ids)
         start = self._now()
-        blocks = self._gather(self.source.kv_cache, src_ids)
-        moved = jax.device_put(blocks, self._dst_kv)  # device to device
-        done = self._waiter.submit(self._wait, moved)
-        # The runner's next step takes the updated cache (the runner owns its stages; this is the one other
-        # writer of a stage's cache, between its steps).
-        self.target.kv_cache = self._scatter(self.target.kv_cache, moved, dst_ids)
+        # The ids go up with the jitted calls, as a step's host arrays do (`Stage.upload`): a `jax.device_put`
+        # of a host array waits for the CPU client's busy workers, tens of ms behind the prefill's step.
+        with jax.transfer_guard_host_to_device("allow"):
+            blocks = self._gather(self.source.kv_cache, src)
+            moved = jax.device_put(blocks, self._dst_kv)  # device to device
+            done = self._waiter.submit(self._wait, moved)
+            # The runner's next step takes the updated cache (the runner owns its stages; this is the one other
+            # writer of a stage's cache, between its steps).
+            self.target.kv_cache = self._scatter(self.target.kv_cache, moved, dst)
         return PendingCopy(sum(x.nbytes for x in moved), start, done)
 
     def _wait(self, moved: Any) -> float:
@@ -143,8 +145,8 @@ class KVBlockMover:
     def warmup(self) -> None:
         """Compile every bucket's gather and scatter (ids all padding: the scatter writes nothing)."""
         for bucket in self.buckets:
-            src = jax.device_put(np.zeros(bucket, np.int32), self._src_ids)
-            dst = jax.device_put(np.full(bucket, self._pad_dst, np.int32), self._dst_ids)
-            moved = jax.device_put(self._gather(self.source.kv_cache, src), self._dst_kv)
-            self.target.kv_cache = self._scatter(self.target.kv_cache, moved, dst)
+            src, dst = np.zeros(bucket, np.int32), np.full(bucket, self._pad_dst, np.int32)
+            with jax.transfer_guard_host_to_device("allow"):
+                moved = jax.device_put(self._gather(self.source.kv_cache, src), self._dst_kv)
+                self.target.kv_cache = self._scatter(self.target.kv_cache, moved, dst)
         jax.block_until_ready(self.target.kv_cache)
