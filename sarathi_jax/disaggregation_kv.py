@@ -127,8 +127,9 @@ class KVBlockMover:
         dst = np.full(bucket, self._pad_dst, np.int32)
         src[:n], dst[:n] = source_blocks, target_blocks[:n]
         start = self._now()
-        # The ids go up with the jitted calls, as a step's host arrays do (`Stage.upload`): a `jax.device_put`
-        # of a host array waits for the CPU client's busy workers, tens of ms behind the prefill's step.
+        # The ids go up with the jitted calls, as a step's host arrays do (`Stage.upload`), not by two
+        # `jax.device_put`s: behind busy device work each host call can wait for the CPU client's workers (a
+        # `device_put` of the ids 40-100 ms behind the transfer test's busy loop; the jitted calls 2-80 ms).
         with jax.transfer_guard_host_to_device("allow"):
             blocks = self._gather(self.source.kv_cache, src)
             moved = jax.device_put(blocks, self._dst_kv)  # device to device
