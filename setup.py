@@ -1,10 +1,12 @@
-"""Builds the CPU attention kernel (`pallas_kernels/cpu/ragged_paged_attention.cc`, an XLA FFI custom call) at
-install time; everything else is in pyproject.toml.
+"""Builds the CPU kernels, XLA FFI custom calls, at install time; everything else is in pyproject.toml:
+the attention kernel (`pallas_kernels/cpu/ragged_paged_attention.cc`) and the few-row matmul of the layers'
+projections (`pallas_kernels/cpu/skinny_matmul.cc`).
 
-The kernel needs a C++17 compiler and XLA's FFI headers, which jaxlib ships (`jax.ffi.include_dir()`; the
-build environment gets jaxlib from `[build-system] requires`). It is optional: where it cannot be built the
+They need a C++17 compiler and XLA's FFI headers, which jaxlib ships (`jax.ffi.include_dir()`; the build
+environment gets jaxlib from `[build-system] requires`). Both are optional: where one cannot be built the
 install goes on, and the engine uses the portable jnp attention (`pallas_kernels.cpu_kernel_status()` says
-why). It is compiled for the building machine's own CPU (`-march=native`), since it is built where it runs.
+why) or XLA's dot (`pallas_kernels.cpu_matmul_status()`). They are compiled for the building machine's own CPU
+(`-march=native`), since they are built where they run.
 """
 
 import importlib.util
@@ -43,18 +45,15 @@ def _accepts(flag: str) -> bool:
 def _extensions() -> list[Extension]:
     include = _ffi_include_dir()
     if include is None:
-        print("sarathi-jax: jaxlib's XLA FFI headers not found; the CPU attention kernel is not built")
+        print("sarathi-jax: jaxlib's XLA FFI headers not found; the CPU kernels are not built")
         return []
     flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
     flags += [f for f in ("-march=native",) if _accepts(f)]
-    return [Extension(
-        "pallas_kernels._cpu_attention",
-        sources=["pallas_kernels/cpu/ragged_paged_attention.cc"],
-        include_dirs=[include],
-        extra_compile_args=flags,
-        language="c++",
-        optional=True,  # a failed build is a warning; the jnp path serves instead
-    )]
+    # A failed build is a warning (optional): the jnp attention or XLA's dot serves instead.
+    return [Extension(name, sources=[source], include_dirs=[include], extra_compile_args=flags, language="c++",
+                      optional=True)
+            for name, source in (("pallas_kernels._cpu_attention", "pallas_kernels/cpu/ragged_paged_attention.cc"),
+                                 ("pallas_kernels._cpu_matmul", "pallas_kernels/cpu/skinny_matmul.cc"))]
 
 
 setup(ext_modules=_extensions())

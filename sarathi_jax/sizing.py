@@ -30,10 +30,12 @@ SMALLEST_BUCKET = 16  # on accelerators: a matmul tile's rows (and the token bud
 # or 2: there XLA copied the whole KV cache every step (the attention call's read could not be ordered before
 # the in-place write; test_no_step_copies_the_kv_cache guards every bucket).
 CPU_SMALLEST_BUCKET = 4
-# For the same reason a CPU gets a bucket halfway (x1.5) between each two powers of two from 96 tokens up: a
+# For the same reason a CPU gets a bucket halfway (x1.5) between each two powers of two from 24 tokens up: a
 # lone prompt or a mixed step pays at most 1.5x its tokens in padding instead of 2x (a 300-token step runs in
-# 384, not 512). Below 96 the extra compiles buy little; accelerators keep the powers of two (tile shapes).
-CPU_MID_BUCKETS_FROM = 96
+# 384, not 512), and 24 decodes run in 24 rows, not 32 (a decode step of the 60M Llama at context 800: 68 ms
+# against 72.6-73.9 in 32, step_cost; docs/results-cpu.md §11, ninth session). Below 24 the powers of two are
+# close enough; accelerators keep the powers of two (tile shapes).
+CPU_MID_BUCKETS_FROM = 24
 
 
 # The fine ladder (EngineConfig.bucket_ladder="fine", the default under token_budget="dynamic"): a budget picked

@@ -24,7 +24,7 @@ from sarathi_jax.sampling import SAMPLER_VARIANTS
 from sarathi_jax.sizing import platform_buckets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The script's engine (token_budget 32): its step buckets on this platform (4, 8, 16, 32 on a CPU).
+# The script's engine (token_budget 32): its step buckets on this platform (4, 8, 16, 24, 32 on a CPU).
 NUM_BUCKETS = len(platform_buckets(32, jax.default_backend()))
 
 

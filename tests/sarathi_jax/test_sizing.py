@@ -34,13 +34,14 @@ def test_token_buckets_are_powers_of_two_then_the_rounded_budget():
     assert token_buckets(40, smallest=8) == (8, 16, 32, 40)
 
 
-def test_a_cpu_gets_buckets_halfway_between_the_powers_of_two_from_96():
-    assert platform_buckets(512, "cpu") == (4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
+def test_a_cpu_gets_buckets_halfway_between_the_powers_of_two_from_24():
+    assert platform_buckets(512, "cpu") == (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     assert platform_buckets(512, "gpu") == token_buckets(512) == (16, 32, 64, 128, 256, 512)
-    assert platform_buckets(64, "cpu") == (4, 8, 16, 32, 64)  # below 96: powers of two only
+    assert platform_buckets(16, "cpu") == (4, 8, 16)  # below 24: powers of two only
     # A midpoint only where it saves a quarter of the top or more (not 96 beside a top of 100).
-    assert platform_buckets(100, "cpu") == (4, 8, 16, 32, 64, 100)
-    assert platform_buckets(200, "cpu") == (4, 8, 16, 32, 64, 96, 128, 200)
+    assert platform_buckets(100, "cpu") == (4, 8, 16, 24, 32, 48, 64, 100)
+    assert platform_buckets(200, "cpu") == (4, 8, 16, 24, 32, 48, 64, 96, 128, 200)
+    assert platform_buckets(64, "cpu") == (4, 8, 16, 24, 32, 48, 64)
     assert bucket_for(platform_buckets(512, "cpu"), 300) == 384  # 1.28x padding, not 1.7x
 
 
