@@ -142,6 +142,10 @@ class ModelRunner:
         # never schedule a sequence in flight: only a single stage feeds them back (else a constant).
         self._no_tokens = self.stages[0].place(jnp.zeros(max_num_seqs, jnp.int32))
         self._prev_tokens: jax.Array = self._no_tokens
+        # A step that samples nothing: zeros placed like `_no_tokens`, once the step's rows are there (its
+        # argument is kept, so the result is ready only when the step is done, as a sampler's would be).
+        self._no_samples = jax.jit(lambda hidden: jnp.zeros(max_num_seqs, jnp.int32), keep_unused=True,
+                                   out_shardings=self._no_tokens.sharding)
         # The host side of every step's inputs, kept and updated in place from step to step.
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, self.buckets)
         # Resolved once for dispatch: batch part length -> (bucket, rows its step final-norms), where it keeps
@@ -269,6 +273,7 @@ class ModelRunner:
         else:
             run_builds(rest, threads)
         self._dispatch(self._layout(top).empty(), FULL_VARIANT, timed=False)
+        self._dispatch(self._layout(top).empty(), FULL_VARIANT, timed=False, sample=False)  # builds `_no_samples`
         jax.block_until_ready(self.kv_caches)
         if self.background is not None:
             self.background.start()
@@ -295,7 +300,7 @@ class ModelRunner:
             self._step_observer(chunks, packed, variant)
         num_rows = len(chunks) + sum(chunk.num_draft_tokens for chunk in chunks)  # a draft's row samples too
         return self._dispatch(packed, variant, token_bitmask=token_bitmask, rows=self._rows_for[num_rows],
-                              chunks=chunks)
+                              chunks=chunks, sample=any(chunk.needs_sample for chunk in chunks))
 
     def now(self) -> float:
         return time.monotonic()
@@ -336,11 +341,14 @@ class ModelRunner:
         return row_ladder(self.buckets, self.max_num_seqs)
 
     def _dispatch(self, packed: PackedStep, variant: SamplerVariant, *, timed: bool = True,
-                  rows: int | None = None, token_bitmask: np.ndarray | None = None, chunks: Sequence = ()
-                  ) -> PendingStep:
+                  rows: int | None = None, token_bitmask: np.ndarray | None = None, chunks: Sequence = (),
+                  sample: bool = True) -> PendingStep:
         """Run a step of host `packed` inputs. Its LM head and sampler run on `rows` (a `row_ladder` value;
         default: the smallest that holds the step's sequences, `step_inputs.sample_rows`); a constrained
-        variant takes `token_bitmask`'s rows, padded to max_num_seqs with all-ones (unconstrained) rows."""
+        variant takes `token_bitmask`'s rows, padded to max_num_seqs with all-ones (unconstrained) rows.
+        Without `sample` (no chunk ends where it samples: prompt chunks only, none a prompt's last) a step of one
+        stage and one process, without drafts, runs no LM head and no sampler: its token ids are zeros that
+        nothing reads."""
         timeline = self.timeline if timed else None
         batch_len = packed.batch.size
         num_tokens, bucket_rows = self._bucket_of_len[batch_len]
@@ -368,7 +376,9 @@ class ModelRunner:
                     args = (hidden, weight, on_device.sampling)
                     if run_variant.constrained:
                         args += (stage.upload(padded_bitmask(token_bitmask, self.max_num_seqs, self._bitmask_width)),)
-                    if sampler is not None:
+                    if not sample and single and self.step_verify is None and not self._across_processes:
+                        x = SamplerOutput(self._no_samples(hidden), None, None, None)
+                    elif sampler is not None:
                         x = sampler(*args)
                     else:
                         before = sample_packed_jit._cache_size()

@@ -200,3 +200,25 @@ def test_few_sequences_in_a_large_bucket_sample_the_smallest_row_count_that_hold
     np.testing.assert_array_equal(got.token_ids[:n], want.token_ids[:n])
     for name in ("logprobs", "top_token_ids", "top_logprobs"):
         np.testing.assert_allclose(getattr(got, name)[:n], getattr(want, name)[:n], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_a_step_that_samples_nothing_runs_no_lm_head_and_changes_no_token():
+    """A 40-token prompt in 16-token chunks: the first two steps end no prompt, so they skip the LM head and
+    the sampler (`_no_samples`), the third samples. Tokens equal one unchunked step's, and nothing compiles
+    after warm-up (the skip was built there)."""
+    from tests.sarathi_jax.engine_helpers import run_staggered
+
+    prompt = [list(range(7, 47))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outputs, skipped = [], []
+    for budget in (16, 64):
+        engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", token_budget=budget, max_num_seqs=S,
+                                        block_size=BLOCK, num_blocks=16, max_model_len=64, background_compile=False))
+        runner = engine.runner
+        compiled, no_samples, calls = runner.num_compilations, runner._no_samples, []
+        runner._no_samples = lambda hidden: calls.append(1) or no_samples(hidden)
+        outputs.append(run_staggered(engine, prompt, params)["r0"])
+        assert runner.num_compilations == compiled
+        skipped.append(len(calls))
+    assert skipped == [2, 0]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 4
