@@ -1,4 +1,4 @@
-"""Attention kernels for sarathi-jax: ragged paged attention over a fixed-shape padded token budget."""
+"""Kernels for sarathi-jax: ragged paged attention over a fixed-shape padded token budget, and a CPU few-row matmul."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import jax
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+from pallas_kernels.skinny_matmul_cpu import cpu_matmul_status, skinny_matmul_cpu
 
 __all__ = [
     "ragged_paged_attention_xla", "ragged_paged_attention", "ragged_paged_attention_cpu", "cpu_kernel_status",
-    "get_attention_fn", "ATTENTION_BACKENDS",
+    "get_attention_fn", "ATTENTION_BACKENDS", "skinny_matmul_cpu", "cpu_matmul_status",
 ]
 
 ATTENTION_BACKENDS = ("xla", "pallas", "cpu")

@@ -148,7 +148,7 @@ class EngineConfig:
     max_token_budget: "auto"'s largest candidate and "dynamic"'s compiled maximum (a multiple of 16);
         None: 2048.
     bucket_ladder: the token buckets compiled below the largest (sarathi_jax/sizing.py, `platform_buckets`):
-        "coarse" (powers of two; on a CPU also 1.5x each from 96 up) or "fine" (every multiple of 16 up to 128,
+        "coarse" (powers of two; on a CPU also 1.5x each from 24 up) or "fine" (every multiple of 16 up to 128,
         then steps of at most 1.25x: a budget picked per iteration runs close to its own size, at the price of
         more executables to compile). None: "fine" under token_budget="dynamic", "coarse" otherwise.
     cost_profile: a saved cost model (`BucketCostModel` JSON, e.g. from `python -m sarathi_jax.bench.step_cost

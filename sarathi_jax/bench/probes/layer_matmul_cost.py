@@ -12,12 +12,17 @@ step may copy every weight before reading it. Formulations, each jitted, timed r
   feature      `Wt [N, K] @ xt [K, M]`: activations kept feature-major, no transposes at all (a lower bound of
                the weight-left forms)
 
-A C++ XLA-FFI small-M matmul that reads `W [K, N]` in place was tried too (commit f00a550, removed after): on
-this machine it did not beat `left+T` (docs/results-cpu.md §11).
+  kernel       `skinny_matmul_cpu(x, Wt)`: the C++ few-row matmul (`pallas_kernels/skinny_matmul_cpu.py`), the
+               weight out-major `[N, K]` read in place (only where the kernel is built)
 
-Two tables: one matmul per shape (weight passed as an argument), and a stack of `--layers` layers
-(`lax.scan` over stacked weights, the way the model runs them: qkv, o, gate+up, down with their elementwise
-glue, no attention), which adds the per-layer weight slice. The floor is the weights' bytes over the read
+An earlier C++ kernel reading `W [K, N]` in place (commit f00a550, removed after) did not beat `left+T` on an
+AVX2 machine over a scanned stack (docs/results-cpu.md §11); the out-major one above led it over the unrolled
+stack on an AVX-512 machine (ninth session).
+
+Two tables: one matmul per shape (weight passed as an argument), and a stack of `--layers` layers (qkv, o,
+gate+up, down with their elementwise glue, no attention), unrolled over per-layer weights as the engine runs
+them on a CPU, or with `--scan` a `lax.scan` over stacked weights (which adds the per-layer weight slice, a
+copy). The floor is the weights' bytes over the read
 bandwidth (a jitted reduction's, `pallas_kernels.machine_rates`). The median and the best of `--repeats`
 timed calls are reported (on a shared machine the best is the least disturbed).
 
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.machine_rates import memory_bandwidth
+from pallas_kernels.skinny_matmul_cpu import cpu_matmul_status, skinny_matmul_cpu
 from pallas_kernels.timing import seconds_per_call
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -50,7 +56,7 @@ def projection_shapes(hidden: int, mlp: int, heads: int, kv_heads: int, head_dim
             "gate_up": (hidden, 2 * mlp), "down": (mlp, hidden)}
 
 
-FORMS = ("row", "left+T", "feature")
+FORMS = ("row", "left+T", "feature", "kernel")
 
 
 def left_t(x: jax.Array, wt: jax.Array) -> jax.Array:
@@ -65,16 +71,19 @@ def matmul_formulations() -> dict[str, Callable[..., Any]]:
         "row": jax.jit(lambda x, w: jnp.dot(x, w, precision=HIGHEST)),
         "left+T": jax.jit(left_t),
         "feature": jax.jit(lambda xt, wt: jnp.dot(wt, xt, precision=HIGHEST)),
+        "kernel": jax.jit(skinny_matmul_cpu),
     }
 
 
-def layer_stack(form: str, shapes: dict[str, tuple[int, int]], mlp: int) -> Callable[..., Any]:
-    """A jitted scan over stacked weights of the four matmuls with a layer's elementwise glue (residuals,
-    SiLU-gate), `x [M, hidden]` in and out, in formulation `form` (weights `[L, K, N]` for row, `[L, N, K]`
-    for left+T and feature)."""
+def layer_stack(form: str, shapes: dict[str, tuple[int, int]], mlp: int, scan: bool) -> Callable[..., Any]:
+    """A jitted stack of the four matmuls with a layer's elementwise glue (residuals, SiLU-gate), `x [M, hidden]`
+    in and out, in formulation `form`, over per-layer weights (a tuple of `(qkv, o, gate+up, down)` per
+    layer) or with `scan` over stacked ones (`[L, K, N]` for row, `[L, N, K]` for the others)."""
     q_width = shapes["o"][0]
 
     def mm(h: jax.Array, w: jax.Array) -> jax.Array:
+        if form == "kernel":
+            return skinny_matmul_cpu(h, w)
         return jnp.dot(h, w, precision=HIGHEST) if form == "row" else left_t(h, w)
 
     def body_rows(x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
@@ -91,9 +100,18 @@ def layer_stack(form: str, shapes: dict[str, tuple[int, int]], mlp: int) -> Call
         gu = jnp.dot(w_gu, xt, precision=HIGHEST)
         return xt + jnp.dot(w_down, jax.nn.silu(gu[:mlp]) * gu[mlp:], precision=HIGHEST), None
 
-    if form == "feature":
-        return jax.jit(lambda x, ws: jax.lax.scan(body_features, x.T, ws)[0].T)
-    return jax.jit(lambda x, ws: jax.lax.scan(body_rows, x, ws)[0])
+    body = body_features if form == "feature" else body_rows
+
+    def stack(x: jax.Array, ws: Any) -> jax.Array:
+        h = x.T if form == "feature" else x
+        if scan:
+            h = jax.lax.scan(body, h, ws)[0]
+        else:
+            for layer in ws:
+                h, _ = body(h, layer)
+        return h.T if form == "feature" else h
+
+    return jax.jit(stack)
 
 
 def timed(calls: dict[Any, Callable[[], Any]], repeats: int) -> dict[Any, list[float]]:
@@ -129,11 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layers", type=int, default=0, help="layers of the stack table (0: the model's own)")
     parser.add_argument("--no-single", action="store_true", help="only the layer-stack table")
+    parser.add_argument("--scan", action="store_true", help="the stack as a scan over stacked weights")
     args = parser.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
     bandwidth = memory_bandwidth(256, 5).read_bytes_per_s
     print(f"device: {jax.devices()[0].device_kind}, read bandwidth (jitted reduction, best): {bandwidth / 1e9:.1f} GB/s")
-    forms = list(FORMS)
+    forms = [f for f in FORMS if f != "kernel" or cpu_matmul_status() is None]
+    if "kernel" not in forms:
+        print(f"no kernel form: {cpu_matmul_status()}")
     header = ["case", *(f"{f} median / best ms" for f in forms), "floor ms", "best x floor"]
     rng = np.random.default_rng(0)
     for model in args.models.split(","):
@@ -150,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 for m in rows:
                     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
                     xt = jnp.asarray(np.ascontiguousarray(np.asarray(x).T))
-                    args_of = {"row": (x, w), "left+T": (x, wt), "feature": (xt, wt)}
+                    args_of = {"row": (x, w), "left+T": (x, wt), "feature": (xt, wt), "kernel": (x, wt)}
                     for f in forms:
                         calls[(m, f)] = lambda f=f, a=args_of[f]: single[f](*a)
                 times = timed(calls, args.repeats)
@@ -161,16 +182,18 @@ def main(argv: list[str] | None = None) -> None:
             print(format_table(header, table))
         ws = tuple(jnp.asarray(rng.standard_normal((layers, k, n), dtype=np.float32) * 0.02) for k, n in shapes.values())
         ws_t = tuple(jnp.asarray(np.ascontiguousarray(np.swapaxes(np.asarray(w), 1, 2))) for w in ws)
-        stacks = {f: layer_stack(f, shapes, mlp) for f in forms}
+        if not args.scan:  # per-layer arrays, as the engine holds unrolled layers
+            ws, ws_t = (tuple(tuple(w[i] for w in stacked) for i in range(layers)) for stacked in (ws, ws_t))
+        stacks = {f: layer_stack(f, shapes, mlp, args.scan) for f in forms}
         calls = {}
         for m in rows:
             x = jnp.asarray(rng.standard_normal((m, hidden), dtype=np.float32))
             for f in forms:
-                calls[(m, f)] = lambda f=f, x=x: stacks[f](x, ws_t if f in ("left+T", "feature") else ws)
+                calls[(m, f)] = lambda f=f, x=x: stacks[f](x, ws if f == "row" else ws_t)
         times = timed(calls, args.repeats)
         floor = sum(k * n for k, n in shapes.values()) * layers * 4 / bandwidth
         table = [result_rows(f"{model} {layers} layers, M={m}", forms, times, lambda f, m=m: (m, f), floor) for m in rows]
-        print(f"\nlayer stack (scan over stacked weights), {model}:")
+        print(f"\nlayer stack ({'scan over stacked' if args.scan else 'unrolled over per-layer'} weights), {model}:")
         print(format_table(header, table))
 
 
