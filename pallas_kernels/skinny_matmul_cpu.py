@@ -9,7 +9,7 @@ split. Sums run in another order than XLA's dot: equal to float32 rounding.
 Why a kernel: XLA:CPU hands a dot to YNNPACK, which packs an operand into its tile layout on every call; at a
 decode step's few rows the weights' bytes set the pace, and the packing and per-call overheads cost about as
 much again. Over the unrolled layer stack of the 60M Llama (8 layers of q/k/v, o, gate+up and down), on the
-2-core AVX-512 machine, it took 0.63x XLA's time at 1 row, 0.75-0.8x at 8-32, and 1.1x at 64
+2-core AVX-512 machine, it took 0.63x XLA's time at 1 row, 0.78-0.87x at 8-32, and 1.07x at 64
 (`python -m sarathi_jax.bench.probes.layer_matmul_cost`; docs/results-cpu.md §11, ninth session). So the
 engine uses it for steps of at most `MAX_ROWS` rows, and only from a build for AVX-512 (`vector_bits`):
 an earlier kernel of this kind (reading `[K, N]`) lost to XLA's dot on an AVX2 machine, and this one is

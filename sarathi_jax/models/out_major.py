@@ -12,7 +12,7 @@ right again). `python -m sarathi_jax.bench.probes.layer_matmul_cost` measured it
 `LEFT_MAX_ROWS` rows on, the weight goes back on the right (`x . W^T`), where the product is compute-bound and
 packing is amortised. Float32 steps of at most `skinny_matmul_cpu.MAX_ROWS` rows skip YNNPACK altogether where
 the C++ kernel `pallas_kernels/skinny_matmul_cpu.py` is built for AVX-512 (`engine_uses_kernel`): it reads
-each weight row in place, once (0.63-0.8x the time of the weight-left dot over the unrolled layers at 1-32
+each weight row in place, once (0.63-0.87x the time of the weight-left dot over the unrolled layers at 1-32
 rows, on the 2-core AVX-512 machine).
 
 The engine's checkpoints and the loader keep `[in..., out...]`: a single-device CPU runner moves the loaded

@@ -9,13 +9,17 @@ scalar tail), and K below 16 (no vector step at all).
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import skinny_matmul_cpu as kernel_module
 from pallas_kernels.skinny_matmul_cpu import cpu_matmul_status, skinny_matmul_cpu, skinny_matmul_reference
+
+# The module (the package exports a function of the same name).
+kernel_module = importlib.import_module("pallas_kernels.skinny_matmul_cpu")
 
 # float32 sums of K products of N(0, 1) values: the error grows like sqrt(K) * eps * |x| |w|.
 RTOL, ATOL = 1e-5, 2e-5
