@@ -50,8 +50,8 @@ def _extensions() -> list[Extension]:
     flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
     flags += [f for f in ("-march=native",) if _accepts(f)]
     # A failed build is a warning (optional): the jnp attention or XLA's dot serves instead.
-    return [Extension(name, sources=[source], include_dirs=[include], extra_compile_args=flags, language="c++",
-                      optional=True)
+    return [Extension(name, sources=[source], depends=["pallas_kernels/cpu/work_sharing.h"], include_dirs=[include],
+                      extra_compile_args=flags, language="c++", optional=True)
             for name, source in (("pallas_kernels._cpu_attention", "pallas_kernels/cpu/ragged_paged_attention.cc"),
                                  ("pallas_kernels._cpu_matmul", "pallas_kernels/cpu/skinny_matmul.cc"))]
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.ffi_library import load_ffi_library
 
 _TARGET = "sarathi_ragged_paged_attention"
 _MODULE = "pallas_kernels._cpu_attention"
@@ -35,19 +36,8 @@ MIN_PART_TOKENS = 256
 @functools.cache
 def cpu_kernel_status() -> str | None:
     """None when the C++ kernel is built and registered with XLA; otherwise why it is not available."""
-    try:
-        spec = importlib.util.find_spec(_MODULE)
-    except ImportError as e:  # pragma: no cover - a broken package
-        return f"{_MODULE}: {e}"
-    if spec is None or not spec.origin:
-        return (f"the CPU attention kernel was not built ({_MODULE} is missing): reinstall with a C++17 compiler, "
-                "`pip install -e .`, and read the build log")
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SarathiRaggedPagedAttention), platform="cpu")
-    except (OSError, AttributeError, RuntimeError, ValueError) as e:
-        return f"the CPU attention kernel at {spec.origin} could not be loaded: {e}"
-    return _smoke_test(spec.origin)
+    lib, origin = load_ffi_library(_MODULE, _TARGET, "SarathiRaggedPagedAttention", "CPU attention kernel")
+    return origin if lib is None else _smoke_test(origin)
 
 
 def _smoke_test(origin: str) -> str | None:

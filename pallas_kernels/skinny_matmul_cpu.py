@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.ffi_library import load_ffi_library
 
 _TARGET = "sarathi_skinny_matmul"
 _MODULE = "pallas_kernels._cpu_matmul"
@@ -41,19 +42,13 @@ MAX_ROWS = 32
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     """(the loaded library, None), or (None, why not)."""
+    lib, origin = load_ffi_library(_MODULE, _TARGET, "SarathiSkinnyMatmul", "CPU matmul kernel")
+    if lib is None:
+        return None, origin
     try:
-        spec = importlib.util.find_spec(_MODULE)
-    except ImportError as e:  # pragma: no cover - a broken package
-        return None, f"{_MODULE}: {e}"
-    if spec is None or not spec.origin:
-        return None, (f"the CPU matmul kernel was not built ({_MODULE} is missing): reinstall with a C++17 "
-                      "compiler, `pip install -e .`, and read the build log")
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SarathiSkinnyMatmul), platform="cpu")
         lib.SarathiSkinnyMatmulVectorBits.restype = ctypes.c_int
-    except (OSError, AttributeError, RuntimeError, ValueError) as e:
-        return None, f"the CPU matmul kernel at {spec.origin} could not be loaded: {e}"
+    except AttributeError as e:  # a library from another build
+        return None, f"the CPU matmul kernel at {origin} could not be loaded: {e}"
     return lib, None
 
 

@@ -272,8 +272,8 @@ class ModelRunner:
             self.background = BackgroundBuild(rest, threads, owner=self)
         else:
             run_builds(rest, threads)
-        self._dispatch(self._layout(top).empty(), FULL_VARIANT, timed=False)
-        self._dispatch(self._layout(top).empty(), FULL_VARIANT, timed=False, sample=False)  # builds `_no_samples`
+        # Samples nothing: one stage builds `_no_samples` here (its samplers are built above); pipelines sample.
+        self._dispatch(self._layout(top).empty(), FULL_VARIANT, timed=False, sample=False)
         jax.block_until_ready(self.kv_caches)
         if self.background is not None:
             self.background.start()

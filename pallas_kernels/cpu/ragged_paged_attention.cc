@@ -47,6 +47,7 @@
 #include <thread>
 #include <vector>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -836,24 +837,8 @@ ffi::Error Attention(ffi::ThreadPool pool, const Shapes& sh, const T* q, const T
       run_unit<T, 0>(u, sh, dv, q, k_pages, v_pages, block_tables, sm_scale, out, slot, scratch);
   };
 
-  // Work sharing: the caller and up to num_threads - 1 pool tasks take units from one counter. The caller
-  // waits only for units to be done (not for tasks to start), so it never depends on a free pool thread;
-  // a task that starts late finds no work and touches nothing but the shared counters it co-owns.
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  const int64_t num_units = int64_t(units->size());
-  auto work = [=]() {
-    for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
-      run_one((*units)[i]);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(num_threads, num_units) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(std::function<void()>(work));
-  work();
-  while (shared->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+  // Every unit, on the caller and the pool (work_sharing.h); `units` is co-owned by the tasks.
+  sarathi_cpu::share_work(pool, int64_t(units->size()), [units, run_one](int64_t i) { run_one((*units)[i]); });
   for (const Merge& g : merges) merge_parts(g.block, g.first, g.count, sh, dv, parts_data, part_floats, out);
   return ffi::Error::Success();
 }

@@ -8,21 +8,18 @@
 // Why: XLA:CPU's dot (YNNPACK) packs an operand into its tile layout on every call; with a few rows the step
 // is bound by reading the weights, and the packing pass and per-call overheads cost as much again. This
 // kernel reads each weight row once, in place, in address order:
-//   * the work is split into units of kUnitCols weight rows (output columns), handed out from an atomic
-//     counter to the calling thread and XLA's intra-op thread pool;
+//   * the work is split into units of kUnitCols weight rows (output columns), handed out to the calling
+//     thread and XLA's intra-op thread pool (work_sharing.h);
 //   * inside a unit, blocks of kCols weight rows (kCols x K floats, L1-resident) meet every block of kRows
 //     rows of x in turn: kRows x kCols accumulators of 16 floats (lane-wise partial dot products over K in
 //     steps of 16), reduced across lanes once per block (sum4); K's tail (K % 16) is added in scalar code.
 // Sums run in another order than XLA's dot (float32 rounding apart, the same products).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -33,7 +30,7 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 #if defined(__AVX512F__)
-constexpr int kRows = 4;  // rows of x per register block: kRows x kCols accumulators of 16 floats (32 zmm)
+constexpr int kRows = 4;  // rows of x per register block: kRows x kCols accumulators of 16 floats (16 zmm)
 constexpr int kVectorBits = 512;
 #else
 constexpr int kRows = 2;  // AVX2 and others: a 16-float vector takes two of 16 registers
@@ -123,24 +120,9 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* op = out->typed_data();
-  const int64_t num_units = (N + kUnitCols - 1) / kUnitCols;
-  const int64_t num_threads = std::max<int64_t>(pool.num_threads(), 1);
-  // Work sharing as in ragged_paged_attention.cc: the caller waits only for units to be done, never for a
-  // pool task to start; a late task finds no work and touches nothing but the shared counters it co-owns.
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [=]() {
-    for (int64_t u; (u = shared->next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
-      unit(xp, wp, op, M, K, N, u * kUnitCols, std::min(N, (u + 1) * kUnitCols));
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(num_threads, num_units) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(std::function<void()>(work));
-  work();
-  while (shared->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+  sarathi_cpu::share_work(pool, (N + kUnitCols - 1) / kUnitCols, [=](int64_t u) {
+    unit(xp, wp, op, M, K, N, u * kUnitCols, std::min(N, (u + 1) * kUnitCols));
+  });
   return ffi::Error::Success();
 }
 
