@@ -1,6 +1,7 @@
 """Builds the CPU kernels, XLA FFI custom calls, at install time; everything else is in pyproject.toml:
-the attention kernel (`pallas_kernels/cpu/ragged_paged_attention.cc`) and the few-row matmul of the layers'
-projections (`pallas_kernels/cpu/skinny_matmul.cc`).
+the attention kernel (`pallas_kernels/cpu/ragged_paged_attention.cc`), and in a second library the few-row
+matmul of the layers' projections (`pallas_kernels/cpu/skinny_matmul.cc`) and the greedy LM head
+(`pallas_kernels/cpu/greedy_head.cc`).
 
 They need a C++17 compiler and XLA's FFI headers, which jaxlib ships (`jax.ffi.include_dir()`; the build
 environment gets jaxlib from `[build-system] requires`). Both are optional: where one cannot be built the
@@ -50,10 +51,11 @@ def _extensions() -> list[Extension]:
     flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
     flags += [f for f in ("-march=native",) if _accepts(f)]
     # A failed build is a warning (optional): the jnp attention or XLA's dot serves instead.
-    return [Extension(name, sources=[source], depends=["pallas_kernels/cpu/work_sharing.h"], include_dirs=[include],
+    return [Extension(name, sources=sources, depends=["pallas_kernels/cpu/work_sharing.h"], include_dirs=[include],
                       extra_compile_args=flags, language="c++", optional=True)
-            for name, source in (("pallas_kernels._cpu_attention", "pallas_kernels/cpu/ragged_paged_attention.cc"),
-                                 ("pallas_kernels._cpu_matmul", "pallas_kernels/cpu/skinny_matmul.cc"))]
+            for name, sources in (("pallas_kernels._cpu_attention", ["pallas_kernels/cpu/ragged_paged_attention.cc"]),
+                                  ("pallas_kernels._cpu_matmul", ["pallas_kernels/cpu/skinny_matmul.cc",
+                                                                  "pallas_kernels/cpu/greedy_head.cc"]))]
 
 
 setup(ext_modules=_extensions())

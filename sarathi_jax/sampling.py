@@ -70,7 +70,7 @@ from sarathi_jax.sampling_inputs import (  # noqa: F401  (the host side, re-expo
     SamplingRow,
 )
 from sarathi_jax.sampling_params import MAX_LOGPROBS
-from sarathi_jax.sampling_vocab_major import GREEDY_ONLY, MAX_ROWS as VOCAB_MAJOR_MAX_ROWS, greedy_vocab_major
+from sarathi_jax.sampling_vocab_major import GREEDY_ONLY, greedy_on_cpu
 from sarathi_jax.step_inputs import sampling_max_num_seqs, unpack_sampling
 
 if TYPE_CHECKING:
@@ -377,12 +377,12 @@ def sample_packed(hidden: jax.Array, head_weight: jax.Array, sampling: jax.Array
     then the sampler on those logits [R, vocab] with the first R rows of the sampling part (laid out for S =
     max_num_seqs rows). The token ids come back padded to [S] (the next step reads pending tokens from them
     whatever its own bucket). `token_bitmask` [S, ceil(V/32)]: constrained variants only. A greedy-only batch
-    of at most VOCAB_MAJOR_MAX_ROWS under `head.vocab_major_greedy` samples vocab-major logits [vocab, R] instead."""
+    on a CPU may take one of `sampling_vocab_major`'s forms instead (`greedy_on_cpu`)."""
     s = sampling_max_num_seqs(sampling.shape[0])
     arrays = unpack_sampling(sampling, s, rows)
-    if head.vocab_major_greedy and variant == GREEDY_ONLY and rows <= VOCAB_MAJOR_MAX_ROWS:
-        token_ids, logprobs = greedy_vocab_major(head.logits_vocab_major(hidden[:rows], head_weight), arrays)
-        out = SamplerOutput(token_ids, logprobs, jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+    greedy = greedy_on_cpu(hidden, head_weight, arrays, rows=rows, head=head) if variant == GREEDY_ONLY else None
+    if greedy is not None:
+        out = SamplerOutput(*greedy, jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
                             jnp.full((rows, MAX_LOGPROBS), -jnp.inf, jnp.float32))
     else:
         mask = token_bitmask[:rows] if variant.constrained else None

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallas_kernels.greedy_head_cpu import engine_uses_kernel as greedy_head_usable
 from sarathi_jax.models import get_model, init_kv_cache, to_out_major
 from sarathi_jax.models.layers import lm_head_logits, lm_head_logits_vocab_major, unstack_layer_params
 from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
@@ -48,6 +49,10 @@ class LMHead:
     # so [R, embed] x [vocab, embed]^T repacks the whole head per step (1.3-1.7x slower at R <= 16; see
     # docs/results-cpu.md §11). Set on a CPU.
     vocab_major_greedy: bool = False
+    # Greedy-only samplers of GREEDY_KERNEL_MIN_ROWS..greedy_head_cpu.MAX_ROWS rows run the LM head and the
+    # sampler in one C++ call (`pallas_kernels.greedy_head_cpu`: no logits written, no further passes over
+    # them). Set on a single CPU device with float32 weights where the kernel is built for AVX-512.
+    greedy_kernel: bool = False
 
     def logits(self, h: jax.Array, weight: jax.Array) -> jax.Array:
         """float32 logits [R, vocab] (replicated) of final-normed rows h [R, embed]."""
@@ -115,8 +120,11 @@ class Stage:
         tp = self.mesh is not None and self.tensor_parallel_size > 1
         vocab = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS)) if tp and self.shard_vocab else None
         device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        cpu = device.platform == "cpu"
+        greedy_kernel = (cpu and self.mesh is None and jnp.dtype(self.model.dtype) == jnp.float32
+                         and greedy_head_usable())
         return LMHead(jnp.dtype(self.model.dtype), vocab, self.replicated if tp else None,
-                      vocab_major_greedy=device.platform == "cpu")
+                      vocab_major_greedy=cpu, greedy_kernel=greedy_kernel)
 
     @property
     def lm_head_weight(self) -> jax.Array:

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sarathi_jax.parallel.plan import TP_AXIS
+from pallas_kernels.greedy_head_cpu import engine_uses_kernel as greedy_head_usable
 from sarathi_jax.models import get_model, get_preset
+from sarathi_jax.parallel.plan import TP_AXIS
 from sarathi_jax.parallel.stages import Copies, LMHead, Stage, copy_to_every_process, local_copy
 
 
@@ -27,8 +28,10 @@ def test_a_stage_without_a_mesh_is_the_default_device():
     host = (np.arange(3, dtype=np.int32), np.ones(2, np.int32))
     assert stage.upload(host) is host  # the jitted step copies host arrays up as it dispatches
     assert stage.jit_shardings() == {}
-    # nothing to gather; on a CPU greedy-only samplers take vocab-major logits
-    assert stage.lm_head() == LMHead(dtype=np.dtype(np.float32), vocab_major_greedy=True)
+    # nothing to gather; on a CPU greedy-only samplers take vocab-major logits, or the C++ greedy head where the
+    # engine uses it (float32 on one device, built for AVX-512)
+    assert stage.lm_head() == LMHead(dtype=np.dtype(np.float32), vocab_major_greedy=True,
+                                     greedy_kernel=greedy_head_usable())
 
 
 def test_a_tensor_parallel_stage_replicates_its_inputs_and_gathers_its_logits():
