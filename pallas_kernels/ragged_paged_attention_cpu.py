@@ -29,13 +29,17 @@ _MODULE = "pallas_kernels._cpu_attention"
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Static split sizes (see the C++ header): matrix rows (query rows x G) per unit and KV head; the shortest KV
 # range that gets a part of its own when a batch has fewer row blocks than twice the threads (split-KV).
-UNIT_ROWS = 64
+# 128 rows, not 64: a unit copies and transposes every K/V tile it reads once for all its rows, and 128 took
+# 0.90-0.95x the time of 64 on prefill chunks of 288-512 tokens and mixed steps (heads 8/8/64, 9/3/64,
+# 32/8/128), no different on decodes and short prefills (docs/results-cpu.md §11, tenth session).
+UNIT_ROWS = 128
 MIN_PART_TOKENS = 256
 
 
 @functools.cache
 def cpu_kernel_status() -> str | None:
-    """None when the C++ kernel is built and registered with XLA; otherwise why it is not available."""
+    """None when the C++ kernel is built and registered with XLA; otherwise why it is not available. Evaluated
+    eagerly even when first asked inside a trace (a jitted caller's first call)."""
     lib, origin = load_ffi_library(_MODULE, _TARGET, "SarathiRaggedPagedAttention", "CPU attention kernel")
     return origin if lib is None else _smoke_test(origin)
 
@@ -46,7 +50,7 @@ def _smoke_test(origin: str) -> str | None:
     if not jax.devices("cpu"):  # pragma: no cover - JAX always has a CPU backend
         return "no CPU device"
     try:
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
             v = np.arange(16, dtype=np.float32).reshape(1, 1, 1, 16)  # numpy inputs: one compile, the call's
             out = _call(np.ones((1, 1, 16), np.float32), np.ones((1, 1, 1, 16), np.float32), v,
                         np.ones((1,), np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
