@@ -3,9 +3,9 @@ row, no logprobs, no constraint), in the two forms `sampling.sample_packed` take
 
 * **The C++ kernel** (`pallas_kernels.greedy_head_cpu`, where `LMHead.greedy_kernel` is set: a single CPU device,
   float32, the kernel built for AVX-512), for `GREEDY_KERNEL_MIN_ROWS..GREEDY_KERNEL_MAX_ROWS` rows: the LM
-  head and the sampler in one pass, no logits written. On the 60M Llama's head ([32000, 512]) it took 0.66-0.8x
-  the time of the jnp forms below at 24-64 rows and lost at 16 and fewer, where it reads the head slower than
-  XLA's dot does (docs/results-cpu.md §11, tenth session).
+  head and the sampler in one pass, no logits written. On the 60M Llama's head ([32000, 512]) it took 0.6-0.85x
+  the time of the jnp forms below at 16-64 rows, tied at 8 and lost at 1-4, where it reads the head slower
+  than XLA's dot does (docs/results-cpu.md §11, tenth session).
 * **Vocab-major logits** `[vocab, R]`, every reduction over axis 0 (`greedy_vocab_major`), for at most
   `MAX_ROWS` rows where `LMHead.vocab_major_greedy` is set (on a CPU). Why a second layout: XLA:CPU's YNNPACK
   packs a dot's right operand on every call. Logits `[R, vocab]` put the head's weight on the right, so each
@@ -39,8 +39,9 @@ GREEDY_ONLY = SamplerVariant(sampled=False, filter="none", logprobs=False)
 # 1.1-2.5x at 4-32, on a loaded 2-core machine; docs/results-cpu.md §11).
 MAX_ROWS = 32
 
-# The fewest rows the C++ kernel serves (see the module docstring): from two vectors of 16 rows.
-GREEDY_KERNEL_MIN_ROWS = 17
+# The fewest rows the C++ kernel serves (see the module docstring): at 16 rows it took 0.74-0.85x the time of the
+# vocab-major form, at 8 it tied, at 1-4 it lost on SmolLM2's head.
+GREEDY_KERNEL_MIN_ROWS = 9
 
 
 def greedy_vocab_major(logits_t: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, jax.Array]:
