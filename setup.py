@@ -1,6 +1,6 @@
 """Builds the CPU kernels, XLA FFI custom calls, at install time; everything else is in pyproject.toml:
-the attention kernel (`pallas_kernels/cpu/ragged_paged_attention.cc`), and in a second library the few-row
-matmul of the layers' projections (`pallas_kernels/cpu/skinny_matmul.cc`) and the greedy LM head
+the attention kernel (`pallas_kernels/cpu/ragged_paged_attention.cc`), and in a second library the 
+matmul of the layers' projections on packed weights (`pallas_kernels/cpu/panel_matmul.cc`) and the greedy LM head
 (`pallas_kernels/cpu/greedy_head.cc`).
 
 They need a C++17 compiler and XLA's FFI headers, which jaxlib ships (`jax.ffi.include_dir()`; the build
@@ -54,7 +54,7 @@ def _extensions() -> list[Extension]:
     return [Extension(name, sources=sources, depends=["pallas_kernels/cpu/work_sharing.h"], include_dirs=[include],
                       extra_compile_args=flags, language="c++", optional=True)
             for name, sources in (("pallas_kernels._cpu_attention", ["pallas_kernels/cpu/ragged_paged_attention.cc"]),
-                                  ("pallas_kernels._cpu_matmul", ["pallas_kernels/cpu/skinny_matmul.cc",
+                                  ("pallas_kernels._cpu_matmul", ["pallas_kernels/cpu/panel_matmul.cc",
                                                                   "pallas_kernels/cpu/greedy_head.cc"]))]
 
 

@@ -1,5 +1,5 @@
 """Loading a CPU kernel's shared library (built by setup.py) and registering its XLA FFI target: the one loader of
-`ragged_paged_attention_cpu` and `skinny_matmul_cpu`."""
+`ragged_paged_attention_cpu`, `panel_matmul_cpu` and `greedy_head_cpu`."""
 
 from __future__ import annotations
 

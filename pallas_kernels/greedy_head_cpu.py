@@ -18,7 +18,7 @@ Its sums run in another order than XLA's dot: logits, and so a token on a near t
 path by float32 rounding, as between the jnp path's own two layouts.
 
 It lives in the CPU matmul library (`pallas_kernels._cpu_matmul`, built by `pip install -e .`); where that was
-not built, `greedy_head_status()` says why and the engine keeps the jnp sampler. Like the few-row matmul the
+not built, `greedy_head_status()` says why and the engine keeps the jnp sampler. Like the panel matmul the
 engine uses it only from a build for AVX-512 (`engine_uses_kernel`): unmeasured elsewhere.
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.ffi_library import load_ffi_library
-from pallas_kernels.skinny_matmul_cpu import vector_bits
+from pallas_kernels.panel_matmul_cpu import vector_bits
 
 _TARGET = "sarathi_greedy_head"
 _MODULE = "pallas_kernels._cpu_matmul"

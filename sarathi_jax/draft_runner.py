@@ -159,7 +159,7 @@ class DraftRunner:
                     attention_fn: Callable, plan: ParallelPlan | None = None) -> DraftRunner:
         """A separate draft (`config`, `params` as `models.load_model` gives them, or with `plan` as
         `parallel.load_parallel_model` does) with the target's vocabulary, laid out as `runner`'s model is
-        (scanned or unrolled layers, out-major projections), its own KV cache on the target's blocks. `plan`
+        (scanned or unrolled layers, the projections' layout), its own KV cache on the target's blocks. `plan`
         (the target's tensor parallelism, one stage, the target's devices): params and KV cache sharded by the
         same rules as the target's, attention per shard (`parallel.stages.runner_stages`)."""
         target = runner.stages[0]
@@ -168,7 +168,7 @@ class DraftRunner:
                              f"{runner.model_config.vocab_size}: a draft must share the target's vocabulary")
         stage, = runner_stages(plan, config, params, target.model.dtype, attention_fn, runner.num_blocks,
                                runner.block_size, scan_layers=target.model.scan_layers,
-                               out_major=target.model.out_major_projections)
+                               layout=target.model.projection_layout)
         return cls(runner, stage, stage.model, num_speculative_tokens, shadow=True)
 
     def warmup(self) -> None:

@@ -40,7 +40,7 @@ import jax
 from jax import monitoring
 
 from pallas_kernels.greedy_head_cpu import engine_uses_kernel as greedy_head_usable
-from pallas_kernels.skinny_matmul_cpu import engine_uses_kernel
+from pallas_kernels.panel_matmul_cpu import engine_uses_kernel
 from sarathi_jax.compile_cache import EXECUTABLE_LOAD_EVENT
 
 SUBDIR = "sarathi-executables"
@@ -139,7 +139,7 @@ def environment_fingerprint() -> str:
         f"backend {backend.platform} {backend.platform_version}", f"devices {devices}",
         f"process {jax.process_index()}/{jax.process_count()}", f"env {sorted(env.items())}",
         f"config {sorted(config.items())}", f"source {_source_hash()}",
-        f"cpu matmul kernel {engine_uses_kernel()}",  # traced into CPU steps where usable (models/out_major.py)
+        f"cpu matmul kernel {engine_uses_kernel()}",  # CPU projections' layout (models/out_major.py)
         f"cpu greedy head kernel {greedy_head_usable()}",  # into CPU samplers (parallel/stages.py)
     ])
 

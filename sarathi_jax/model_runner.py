@@ -37,7 +37,7 @@ import numpy as np
 from sarathi_jax.config import EngineConfig, resolve_dtype, resolve_scan_layers
 from sarathi_jax.executable_cache import ExecutableCache
 from sarathi_jax.input_batch import InputBatch
-from sarathi_jax.models import ModelConfig, use_out_major
+from sarathi_jax.models import ModelConfig, projection_layout
 from sarathi_jax.parallel.pipeline import PipelineTimeline
 from sarathi_jax.parallel.stages import LMHead, Stage, copy_to_every_process, local_copy, runner_stages
 from sarathi_jax.precompile import BackgroundBuild, ExecutableBuilder, ExecutableTable, on_stages, run_builds
@@ -125,7 +125,8 @@ class ModelRunner:
         self.plan = None if plan is None or plan.is_single_device and plan.on_default_device else plan
         self.timeline = None
         self.stages = runner_stages(self.plan, model_config, params, dtype, attention_fn, num_blocks, block_size,
-                                    scan_layers=scan_layers, out_major=self.plan is None and use_out_major(platform))
+                                    scan_layers=scan_layers,
+                                    layout=projection_layout(platform, single_device=self.plan is None, dtype=dtype))
         if self.plan is None:
             self.model = self.stages[0].model
         elif len(self.stages) > 1:

@@ -1,5 +1,5 @@
-// Work sharing for the CPU kernels (ragged_paged_attention.cc, skinny_matmul.cc): units of work handed out from
-// one atomic counter to the calling thread and XLA's intra-op thread pool.
+// Work sharing for the CPU kernels (ragged_paged_attention.cc, panel_matmul.cc, greedy_head.cc): units of work
+// handed out from one atomic counter to the calling thread and XLA's intra-op thread pool.
 #pragma once
 
 #include <algorithm>

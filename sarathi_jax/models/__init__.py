@@ -12,7 +12,8 @@ Where each piece lives:
     attention.py     the paged KV cache: AttentionMetadata, write_kv, init_kv_cache
     layers.py        the layers the decoders share: projections, RMSNorm, RoPE, paged self-attention, the
                      decoder itself (`PagedDecoderLM`), stack/unstack of the scanned layer params
-    out_major.py     projection weights stored [out, in] on a CPU (the weight as the dot's left operand)
+    out_major.py     projection weights on a CPU: stored [out, in] (the weight as the dot's left operand), or
+                     packed into column panels for the C++ matmul (float32, AVX-512)
     fusion.py        fused q/k/v and gate/up projections: the checkpoint layout (separate) -> the model's,
                      `fuse_projections`, applied once at load time
     llama.py         the Llama family (Llama, Mistral, Qwen2, Qwen3) and its HF parameter mapping
@@ -48,6 +49,7 @@ _EXPORTS = {
     "fuse_projections": "fusion",
     "to_out_major": "families",
     "use_out_major": "out_major",
+    "projection_layout": "out_major",
     "LlamaForCausalLM": "llama",
     "FalconForCausalLM": "falcon",
     "MODEL_FAMILIES": "families",

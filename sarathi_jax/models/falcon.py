@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from sarathi_jax.models.attention import AttentionMetadata, KVCache
 from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.models.layers import PagedDecoderLayer, PagedDecoderLM, PagedSelfAttention, Projection
+from sarathi_jax.models.out_major import IN_MAJOR
 from sarathi_jax.models.param_source import ParamSource
 
 
@@ -80,16 +81,16 @@ def gelu(x: jax.Array, hidden_act: str) -> jax.Array:
 class FalconMLP(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
-    out_major: bool = False  # weights stored [out, in] (`layers.Projection`)
+    projection_layout: str = IN_MAJOR  # how the projection weights are stored (`layers.Projection.layout`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         h = Projection((c.hidden_size, c.intermediate_size), ("embed", "mlp"), use_bias=c.mlp_bias,
-                       dtype=self.dtype, out_major=self.out_major, name="dense_h_to_4h")(x)
+                       dtype=self.dtype, layout=self.projection_layout, name="dense_h_to_4h")(x)
         h = gelu(h, c.hidden_act)
         return Projection((c.intermediate_size, c.hidden_size), ("mlp", "embed"), use_bias=c.mlp_bias,
-                          dtype=self.dtype, out_major=self.out_major, name="dense_4h_to_h")(h)
+                          dtype=self.dtype, layout=self.projection_layout, name="dense_4h_to_h")(h)
 
 
 class FalconDecoderLayer(PagedDecoderLayer):
@@ -105,8 +106,8 @@ class FalconDecoderLayer(PagedDecoderLayer):
             return LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=self.dtype, name=name)
 
         attention = PagedSelfAttention(c, self.attention_fn, dtype=self.dtype, out_proj_name="dense",
-                                       out_major=self.out_major, name="self_attention")
-        mlp = FalconMLP(c, dtype=self.dtype, out_major=self.out_major, name="mlp")
+                                       projection_layout=self.projection_layout, name="self_attention")
+        mlp = FalconMLP(c, dtype=self.dtype, projection_layout=self.projection_layout, name="mlp")
         if c.parallel_attn:
             if c.num_ln_in_parallel_attn == 2:
                 attn_in, mlp_in = norm("ln_attn")(x), norm("ln_mlp")(x)

@@ -3,7 +3,8 @@
     family = model_family(config)                        # ValueError for an unsupported architecture
     model = family.get_model(config, dtype, attention_fn)
     family.param_shapes(config, dtype), family.param_logical_axes(config), family.param_plan(config)
-    model, params = to_out_major(model, params)          # projection weights [out, in] (`out_major.py`)
+    model, params = to_out_major(model, params)          # projection weights [out, in] (`out_major.py`),
+    model, params = to_out_major(model, params, panels=True)  # or packed into column panels
 
 `param_shapes` and `param_logical_axes` describe the model's own (serving) parameters; `checkpoint_param_shapes`
 and `checkpoint_param_logical_axes` the checkpoint layout, with separate q/k/v and gate/up (`fusion.py`), which
@@ -25,11 +26,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from pallas_kernels import ragged_paged_attention_xla
+from pallas_kernels.panel_matmul_cpu import pack_panels
 from sarathi_jax.models import falcon, llama
 from sarathi_jax.models.attention import AttentionMetadata, init_kv_cache
 from sarathi_jax.models.config import FALCON_ARCHITECTURES, LLAMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from sarathi_jax.models.fusion import checkpoint_logical_axes, checkpoint_shapes
 from sarathi_jax.models.layers import AttentionFn
+from sarathi_jax.models.out_major import OUT_MAJOR, PANELS
 from sarathi_jax.models.param_source import ParamSource
 
 
@@ -129,20 +132,34 @@ def dummy_inputs(config: ModelConfig, dtype: Any = jnp.float32) -> tuple[Any, ..
     return token_ids, jnp.zeros((1,), jnp.int32), kv_cache, metadata, jnp.zeros((1,), jnp.int32)
 
 
-def to_out_major(model: nn.Module, params: Any) -> tuple[nn.Module, Any]:
+def to_out_major(model: nn.Module, params: Any, *, panels: bool = False) -> tuple[nn.Module, Any]:
     """`model` (a `PagedDecoderLM`) with out-major projections (`out_major.py`: what a single-device CPU runner
     uses), and `params` (of `model`, in-major) moved to that layout: every parameter whose logical axes differ
     between the two is transposed to the new order (the projection kernels; stacked layers keep their leading
-    axis first). Scanned or unrolled, as `model` is."""
-    out_model = model.clone(out_major_projections=True)
+    axis first). With `panels` (float32 weights), the projection kernels are then packed into column panels
+    (the `PANELS` layout). Scanned or unrolled, as `model` is."""
+    out_model = model.clone(projection_layout=OUT_MAJOR)
     inputs = dummy_inputs(model.config, model.dtype)
 
-    def axes(m: nn.Module) -> Any:
-        return nn.get_partition_spec(jax.eval_shape(lambda: m.init(jax.random.key(0), *inputs))["params"])
+    def abstract(m: nn.Module) -> Any:
+        return jax.eval_shape(lambda: m.init(jax.random.key(0), *inputs))["params"]
 
     def move(x: jax.Array, src: PartitionSpec, dst: PartitionSpec) -> jax.Array:
         if tuple(src) == tuple(dst):
             return x
         return jnp.transpose(x, [tuple(src).index(name) for name in dst])
 
-    return out_model, jax.tree.map(move, params, axes(model), axes(out_model))
+    axes = nn.get_partition_spec
+    moved = jax.tree.map(move, params, axes(abstract(model)), axes(abstract(out_model)))
+    if not panels:
+        return out_model, moved
+    panel_model = model.clone(projection_layout=PANELS)
+    packed = abstract(panel_model)
+
+    def pack(x: jax.Array, src: PartitionSpec, dst: PartitionSpec, want: jax.ShapeDtypeStruct) -> jax.Array:
+        if tuple(src) == tuple(dst):  # not a projection kernel (the panels' axes are unnamed)
+            return x
+        *lead, _, k, _ = want.shape  # [..., out..., in...] -> [..., out, in] -> [..., panels, in, 64]
+        return pack_panels(x.reshape(*lead, -1, k))
+
+    return panel_model, jax.tree.map(pack, moved, axes(abstract(out_model)), axes(packed), nn.meta.unbox(packed))

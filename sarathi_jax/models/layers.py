@@ -21,7 +21,7 @@ from pallas_kernels import ragged_paged_attention_xla
 from sarathi_jax.models.attention import AttentionMetadata, KVCache, layer_view, write_kv
 from sarathi_jax.models.config import ModelConfig, RopeScaling
 from sarathi_jax.models.fusion import split_qkv
-from sarathi_jax.models.out_major import out_major_product
+from sarathi_jax.models.out_major import IN_MAJOR, OUT_MAJOR, PANELS, out_major_product, panel_product, panel_shape
 
 # Same signature as `ragged_paged_attention_xla` (see docs/design.md).
 AttentionFn = Callable[..., jax.Array]
@@ -105,29 +105,33 @@ class RMSNorm(nn.Module):
 class Projection(nn.Module):
     """`tensordot(x, kernel)` over the last `num_contracting` axes of x, plus an optional bias.
 
-    `kernel_shape` and `kernel_axes` are `[in..., out...]`. With `out_major` the parameter is stored
-    `[out..., in...]` instead (HF's own layout; `out_major.py` says why and when) and the product is
-    `out_major_product`: the same sums in another order."""
+    `kernel_shape` and `kernel_axes` are `[in..., out...]`. `layout` (`out_major.py` says why and when) stores the
+    parameter that way (`IN_MAJOR`), `[out..., in...]` (`OUT_MAJOR`, HF's own layout; the product is
+    `out_major_product`) or packed into column panels `[ceil(out / 64), in, 64]` (`PANELS`, float32; the product
+    is the C++ `panel_product`): the same sums in another order."""
 
     kernel_shape: tuple[int, ...]
     kernel_axes: tuple[str, ...]
     num_contracting: int = 1
     use_bias: bool = False
     dtype: Any = jnp.float32
-    out_major: bool = False
+    layout: str = IN_MAJOR
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         nc = self.num_contracting
-        if self.out_major:
-            shape = self.kernel_shape[nc:] + self.kernel_shape[:nc]
-            kernel = self.param("kernel", weight_init(self.kernel_axes[nc:] + self.kernel_axes[:nc]), shape, self.dtype)
+        in_shape, out_shape = self.kernel_shape[:nc], self.kernel_shape[nc:]
+        if self.layout == PANELS:
+            panels = self.param("kernel", weight_init((None, None, None)), panel_shape(out_shape, in_shape), self.dtype)
+            y = panel_product(x.astype(self.dtype), panels, out_shape, nc)
+        elif self.layout == OUT_MAJOR:
+            kernel = self.param("kernel", weight_init(self.kernel_axes[nc:] + self.kernel_axes[:nc]),
+                                out_shape + in_shape, self.dtype)
             y = out_major_product(x.astype(self.dtype), kernel, nc, matmul_precision(self.dtype))
         else:
             kernel = self.param("kernel", weight_init(self.kernel_axes), self.kernel_shape, self.dtype)
             y = jnp.tensordot(x.astype(self.dtype), kernel, axes=nc, precision=matmul_precision(self.dtype))
         if self.use_bias:
-            out_shape = self.kernel_shape[self.num_contracting :]
             out_axes = self.kernel_axes[self.num_contracting :]
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_axes), out_shape, self.dtype)
             y = y + bias
@@ -146,7 +150,7 @@ class PagedSelfAttention(nn.Module):
     attention_fn: AttentionFn
     dtype: Any = jnp.float32
     out_proj_name: str = "o_proj"
-    out_major: bool = False  # projection weights stored [out..., in...] (`Projection`)
+    projection_layout: str = IN_MAJOR  # how the projection weights are stored (`Projection.layout`)
 
     @nn.compact
     def __call__(
@@ -158,7 +162,7 @@ class PagedSelfAttention(nn.Module):
         # One matmul for q, k and v: [T, kv_heads, q_per_kv + 2, head_dim], each KV head's query heads beside it.
         slots = heads // kv_heads + 2
         qkv = Projection((embed, kv_heads, slots, head_dim), ("embed", "kv_heads", "qkv", "head_dim"),
-                         use_bias=c.attention_bias, dtype=self.dtype, out_major=self.out_major, name="qkv_proj")(x)
+                         use_bias=c.attention_bias, dtype=self.dtype, layout=self.projection_layout, name="qkv_proj")(x)
         q, k, v = split_qkv(qkv)  # [T, heads, head_dim], [T, kv_heads, head_dim] twice
         if c.qk_norm:
             q = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="q_norm")(q)
@@ -169,7 +173,7 @@ class PagedSelfAttention(nn.Module):
         k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping, layer)
         out = paged_attention(self.attention_fn, q, k_pages, v_pages, layer, metadata)
         out = Projection((heads, head_dim, embed), ("heads", "head_dim", "embed"), num_contracting=2,
-                         use_bias=c.attention_out_bias, dtype=self.dtype, out_major=self.out_major,
+                         use_bias=c.attention_out_bias, dtype=self.dtype, layout=self.projection_layout,
                          name=self.out_proj_name)(out)
         return out, (k_pages, v_pages)
 
@@ -192,7 +196,7 @@ class PagedDecoderLayer(nn.Module):
     config: ModelConfig
     attention_fn: AttentionFn
     dtype: Any = jnp.float32
-    out_major: bool = False  # projection weights stored [out..., in...] (`Projection`, `out_major.py`)
+    projection_layout: str = IN_MAJOR  # how the projection weights are stored (`Projection.layout`)
     # Layers at or past this index pass the carry through unchanged (None: every layer runs): a self-speculative
     # draft scans the target's own stacked weights and runs only its first layers, so nothing is sliced (a
     # slice of stacked weights is a copy, on every call).
@@ -241,8 +245,8 @@ class PagedDecoderLM(nn.Module):
     # One `nn.scan` over parameters stacked on a leading "layers" axis (the serving default): the compiled
     # step holds one layer body, so compile time does not grow with depth. False unrolls them (`layers_{i}`).
     scan_layers: bool = True
-    # The layers' projection weights stored [out..., in...] (on a CPU; `out_major.py`).
-    out_major_projections: bool = False
+    # How the layers' projection weights are stored (`Projection.layout`; out-major or panels on a CPU).
+    projection_layout: str = IN_MAJOR
     # Run only the first `run_layers` decoder layers of the config's (None: all), then the final norm and LM
     # head: a self-speculative draft (`draft_runner`) over the target's own parameters and KV cache.
     run_layers: int | None = None
@@ -300,11 +304,11 @@ class PagedDecoderLM(nn.Module):
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},  # logical axis name of the stacked axis
-            )(*layer_args, out_major=self.out_major_projections, run_below=self.run_layers, name="layers")
+            )(*layer_args, projection_layout=self.projection_layout, run_below=self.run_layers, name="layers")
             (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(num_layers, dtype=jnp.int32), cos, sin, metadata)
         else:
             for i in range(run):  # global layer names; layer i of this stage's KV cache
-                (x, kv_cache), _ = self.layer_class(*layer_args, out_major=self.out_major_projections,
+                (x, kv_cache), _ = self.layer_class(*layer_args, projection_layout=self.projection_layout,
                                                     name=f"layers_{start + i}")(
                     (x, kv_cache), jnp.int32(i), cos, sin, metadata
                 )

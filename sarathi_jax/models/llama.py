@@ -49,6 +49,7 @@ from sarathi_jax.models.attention import AttentionMetadata, KVCache
 from sarathi_jax.models.config import ModelConfig
 from sarathi_jax.models.fusion import split_gate_up
 from sarathi_jax.models.layers import PagedDecoderLayer, PagedDecoderLM, PagedSelfAttention, Projection, RMSNorm
+from sarathi_jax.models.out_major import IN_MAJOR
 from sarathi_jax.models.param_source import ParamSource
 
 
@@ -57,15 +58,15 @@ class MLP(nn.Module):
 
     config: ModelConfig
     dtype: Any = jnp.float32
-    out_major: bool = False  # weights stored [out..., in...] (`layers.Projection`)
+    projection_layout: str = IN_MAJOR  # how the projection weights are stored (`layers.Projection.layout`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         embed, mlp = self.config.hidden_size, self.config.intermediate_size
-        gate_up = Projection((embed, 2, mlp), ("embed", "gate_up", "mlp"), dtype=self.dtype, out_major=self.out_major,
-                             name="gate_up_proj")(x)
+        gate_up = Projection((embed, 2, mlp), ("embed", "gate_up", "mlp"), dtype=self.dtype,
+                             layout=self.projection_layout, name="gate_up_proj")(x)
         gate, up = split_gate_up(gate_up)  # [T, 2, mlp] -> [T, mlp] twice
-        return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, out_major=self.out_major,
+        return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, layout=self.projection_layout,
                           name="down_proj")(nn.silu(gate) * up)
 
 
@@ -78,13 +79,13 @@ class DecoderLayer(PagedDecoderLayer):
     ) -> tuple[jax.Array, KVCache]:
         c = self.config
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="input_layernorm")(x)
-        attn_out, kv_cache = PagedSelfAttention(c, self.attention_fn, dtype=self.dtype, out_major=self.out_major,
-                                                name="self_attn")(
+        attn_out, kv_cache = PagedSelfAttention(c, self.attention_fn, dtype=self.dtype,
+                                                projection_layout=self.projection_layout, name="self_attn")(
             h, cos, sin, kv_cache, layer, metadata
         )
         x = x + attn_out
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype=self.dtype, name="post_attention_layernorm")(x)
-        x = x + MLP(c, dtype=self.dtype, out_major=self.out_major, name="mlp")(h)
+        x = x + MLP(c, dtype=self.dtype, projection_layout=self.projection_layout, name="mlp")(h)
         return x, kv_cache
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pallas_kernels.greedy_head_cpu import engine_uses_kernel as greedy_head_usable
 from sarathi_jax.models import get_model, init_kv_cache, to_out_major
 from sarathi_jax.models.layers import lm_head_logits, lm_head_logits_vocab_major, unstack_layer_params
+from sarathi_jax.models.out_major import IN_MAJOR, PANELS
 from sarathi_jax.parallel.plan import TP_AXIS, ParallelPlan
 from sarathi_jax.parallel.sharding import init_stage_kv_cache, place_params, shard_attention
 
@@ -164,11 +165,11 @@ def build_stages(plan: ParallelPlan, model_config: Any, params: Any, dtype: Any,
 
 
 def runner_stages(plan: ParallelPlan | None, model_config: Any, params: Any, dtype: Any, attention_fn: Callable,
-                  num_blocks: int, block_size: int, *, scan_layers: bool, out_major: bool) -> list[Stage]:
+                  num_blocks: int, block_size: int, *, scan_layers: bool, layout: str) -> list[Stage]:
     """A model's stages laid out as a runner steps them (the target's, `model_runner`, and a separate draft's,
     `draft_runner`): one stage on the default device (`plan` None) or `plan`'s (`build_stages`); unrolled
-    unless `scan_layers` (stacked weights split into per-layer arrays once, where still stacked); with
-    `out_major` (one stage only) the projection weights moved to `[out, in]` (`models/out_major.py`)."""
+    unless `scan_layers` (stacked weights split into per-layer arrays once, where still stacked); the projection
+    weights in `layout` (`models/out_major.py`: out-major or panels for one stage only)."""
     if plan is None:
         model = get_model(model_config, dtype, attention_fn=attention_fn)
         kv_cache = init_kv_cache(model_config, num_blocks, block_size, dtype)
@@ -180,9 +181,9 @@ def runner_stages(plan: ParallelPlan | None, model_config: Any, params: Any, dty
             stage.model = stage.model.clone(scan_layers=False)
             if "layers" in stage.params:  # still stacked (the engine unstacks a single device's target early)
                 stage.params = unstack_layer_params(stage.params, first_layer=stage.layer_range[0])
-    if out_major:
+    if layout != IN_MAJOR:
         stage, = stages
-        stage.model, stage.params = to_out_major(stage.model, stage.params)
+        stage.model, stage.params = to_out_major(stage.model, stage.params, panels=layout == PANELS)
     return stages
 
 

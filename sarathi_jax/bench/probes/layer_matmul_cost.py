@@ -12,12 +12,12 @@ step may copy every weight before reading it. Formulations, each jitted, timed r
   feature      `Wt [N, K] @ xt [K, M]`: activations kept feature-major, no transposes at all (a lower bound of
                the weight-left forms)
 
-  kernel       `skinny_matmul_cpu(x, Wt)`: the C++ few-row matmul (`pallas_kernels/skinny_matmul_cpu.py`), the
-               weight out-major `[N, K]` read in place (only where the kernel is built)
+  kernel       `panel_matmul_cpu(x, pack_panels(Wt), N)`: the C++ matmul on weights packed once into column
+               panels (`pallas_kernels/panel_matmul_cpu.py`; only where the kernel is built)
 
 An earlier C++ kernel reading `W [K, N]` in place (commit f00a550, removed after) did not beat `left+T` on an
-AVX2 machine over a scanned stack (docs/results-cpu.md §11); the out-major one above led it over the unrolled
-stack on an AVX-512 machine (ninth session).
+AVX2 machine over a scanned stack (docs/results-cpu.md §11); one reading `Wt [N, K]` in place led it over the
+unrolled stack on an AVX-512 machine (ninth session), and the panel kernel replaced it (tenth session).
 
 Two tables: one matmul per shape (weight passed as an argument), and a stack of `--layers` layers (qkv, o,
 gate+up, down with their elementwise glue, no attention), unrolled over per-layer weights as the engine runs
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.machine_rates import memory_bandwidth
-from pallas_kernels.skinny_matmul_cpu import cpu_matmul_status, skinny_matmul_cpu
+from pallas_kernels.panel_matmul_cpu import cpu_matmul_status, pack_panels, panel_matmul_cpu
 from pallas_kernels.timing import seconds_per_call
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -71,27 +71,29 @@ def matmul_formulations() -> dict[str, Callable[..., Any]]:
         "row": jax.jit(lambda x, w: jnp.dot(x, w, precision=HIGHEST)),
         "left+T": jax.jit(left_t),
         "feature": jax.jit(lambda xt, wt: jnp.dot(wt, xt, precision=HIGHEST)),
-        "kernel": jax.jit(skinny_matmul_cpu),
+        "kernel": jax.jit(panel_matmul_cpu, static_argnums=2),
     }
 
 
 def layer_stack(form: str, shapes: dict[str, tuple[int, int]], mlp: int, scan: bool) -> Callable[..., Any]:
     """A jitted stack of the four matmuls with a layer's elementwise glue (residuals, SiLU-gate), `x [M, hidden]`
     in and out, in formulation `form`, over per-layer weights (a tuple of `(qkv, o, gate+up, down)` per
-    layer) or with `scan` over stacked ones (`[L, K, N]` for row, `[L, N, K]` for the others)."""
+    layer) or with `scan` over stacked ones (`[L, K, N]` for row, `[L, N, K]` for left+T and feature, panels
+    `[L, ceil(N / 64), K, 64]` for kernel)."""
     q_width = shapes["o"][0]
+    n_qkv, n_o, n_gu, n_down = (n for _, n in shapes.values())
 
-    def mm(h: jax.Array, w: jax.Array) -> jax.Array:
+    def mm(h: jax.Array, w: jax.Array, n: int) -> jax.Array:
         if form == "kernel":
-            return skinny_matmul_cpu(h, w)
+            return panel_matmul_cpu(h, w, n)
         return jnp.dot(h, w, precision=HIGHEST) if form == "row" else left_t(h, w)
 
     def body_rows(x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         w_qkv, w_o, w_gu, w_down = ws
-        a = mm(x, w_qkv)[:, :q_width]
-        x = x + mm(a, w_o)
-        gu = mm(x, w_gu)
-        return x + mm(jax.nn.silu(gu[:, :mlp]) * gu[:, mlp:], w_down), None
+        a = mm(x, w_qkv, n_qkv)[:, :q_width]
+        x = x + mm(a, w_o, n_o)
+        gu = mm(x, w_gu, n_gu)
+        return x + mm(jax.nn.silu(gu[:, :mlp]) * gu[:, mlp:], w_down, n_down), None
 
     def body_features(xt: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         w_qkv, w_o, w_gu, w_down = ws
@@ -167,11 +169,12 @@ def main(argv: list[str] | None = None) -> None:
             for name, (k, n) in shapes.items():
                 w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
                 wt = jnp.asarray(np.ascontiguousarray(np.asarray(w).T))
+                panels = pack_panels(wt)
                 calls: dict[Any, Callable[[], Any]] = {}
                 for m in rows:
                     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
                     xt = jnp.asarray(np.ascontiguousarray(np.asarray(x).T))
-                    args_of = {"row": (x, w), "left+T": (x, wt), "feature": (xt, wt), "kernel": (x, wt)}
+                    args_of = {"row": (x, w), "left+T": (x, wt), "feature": (xt, wt), "kernel": (x, panels, n)}
                     for f in forms:
                         calls[(m, f)] = lambda f=f, a=args_of[f]: single[f](*a)
                 times = timed(calls, args.repeats)
@@ -182,14 +185,16 @@ def main(argv: list[str] | None = None) -> None:
             print(format_table(header, table))
         ws = tuple(jnp.asarray(rng.standard_normal((layers, k, n), dtype=np.float32) * 0.02) for k, n in shapes.values())
         ws_t = tuple(jnp.asarray(np.ascontiguousarray(np.swapaxes(np.asarray(w), 1, 2))) for w in ws)
+        ws_p = tuple(pack_panels(w) for w in ws_t)
         if not args.scan:  # per-layer arrays, as the engine holds unrolled layers
-            ws, ws_t = (tuple(tuple(w[i] for w in stacked) for i in range(layers)) for stacked in (ws, ws_t))
+            ws, ws_t, ws_p = (tuple(tuple(w[i] for w in stacked) for i in range(layers))
+                              for stacked in (ws, ws_t, ws_p))
         stacks = {f: layer_stack(f, shapes, mlp, args.scan) for f in forms}
         calls = {}
         for m in rows:
             x = jnp.asarray(rng.standard_normal((m, hidden), dtype=np.float32))
             for f in forms:
-                calls[(m, f)] = lambda f=f, x=x: stacks[f](x, ws if f == "row" else ws_t)
+                calls[(m, f)] = lambda f=f, x=x: stacks[f](x, {"row": ws, "kernel": ws_p}.get(f, ws_t))
         times = timed(calls, args.repeats)
         floor = sum(k * n for k, n in shapes.values()) * layers * 4 / bandwidth
         table = [result_rows(f"{model} {layers} layers, M={m}", forms, times, lambda f, m=m: (m, f), floor) for m in rows]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sarathi_jax.models import AttentionMetadata, ModelConfig, get_model, load_model, to_out_major
+from sarathi_jax.models.out_major import IN_MAJOR, OUT_MAJOR, PANELS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -101,8 +102,12 @@ def float32_loader(checkpoint: Callable[[str], Path]) -> Callable[[str], tuple[P
     return get
 
 
-def model_in_layout(config: ModelConfig, params: Any, out_major: bool) -> tuple[Any, Any]:
-    """The float32 model and its params, with the projection weights in-major (the checkpoint's layout) or
-    moved out-major (what a CPU runner uses: `sarathi_jax.models.out_major`)."""
+# The projection layouts the oracle tests run every architecture in (`sarathi_jax.models.out_major`).
+LAYOUTS = (IN_MAJOR, OUT_MAJOR, PANELS)
+
+
+def model_in_layout(config: ModelConfig, params: Any, layout: str) -> tuple[Any, Any]:
+    """The float32 model and its params, with the projection weights in-major (the checkpoint's layout), moved
+    out-major, or packed into panels (what CPU runners use: `sarathi_jax.models.out_major`)."""
     model = get_model(config, jnp.float32)
-    return to_out_major(model, params) if out_major else (model, params)
+    return (model, params) if layout == IN_MAJOR else to_out_major(model, params, panels=layout == PANELS)

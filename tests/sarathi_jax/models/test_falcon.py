@@ -31,7 +31,7 @@ from sarathi_jax.models import (
 )
 from sarathi_jax.models.falcon import falcon_qkv_rows
 from tests.sarathi_jax.models.hf_oracle import (
-    Chunk, float32_loader, hf_logits, make_step, model_in_layout, prompt, rel_err,
+    LAYOUTS, Chunk, float32_loader, hf_logits, make_step, model_in_layout, prompt, rel_err,
 )
 from tests.sarathi_jax.models.hf_oracle import full_float32_matmuls  # noqa: F401  (autouse fixture)
 
@@ -173,10 +173,10 @@ def test_missing_and_misshaped_fused_tensor_are_named(falcon_checkpoint):
 
 
 @pytest.mark.parametrize("name", FALCONS)
-@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
-def test_full_prompt_matches_hf(loaded, name, out_major):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_full_prompt_matches_hf(loaded, name, layout):
     folder, config, params = loaded(name)
-    model, params = model_in_layout(config, params, out_major)
+    model, params = model_in_layout(config, params, layout)
     ids = prompt(config, 21, seed=1)
     kv_cache = init_kv_cache(config, 8, 4, jnp.float32)
     token_ids, positions, metadata, logits_indices = make_step([Chunk(ids, 0, list(range(6)))], 32, 2, 6, 4)
@@ -190,11 +190,11 @@ def test_full_prompt_matches_hf(loaded, name, out_major):
 
 
 @pytest.mark.parametrize("name", ["falcon-new", "falcon-7b"])
-@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
-def test_chunked_prefill_ragged_batch_and_decode_match_hf(loaded, name, out_major):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunked_prefill_ragged_batch_and_decode_match_hf(loaded, name, layout):
     """Two sequences: one prefilled in chunks 12 + 7 then decoded, one alongside in the same steps."""
     folder, config, params = loaded(name)
-    model, params = model_in_layout(config, params, out_major)
+    model, params = model_in_layout(config, params, layout)
     apply = jax.jit(model.apply, donate_argnums=(3,))
     ids_a, ids_b = prompt(config, 20, seed=4), prompt(config, 9, seed=5)
     ref_a, ref_b = hf_logits(folder, ids_a), hf_logits(folder, ids_b)

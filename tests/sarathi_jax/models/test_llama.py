@@ -39,7 +39,7 @@ from sarathi_jax.models import (
 from sarathi_jax.models.presets import CPU_PRESETS
 from sarathi_jax.models.layers import unstack_layer_params
 from tests.sarathi_jax.models.hf_oracle import (
-    Chunk, float32_loader, hf_logits, make_step, model_in_layout, prompt, rel_err,
+    LAYOUTS, Chunk, float32_loader, hf_logits, make_step, model_in_layout, prompt, rel_err,
 )
 from tests.sarathi_jax.models.hf_oracle import full_float32_matmuls  # noqa: F401  (autouse fixture)
 
@@ -57,10 +57,10 @@ def loaded(hf_checkpoint):
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
-def test_full_prompt_matches_hf(loaded, name, out_major):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_full_prompt_matches_hf(loaded, name, layout):
     folder, config, params = loaded(name)
-    model, params = model_in_layout(config, params, out_major)
+    model, params = model_in_layout(config, params, layout)
     block_size, num_blocks = 4, 8
     ids = prompt(config, 21, seed=1)
     kv_cache = init_kv_cache(config, num_blocks, block_size, jnp.float32)
@@ -79,10 +79,10 @@ def test_full_prompt_matches_hf(loaded, name, out_major):
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
-def test_ragged_batch_matches_hf(loaded, name, out_major):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ragged_batch_matches_hf(loaded, name, layout):
     folder, config, params = loaded(name)
-    model, params = model_in_layout(config, params, out_major)
+    model, params = model_in_layout(config, params, layout)
     block_size = 4
     seq_a, seq_b = prompt(config, 7, seed=2), prompt(config, 13, seed=3)
     kv_cache = init_kv_cache(config, 16, block_size, jnp.float32)
@@ -96,11 +96,11 @@ def test_ragged_batch_matches_hf(loaded, name, out_major):
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-@pytest.mark.parametrize("out_major", [False, True], ids=["in-major", "out-major"])
-def test_chunked_prefill_and_decode_match_hf(loaded, name, out_major):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunked_prefill_and_decode_match_hf(loaded, name, layout):
     """Prefill 12 + 7 tokens through the paged cache (shuffled block table), then decode 1 token."""
     folder, config, params = loaded(name)
-    model, params = model_in_layout(config, params, out_major)
+    model, params = model_in_layout(config, params, layout)
     apply = jax.jit(model.apply, donate_argnums=(3,))
     block_size, num_blocks = 4, 12
     ids = prompt(config, 20, seed=4)

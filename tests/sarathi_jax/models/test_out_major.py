@@ -1,6 +1,7 @@
-"""Out-major projection weights (`sarathi_jax.models.out_major`): the product in both of its forms against a
-float64 numpy tensordot, and the relayout of a whole model's params. The HF oracle tests of test_llama.py and
-test_falcon.py run every architecture in both layouts; the engine tests run it (a CPU runner uses it)."""
+"""The projection layouts of a CPU (`sarathi_jax.models.out_major`): the out-major product in both of its forms and
+the panel product against a float64 numpy tensordot, the relayout of a whole model's params, and which layout a
+runner takes. The HF oracle tests of test_llama.py and test_falcon.py run every architecture in every layout; the
+engine tests run the one this machine's CPU runner uses."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import numpy as np
 import pytest
 
 from sarathi_jax.models import get_model, load_model, param_logical_axes, to_out_major, use_out_major
-from sarathi_jax.models.out_major import LEFT_MAX_ROWS, out_major_product
+from pallas_kernels.panel_matmul_cpu import pack_panels
+from sarathi_jax.models import out_major
+from sarathi_jax.models.out_major import (
+    IN_MAJOR, LEFT_MAX_ROWS, OUT_MAJOR, PANELS, out_major_product, panel_product, panel_shape, projection_layout,
+)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -32,7 +37,7 @@ def test_product_equals_tensordot(rows, kernel_shape, num_contracting):
 def test_relayout_moves_only_the_projections():
     config, params = load_model("tiny-llama", "float32")
     model, moved = to_out_major(get_model(config, jnp.float32), params)
-    assert model.out_major_projections
+    assert model.projection_layout == OUT_MAJOR
     axes = param_logical_axes(config)
     flat_in = jax.tree_util.tree_flatten_with_path(params)[0]
     flat_out = dict(jax.tree_util.tree_flatten_with_path(moved)[0])
@@ -55,3 +60,50 @@ def test_relayout_moves_only_the_projections():
 
 def test_out_major_only_on_a_cpu():
     assert use_out_major("cpu") and not use_out_major("gpu") and not use_out_major("tpu")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 100])
+@pytest.mark.parametrize("kernel_shape, num_contracting", [((24, 3, 4, 8), 1), ((4, 8, 24), 2), ((40, 130), 1)])
+def test_panel_product_equals_tensordot(rows, kernel_shape, num_contracting):
+    rng = np.random.default_rng(rows)
+    kernel = rng.standard_normal(kernel_shape).astype(np.float32)  # [in..., out...]
+    x = rng.standard_normal((rows, *kernel_shape[:num_contracting])).astype(np.float32)
+    want = np.tensordot(x.astype(np.float64), kernel.astype(np.float64), axes=num_contracting)
+    in_shape, out_shape = kernel_shape[:num_contracting], kernel_shape[num_contracting:]
+    panels = pack_panels(kernel.reshape(np.prod(in_shape), -1).T)  # [out, in] -> panels
+    assert panels.shape == panel_shape(out_shape, in_shape)
+    got = jax.jit(panel_product, static_argnums=(2, 3))(x, panels, out_shape, num_contracting)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_relayout_to_panels_packs_only_the_projections():
+    config, params = load_model("tiny-llama", "float32")
+    model = get_model(config, jnp.float32)
+    _, moved = to_out_major(model, params)
+    panel_model, packed = to_out_major(model, params, panels=True)
+    assert panel_model.projection_layout == PANELS
+    flat_moved = jax.tree_util.tree_flatten_with_path(moved)[0]
+    flat_packed = dict(jax.tree_util.tree_flatten_with_path(packed)[0])
+    num_packed = 0
+    for path, x in flat_moved:
+        y = np.asarray(flat_packed[path])
+        x = np.asarray(x)
+        if path[-1].key == "kernel":
+            # [layers, out..., in...] -> [layers, out, in] -> [layers, panels, in, 64]
+            num_in = 2 if path[-2].key == "o_proj" else 1  # o_proj contracts heads and head_dim
+            k = int(np.prod(x.shape[x.ndim - num_in:]))
+            np.testing.assert_array_equal(y, np.asarray(pack_panels(x.reshape(x.shape[0], -1, k))))
+            num_packed += 1
+        else:
+            np.testing.assert_array_equal(y, x)
+    assert num_packed == 4  # qkv, out, and the MLP's two (stacked over the layers)
+
+
+def test_a_runner_takes_panels_for_float32_on_one_cpu_where_the_kernel_is_used(monkeypatch):
+    assert projection_layout("gpu", single_device=True, dtype=jnp.float32) == IN_MAJOR
+    assert projection_layout("cpu", single_device=False, dtype=jnp.float32) == IN_MAJOR
+    assert projection_layout("cpu", single_device=True, dtype=jnp.bfloat16) == OUT_MAJOR
+    for uses in (True, False):
+        monkeypatch.setattr(out_major, "engine_uses_kernel", lambda uses=uses: uses)
+        assert projection_layout("cpu", single_device=True, dtype=jnp.float32) == (PANELS if uses else OUT_MAJOR)
