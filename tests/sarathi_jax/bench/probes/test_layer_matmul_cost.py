@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.panel_matmul_cpu import pack_panels
 from sarathi_jax.bench.probes import layer_matmul_cost, out_major_steps
 
 
@@ -22,15 +23,18 @@ def test_every_form_computes_the_same_matmul_and_layer_stack():
     np.testing.assert_allclose(forms["left+T"](x, np.ascontiguousarray(w.T)), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(forms["feature"](np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)), want.T,
                                rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(forms["kernel"](x, np.ascontiguousarray(w.T)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(forms["kernel"](x, pack_panels(np.ascontiguousarray(w.T)), 64), want, rtol=1e-5,
+                               atol=1e-5)
     ws = tuple(jnp.asarray(rng.standard_normal((2, k, n), dtype=np.float32) * 0.1) for k, n in shapes.values())
     ws_t = tuple(jnp.swapaxes(a, 1, 2) for a in ws)
+    ws_p = tuple(pack_panels(a) for a in ws_t)
     ref = layer_matmul_cost.layer_stack("row", shapes, 48, scan=True)(x, ws)
-    per_layer = [tuple(tuple(w[i] for w in stacked) for i in range(2)) for stacked in (ws, ws_t)]
+    per_layer = [tuple(tuple(w[i] for w in stacked) for i in range(2)) for stacked in (ws, ws_t, ws_p)]
     np.testing.assert_allclose(layer_matmul_cost.layer_stack("row", shapes, 48, scan=False)(x, per_layer[0]), ref,
                                rtol=1e-4, atol=1e-5)
     for form in ("left+T", "feature", "kernel"):
-        for scan, weights in ((True, ws_t), (False, per_layer[1])):
+        stacked, unrolled = (ws_p, per_layer[2]) if form == "kernel" else (ws_t, per_layer[1])
+        for scan, weights in ((True, stacked), (False, unrolled)):
             np.testing.assert_allclose(layer_matmul_cost.layer_stack(form, shapes, 48, scan)(x, weights), ref,
                                        rtol=1e-4, atol=1e-5, err_msg=f"{form} scan={scan}")
 
@@ -57,6 +61,15 @@ def test_out_major_steps_end_to_end(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["composition", "in-major", "out-major", "median", "ratio"]
     assert [line.split()[:2] for line in lines[2:]] == [["decode", "x1"], ["decode", "x2"]]
+
+
+def test_out_major_steps_compares_out_major_with_panels(capsys):
+    out_major_steps.main(["--compare", "panels", "--model", "tiny-llama", "--dtype", "float32", "--mode", "decode",
+                          "--batch-sizes", "1", "--context", "8", "--token-budget", "16", "--max-num-seqs", "4",
+                          "--max-model-len", "64", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["composition", "out-major", "panels", "median", "ratio"]
+    assert [line.split()[:2] for line in lines[2:]] == [["decode", "x1"]]
 
 
 def test_out_major_steps_compares_scanned_with_unrolled_layers(capsys):

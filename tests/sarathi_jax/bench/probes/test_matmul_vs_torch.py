@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pallas_kernels.panel_matmul_cpu import pack_panels
 from sarathi_jax.bench.probes import matmul_vs_torch as probe
 
 
@@ -22,12 +23,15 @@ def reference_step(stack, head, x, q_width, mlp):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])  # the out-major product's left form, and x . W^T past its limit
-def test_both_steps_match_a_float64_reference(rows):
+@pytest.mark.parametrize("panels", [False, True])
+def test_both_steps_match_a_float64_reference(rows, panels):
     stack, head, hidden, mlp = probe.random_weights("60m", vocab=96)
     q_width = stack[0][1].shape[1]
     x = np.random.default_rng(2).standard_normal((rows, hidden), dtype=np.float32)
     want = reference_step(stack, head, x, q_width, mlp)
-    got_jax = np.asarray(probe.jax_step(q_width, mlp)(x, [list(layer) for layer in stack], head))
+    widths = tuple(w.shape[0] for w in stack[0])
+    j_stack = [[pack_panels(w) if panels else w for w in layer] for layer in stack]
+    got_jax = np.asarray(probe.jax_step(q_width, mlp, widths, panels)(x, j_stack, head))
     got_torch = probe.torch_step(stack, head, q_width, mlp)(torch.from_numpy(x)).numpy()
     for got in (got_jax, got_torch):
         assert got.shape == (rows, 96)
