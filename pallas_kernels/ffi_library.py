@@ -1,10 +1,11 @@
-"""Loading a CPU kernel's shared library (built by setup.py) and registering its XLA FFI target: the one loader of
-`ragged_paged_attention_cpu`, `panel_matmul_cpu` and `greedy_head_cpu`."""
+"""Loading a CPU kernel's shared library (built by setup.py), registering its XLA FFI target and checking it with
+one tiny first call: the one loader of `ragged_paged_attention_cpu`, `panel_matmul_cpu` and `greedy_head_cpu`."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+from collections.abc import Callable
 
 import jax
 
@@ -25,3 +26,16 @@ def load_ffi_library(module: str, target: str, symbol: str, what: str) -> tuple[
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return None, f"the {what} at {spec.origin} could not be loaded: {e}"
     return lib, spec.origin
+
+
+def first_call_status(what: str, call: Callable[[], bool]) -> str | None:
+    """None when `call()`, one tiny call of a kernel that says whether its result is right, returns True; else why
+    the kernel is not usable here (a library built against another jaxlib's FFI, or for another CPU, fails here
+    rather than in the engine's first step). Run on the CPU and eagerly, even when first asked inside a trace (a
+    jitted caller's first call). `what` names the kernel in the reasons."""
+    try:
+        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+            ok = bool(call())
+    except Exception as e:  # noqa: BLE001 - any failure of the library means "not usable here"
+        return f"the {what} failed its first call: {type(e).__name__}: {e}"
+    return None if ok else f"the {what} computed a wrong result on its first call"

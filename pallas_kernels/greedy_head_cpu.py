@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ffi_library import load_ffi_library
+from pallas_kernels.ffi_library import first_call_status, load_ffi_library
 from pallas_kernels.panel_matmul_cpu import vector_bits
 
 _TARGET = "sarathi_greedy_head"
@@ -55,15 +55,14 @@ def greedy_head_status() -> str | None:
     lib, why = _library()
     if lib is None:
         return why
-    try:
-        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-            h = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
-            w = np.array([[1.0, 2.0], [3.0, -1.0], [3.0, 5.0]], np.float32)
-            tokens, _ = _call(h, w, np.array([[-1], [2]], np.int32))
-            ok = np.asarray(tokens).tolist() == [1, 0]  # row 0: 3 at ids 1 and 2 -> 1; row 1: 5 banned -> 2 at 0
-    except Exception as e:  # noqa: BLE001 - any failure of the library means "not usable here"
-        return f"the CPU greedy LM head kernel failed its first call: {type(e).__name__}: {e}"
-    return None if ok else "the CPU greedy LM head kernel computed a wrong result on its first call"
+
+    def first_call() -> bool:
+        h = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+        w = np.array([[1.0, 2.0], [3.0, -1.0], [3.0, 5.0]], np.float32)
+        tokens, _ = _call(h, w, np.array([[-1], [2]], np.int32))
+        return np.asarray(tokens).tolist() == [1, 0]  # row 0: 3 at ids 1 and 2 -> 1; row 1: 5 banned -> 2 at 0
+
+    return first_call_status("CPU greedy LM head kernel", first_call)
 
 
 def engine_uses_kernel() -> bool:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ffi_library import load_ffi_library
+from pallas_kernels.ffi_library import first_call_status, load_ffi_library
 
 _TARGET = "sarathi_panel_matmul"
 _MODULE = "pallas_kernels._cpu_matmul"
@@ -60,14 +60,13 @@ def cpu_matmul_status() -> str | None:
     lib, why = _library()
     if lib is None:
         return why
-    try:
-        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-            x = np.arange(6, dtype=np.float32).reshape(2, 3)
-            w = np.arange(12, dtype=np.float32).reshape(4, 3)
-            ok = bool(np.array_equal(np.asarray(_call(x, np.asarray(pack_panels(w)), 4)), x @ w.T))
-    except Exception as e:  # noqa: BLE001 - any failure of the library means "not usable here"
-        return f"the CPU matmul kernel failed its first call: {type(e).__name__}: {e}"
-    return None if ok else "the CPU matmul kernel computed a wrong result on its first call"
+
+    def first_call() -> bool:
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        w = np.arange(12, dtype=np.float32).reshape(4, 3)
+        return np.array_equal(np.asarray(_call(x, np.asarray(pack_panels(w)), 4)), x @ w.T)
+
+    return first_call_status("CPU matmul kernel", first_call)
 
 
 def vector_bits() -> int | None:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ffi_library import load_ffi_library
+from pallas_kernels.ffi_library import first_call_status, load_ffi_library
 
 _TARGET = "sarathi_ragged_paged_attention"
 _MODULE = "pallas_kernels._cpu_attention"
@@ -45,20 +45,16 @@ def cpu_kernel_status() -> str | None:
 
 
 def _smoke_test(origin: str) -> str | None:
-    """One tiny call on the CPU (a token attending to itself returns its value row): a library built against
-    another jaxlib's FFI, or for another CPU, fails here rather than in the engine's first step."""
-    if not jax.devices("cpu"):  # pragma: no cover - JAX always has a CPU backend
-        return "no CPU device"
-    try:
-        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-            v = np.arange(16, dtype=np.float32).reshape(1, 1, 1, 16)  # numpy inputs: one compile, the call's
-            out = _call(np.ones((1, 1, 16), np.float32), np.ones((1, 1, 1, 16), np.float32), v,
-                        np.ones((1,), np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
-                        np.ones((1,), np.int32), sm_scale=1.0, unit_rows=UNIT_ROWS, min_part_tokens=MIN_PART_TOKENS)
-            ok = bool(np.array_equal(np.asarray(out).reshape(16), np.arange(16, dtype=np.float32)))
-    except Exception as e:  # noqa: BLE001 - any failure of the library means "not usable here"
-        return f"the CPU attention kernel at {origin} failed its first call: {type(e).__name__}: {e}"
-    return None if ok else f"the CPU attention kernel at {origin} computed a wrong result on its first call"
+    """One tiny call on the CPU (a token attending to itself returns its value row)."""
+
+    def first_call() -> bool:
+        v = np.arange(16, dtype=np.float32).reshape(1, 1, 1, 16)  # numpy inputs: one compile, the call's
+        out = _call(np.ones((1, 1, 16), np.float32), np.ones((1, 1, 1, 16), np.float32), v,
+                    np.ones((1,), np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
+                    np.ones((1,), np.int32), sm_scale=1.0, unit_rows=UNIT_ROWS, min_part_tokens=MIN_PART_TOKENS)
+        return np.array_equal(np.asarray(out).reshape(16), np.arange(16, dtype=np.float32))
+
+    return first_call_status(f"CPU attention kernel at {origin}", first_call)
 
 
 def _call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, unit_rows,
