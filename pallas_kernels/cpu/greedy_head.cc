@@ -110,7 +110,7 @@ struct Problem {
   float* raw_last;   // [P]: of vocab id V - 1
 };
 
-// Folds the VB raw logit rows in buf ([VB][P], vocab ids v0 ..) into state; VB rows are all valid here.
+// Folds the vb raw logit rows in buf ([vb][P], vocab ids v0 .. v0 + vb - 1, all valid) into state.
 template <int NV>
 inline void fold(const Problem& pb, float* buf, int vb, int64_t v0, RowState& s) {
   for (int j = 0; j < NV; ++j) {
