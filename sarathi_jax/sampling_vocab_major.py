@@ -20,10 +20,10 @@ the last id) and logprobs equal to float32 rounding (the sums run in another ord
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
-
-from typing import TYPE_CHECKING
 
 from pallas_kernels.greedy_head_cpu import MAX_ROWS as GREEDY_KERNEL_MAX_ROWS, greedy_head_cpu
 from sarathi_jax.sampling_inputs import SamplerVariant, SamplingArrays

@@ -162,25 +162,6 @@ def test_a_missing_kernel_is_reported_not_called(monkeypatch):
     assert cpu_module.cpu_kernel_status() is None
 
 
-def test_the_status_first_asked_inside_a_trace_is_the_eager_one():
-    """A jitted caller's first call asks for the status while tracing: its one tiny call must still run eagerly
-    (it once failed there, and the cached failure kept the kernel off for the whole process)."""
-    cpu_module.cpu_kernel_status.cache_clear()
-    seen = []
-
-    @jax.jit
-    def first_call(x):
-        seen.append(cpu_module.cpu_kernel_status())
-        return x
-
-    try:
-        first_call(jnp.ones(2))
-        assert seen == [None]
-    finally:
-        cpu_module.cpu_kernel_status.cache_clear()
-    assert cpu_module.cpu_kernel_status() is None
-
-
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
 def test_a_library_that_fails_its_first_call_is_not_used(monkeypatch, failure):
     """A library that loads but cannot run here (built against another jaxlib's FFI, say) is caught by the
