@@ -14,7 +14,7 @@ import sys
 from checkpoints_convert.converter import DTYPES, ConversionError, convert
 from sarathi_jax.models.config import SUPPORTED_ARCHITECTURES
 from sarathi_jax.models.loader import CheckpointError
-from sarathi_jax.paths import cli_path
+from sarathi_jax.utils.paths import cli_path
 
 
 def main(argv: list[str] | None = None) -> int:

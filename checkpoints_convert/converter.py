@@ -51,7 +51,7 @@ from checkpoints_convert.param_reader import CHUNK_BYTES, TensorSource, read_par
 from checkpoints_convert.safetensors_stream import SafetensorsCheckpoint
 from sarathi_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from sarathi_jax.models.loader import is_orbax_checkpoint
-from sarathi_jax.paths import absolute_path
+from sarathi_jax.utils.paths import absolute_path
 
 DTYPES = ("bfloat16", "float32")
 

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from sarathi_jax.paths import cli_path
+from sarathi_jax.utils.paths import cli_path
 
 SYNTHETIC_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 1024,

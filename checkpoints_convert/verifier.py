@@ -36,7 +36,7 @@ class VerifyResult:
 
 def probe_ids(out_dir: str | os.PathLike[str], vocab_size: int) -> list[int]:
     """The probe text through the folder's tokenizer, else fixed pseudo-random ids."""
-    from sarathi_jax.tokenizer import load_tokenizer
+    from sarathi_jax.request.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(out_dir)
     if tokenizer is not None:

@@ -1,5 +1,5 @@
 """The LM head and the greedy sampler in one pass on CPUs: the C++ kernel `pallas_kernels/cpu/greedy_head.cc`,
-called through `jax.ffi` (the greedy-only sampler of a float32 CPU engine: `sarathi_jax/sampling.py`).
+called through `jax.ffi` (the greedy-only sampler of a float32 CPU engine: `sarathi_jax/runner/sample/sampler.py`).
 
     greedy_head_cpu(h [R, K], w [V, K], banned [R, B]) -> (tokens int32[R], logprobs float32[R])
 
@@ -7,7 +7,7 @@ with logits = h . w^T (never written out):
   * tokens[r]: the first v of the largest logits[r, v], the ids banned[r] (-1 pads; ids outside [0, V)
     ignored) at -inf; V - 1 where those masked logits hold a NaN; 0 where all of them are -inf;
   * logprobs[r]: logits[r, tokens[r]] - logsumexp(logits[r]) over the raw logits.
-That is `sarathi_jax.sampling_vocab_major.greedy_vocab_major` on `h . w^T` transposed; its float64 oracle is
+That is `sarathi_jax.runner.sample.vocab_major.greedy_vocab_major` on `h . w^T` transposed; its float64 oracle is
 `greedy_head_reference` below. R is at most `MAX_ROWS`.
 
 Why: the greedy sampler of a decode or mixed step computes the logits [R, V] with XLA's dot (YNNPACK, which

@@ -1,7 +1,7 @@
 """This machine's rates, the denominators of every floor: a jitted matmul's FLOP/s and memory bandwidth.
 
-The one probe for the kernel benchmark (`pallas_kernels.bench`), the roofline of an engine step
-(`sarathi_jax.bench.probes.roofline`) and the sampler benchmark (`sarathi_jax.bench.probes.sampler_cost`). It
+The one probe for the kernel benchmark (`benchmarks.kernels`), the roofline of an engine step
+(`sarathi_jax.bench.roofline`) and the sampler benchmark (`benchmarks.probes.sampler_cost`). It
 lives here, in the lowest package, because `sarathi_jax` imports `pallas_kernels` and never the other way round.
 
 Each rate is the best of `repeats` timed runs (on a shared machine the best run is the least disturbed one, so

@@ -121,7 +121,7 @@ def ragged_paged_attention_cpu(
 def kernel_of_library(path: str, target: str) -> Callable[..., jax.Array]:
     """Another build of this kernel (a .so from another checkout, say), registered under its own FFI target
     name: a jitted `fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)` with the default
-    split sizes, for timing two builds side by side in one process (`python -m pallas_kernels.bench
+    split sizes, for timing two builds side by side in one process (`python -m benchmarks.kernels
     --baseline-library`). Inputs are not validated: pass what `ragged_paged_attention_cpu` accepts."""
     lib = ctypes.CDLL(path)
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SarathiRaggedPagedAttention), platform="cpu")

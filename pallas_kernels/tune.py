@@ -164,7 +164,7 @@ def tune_case(case: TuneCase, *, deadline: float, iters: int, repeats: int, inte
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.bench_cases import build_batch
+    from pallas_kernels.cases import build_batch
     from pallas_kernels.timing import best_seconds_per_call
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 

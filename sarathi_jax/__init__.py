@@ -5,17 +5,17 @@ Exports resolve lazily, so `import sarathi_jax.scheduler` (plain Python, used by
 
 from __future__ import annotations
 
-from sarathi_jax.lazy_exports import lazy_exports
+from sarathi_jax.utils.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "LLM": "sarathi_jax.llm",
-    "LLMEngine": "sarathi_jax.engine",
-    "EngineConfig": "sarathi_jax.config",
-    "SamplingParams": "sarathi_jax.sampling_params",
-    "RequestOutput": "sarathi_jax.outputs",
-    "RequestMetrics": "sarathi_jax.outputs",
-    "TokenLogprob": "sarathi_jax.outputs",
-    "IterationRecord": "sarathi_jax.outputs",
+    "LLMEngine": "sarathi_jax.engine.llm_engine",
+    "EngineConfig": "sarathi_jax.config.engine_config",
+    "SamplingParams": "sarathi_jax.request.sampling_params",
+    "RequestOutput": "sarathi_jax.request.outputs",
+    "RequestMetrics": "sarathi_jax.request.outputs",
+    "TokenLogprob": "sarathi_jax.request.outputs",
+    "IterationRecord": "sarathi_jax.request.outputs",
 }
 
 __all__ = list(_EXPORTS)

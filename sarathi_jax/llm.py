@@ -7,11 +7,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sarathi_jax.chat_template import ChatTemplate
-from sarathi_jax.config import EngineConfig
-from sarathi_jax.disaggregated_engine import build_engine
-from sarathi_jax.outputs import RequestOutput, TokenLogprob
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.request.chat_template import ChatTemplate
+from sarathi_jax.config.engine_config import EngineConfig
+from sarathi_jax.disagg.real_engine import build_engine
+from sarathi_jax.request.outputs import RequestOutput, TokenLogprob
+from sarathi_jax.request.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

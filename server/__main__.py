@@ -16,8 +16,8 @@ import signal
 import sys
 from typing import NoReturn
 
-from sarathi_jax.config import EngineConfig  # plain Python: --help stays fast
-from sarathi_jax.config_flags import ConfigFlags
+from sarathi_jax.config.engine_config import EngineConfig  # plain Python: --help stays fast
+from sarathi_jax.config.flags import ConfigFlags
 from server.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, HttpLimits
 from server.service import GenerationServer
 from server.session import (
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds to let running requests finish before cancelling them (default: no limit)")
     p.add_argument("--log-level", default="INFO")
     ENGINE_FLAGS.add_to(p.add_argument_group(
-        "engine", "EngineConfig's fields (sarathi_jax/config.py); a flag left out takes EngineConfig's default"))
+        "engine", "EngineConfig's fields (sarathi_jax/config/engine_config.py); a flag left out takes EngineConfig's default"))
     return p
 
 
@@ -67,9 +67,9 @@ class _StartupInterrupted(Exception):
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from sarathi_jax.disaggregated_engine import build_engine
-    from sarathi_jax.engine import format_startup
-    from sarathi_jax.gc_heap import freeze_startup_heap
+    from sarathi_jax.disagg.real_engine import build_engine
+    from sarathi_jax.engine.llm_engine import format_startup
+    from sarathi_jax.engine.gc_heap import freeze_startup_heap
 
     log = logging.getLogger("server")
     loop = asyncio.get_running_loop()

@@ -18,9 +18,9 @@ from typing import Mapping, Sequence
 
 import grpc
 
-from sarathi_jax.config_flags import ConfigFlags
-from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.structured_outputs import StructuredOutputs
+from sarathi_jax.config.flags import ConfigFlags
+from sarathi_jax.request.sampling_params import SamplingParams
+from sarathi_jax.request.structured_outputs import StructuredOutputs
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 

@@ -16,9 +16,9 @@ import threading
 import traceback
 from typing import Any, Callable, Protocol
 
-from sarathi_jax.admission import AdmittedRequest
-from sarathi_jax.config import EngineConfig
-from sarathi_jax.engine_api import Engine
+from sarathi_jax.core.admission import AdmittedRequest
+from sarathi_jax.config.engine_config import EngineConfig
+from sarathi_jax.core.engine_api import Engine
 from sarathi_jax.models import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ Sink = Callable[[Any], None]
 
 
 class ServingEngine(Engine, Protocol):
-    """What the front ends need of an engine (`LLMEngine` is one): the engine API (`sarathi_jax.engine_api.Engine`;
+    """What the front ends need of an engine (`LLMEngine` is one): the engine API (`sarathi_jax.core.engine_api.Engine`;
     requests are admitted by its `admission` in the front end's thread, everything else runs in the engine
     thread), and the configuration and model they describe."""
 

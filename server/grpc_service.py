@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_reflection.v1alpha import reflection
 
-from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.core.admission import Admission, AdmissionError, AdmittedRequest
+from sarathi_jax.request.sampling_params import SamplingParams
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 from server.request_state import SHUTDOWN_ABORT_MESSAGE, ActiveRequest, RequestError

@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
-from sarathi_jax.outputs import RequestOutput, TokenLogprob
+from sarathi_jax.core.admission import Admission, AdmissionError, AdmittedRequest
+from sarathi_jax.request.outputs import RequestOutput, TokenLogprob
 from server.http_errors import (
     ErrorJSONResponse,
     error_body,

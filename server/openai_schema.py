@@ -26,10 +26,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from sarathi_jax.admission import AdmissionError
-from sarathi_jax.outputs import RequestOutput, TokenLogprob
-from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.tokenizer import Tokenizer
+from sarathi_jax.core.admission import AdmissionError
+from sarathi_jax.request.outputs import RequestOutput, TokenLogprob
+from sarathi_jax.request.sampling_params import SamplingParams
+from sarathi_jax.request.tokenizer import Tokenizer
 
 
 class _Body(BaseModel):

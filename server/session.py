@@ -37,7 +37,7 @@ prometheus_client appends `_total` to counters, so the counters read `sarathi:nu
 
 A registry the server makes itself also carries prometheus_client's standard process metrics
 (`process_resident_memory_bytes`, `process_cpu_seconds_total`, `process_open_fds`, ...; Linux only), which the
-soak (server/soak.py) reads.
+soak (benchmarks/soak.py) reads.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
-from sarathi_jax.admission import Admission, AdmissionError, AdmittedRequest
-from sarathi_jax.outputs import RequestOutput
+from sarathi_jax.core.admission import Admission, AdmissionError, AdmittedRequest
+from sarathi_jax.request.outputs import RequestOutput
 from server.engine_worker import EngineError, EngineWorker, ServingEngine
 from server.request_state import SHUTDOWN_ABORT_MESSAGE, ActiveRequest, RequestError
 

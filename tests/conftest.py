@@ -37,7 +37,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# JAX's persistent compilation cache (sarathi_jax/compile_cache.py): a fresh directory per test session, so
+# JAX's persistent compilation cache (sarathi_jax/runner/compile_cache.py): a fresh directory per test session, so
 # tests neither read nor fill the user's ~/.cache, unless the environment (CI) names one to keep between runs.
 # Set before any engine is built; subprocesses (the server, the cache test) inherit it.
 _COMPILATION_CACHE_ENV = "SARATHI_JAX_COMPILATION_CACHE"

@@ -26,36 +26,36 @@ PACKAGES = ("pallas_kernels", "sarathi_jax", "checkpoints_convert", "server")
 Layers = tuple[tuple[str, tuple[str, ...]], ...]
 LAYERS: Layers = (
     ("kernels", ("pallas_kernels.*",)),
-    ("kernel benchmark and tuner", ("pallas_kernels.bench", "pallas_kernels.bench_*", "pallas_kernels.tune")),
-    ("grammar engine (llguidance, no JAX)", ("sarathi_jax.structured_outputs",)),
+    ("kernel benchmark and tuner", ("benchmarks.kernels", "pallas_kernels.bench_*", "pallas_kernels.tune")),
+    ("grammar engine (llguidance, no JAX)", ("sarathi_jax.request.structured_outputs",)),
     ("plain data: requests, sequences, KV blocks, model shapes", (
-        "sarathi_jax.lazy_exports", "sarathi_jax.paths", "sarathi_jax.percentiles", "sarathi_jax.sampling_params", "sarathi_jax.outputs",
-        "sarathi_jax.tokenizer", "sarathi_jax.chat_template", "sarathi_jax.sequence", "sarathi_jax.block_manager",
-        "sarathi_jax.models.config", "sarathi_jax.models.presets", "sarathi_jax.speculative",
-        "sarathi_jax.ngram_proposer",
+        "sarathi_jax.utils.lazy_exports", "sarathi_jax.utils.paths", "sarathi_jax.utils.percentiles", "sarathi_jax.request.sampling_params", "sarathi_jax.request.outputs",
+        "sarathi_jax.request.tokenizer", "sarathi_jax.request.chat_template", "sarathi_jax.request.sequence", "sarathi_jax.scheduler.block_manager",
+        "sarathi_jax.models.config", "sarathi_jax.models.presets", "sarathi_jax.spec_decode.speculative",
+        "sarathi_jax.spec_decode.ngram_proposer",
     )),
-    ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config", "sarathi_jax.config_flags", "sarathi_jax.sizing",
-                                               "sarathi_jax.disaggregation_config")),
+    ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config.engine_config", "sarathi_jax.config.flags", "sarathi_jax.config.sizing",
+                                               "sarathi_jax.config.disaggregation")),
     ("models", ("sarathi_jax.models.*",)),
     ("parallelism", ("sarathi_jax.parallel.*",)),
     ("model runner", (
-        "sarathi_jax.sampling_inputs", "sarathi_jax.sampling_vocab_major", "sarathi_jax.sampling", "sarathi_jax.step_inputs", "sarathi_jax.input_batch",
-        "sarathi_jax.rejection_sampling",
-        "sarathi_jax.compile_cache", "sarathi_jax.executable_cache", "sarathi_jax.precompile",
-        "sarathi_jax.model_runner", "sarathi_jax.draft_runner",
+        "sarathi_jax.runner.sample.inputs", "sarathi_jax.runner.sample.vocab_major", "sarathi_jax.runner.sample.sampler", "sarathi_jax.runner.step_inputs", "sarathi_jax.runner.input_batch",
+        "sarathi_jax.runner.sample.rejection",
+        "sarathi_jax.runner.compile_cache", "sarathi_jax.runner.executable_cache", "sarathi_jax.runner.precompile",
+        "sarathi_jax.runner.model_runner", "sarathi_jax.runner.draft_runner",
     )),
-    ("engine", ("sarathi_jax.admission", "sarathi_jax.engine_core", "sarathi_jax.engine_api", "sarathi_jax.engine",
-                "sarathi_jax.simulator", "sarathi_jax.cost_model", "sarathi_jax.arrival_loop",
-                "sarathi_jax.token_budget", "sarathi_jax.tp_cost", "sarathi_jax.disaggregation_parts",
-                "sarathi_jax.disaggregation_flow",
-                "sarathi_jax.disaggregation", "sarathi_jax.disaggregation_kv", "sarathi_jax.disaggregated_engine",
-                "sarathi_jax.gc_heap")),
+    ("engine", ("sarathi_jax.core.admission", "sarathi_jax.core.engine_core", "sarathi_jax.core.engine_api", "sarathi_jax.engine.llm_engine",
+                "sarathi_jax.sim.simulator", "sarathi_jax.sim.cost_model", "sarathi_jax.core.arrival_loop",
+                "sarathi_jax.engine.token_budget", "sarathi_jax.sim.tp_cost", "sarathi_jax.disagg.state",
+                "sarathi_jax.disagg.flow",
+                "sarathi_jax.disagg.sim_engine", "sarathi_jax.disagg.kv_transfer", "sarathi_jax.disagg.real_engine",
+                "sarathi_jax.engine.gc_heap")),
     ("offline API", ("sarathi_jax", "sarathi_jax.llm")),
     ("checkpoint converter", ("checkpoints_convert.*",)),
     ("benchmarks", ("sarathi_jax.bench.*",)),
     ("servers and their clients", ("server.*",)),
-    ("server comparisons (drive this server and vLLM's with server.loadgen)", (
-        "sarathi_jax.bench.peer.*",
+    ("server comparisons (drive this server and vLLM's with sarathi_jax.bench.loadgen)", (
+        "benchmarks.peer.*",
     )),
 )
 
@@ -278,10 +278,10 @@ def test_the_checks_find_an_upward_import_and_a_cycle(tmp_path):
 
 
 def test_the_most_specific_pattern_places_a_module():
-    assert LAYERS[layer_of("sarathi_jax.bench.peer.servers", LAYERS)][0].startswith("server comparisons")
+    assert LAYERS[layer_of("benchmarks.peer.servers", LAYERS)][0].startswith("server comparisons")
     assert LAYERS[layer_of("sarathi_jax.bench.runs", LAYERS)][0] == "benchmarks"
-    assert LAYERS[layer_of("sarathi_jax.bench.probes.roofline", LAYERS)][0] == "benchmarks"
+    assert LAYERS[layer_of("sarathi_jax.bench.roofline", LAYERS)][0] == "benchmarks"
     assert LAYERS[layer_of("sarathi_jax.models.presets", LAYERS)][0].startswith("plain data")
     assert LAYERS[layer_of("sarathi_jax.models.llama", LAYERS)][0] == "models"
-    assert LAYERS[layer_of("pallas_kernels.bench", LAYERS)][0] == "kernel benchmark and tuner"
+    assert LAYERS[layer_of("benchmarks.kernels", LAYERS)][0] == "kernel benchmark and tuner"
     assert layer_of("sarathi_jax.not_placed", LAYERS) is None

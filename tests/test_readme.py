@@ -49,22 +49,22 @@ EXCLUDED: tuple[tuple[str, str], ...] = (
      "reads the trace that profile_steps (a GPU command) leaves"),
     (r"^python -m sarathi_jax\.bench\.gpu_capacity ", "GPU: hours of Mistral-7B-shaped capacity searches"),
     (r"^python -m sarathi_jax\.bench\.gpu_report ", "GPU: a 9-minute report of a lent GPU; its --smoke run is "
-                                                     "tests/sarathi_jax/bench/gpu_report/test_gpu_report_smoke.py"),
+                                                     "tests/benchmarks/gpu_report/test_gpu_report_smoke.py"),
     (r"^python -m sarathi_jax\.bench\.peer ", "needs vLLM's CPU build in a venv of its own (docs/results-cpu.md "
-                                              "§10); tests/sarathi_jax/bench/peer/test_peer.py runs this engine's "
+                                              "§10); tests/benchmarks/peer/test_peer.py runs this engine's "
                                               "side"),
     (r"^python -m sarathi_jax\.bench\.probes\.loop_cost ",
      "a machine probe: minutes of compiling and timing on a 2-core CPU; "
-     "tests/sarathi_jax/bench/probes/test_loop_cost.py runs it small"),
+     "tests/benchmarks/probes/test_loop_cost.py runs it small"),
     (r"^python -m sarathi_jax\.bench\.probes\.sampler_cost",
      "a machine probe: every sampler variant, a minute of compiling; "
-     "tests/sarathi_jax/bench/probes/test_sampler_cost.py runs it small"),
+     "tests/benchmarks/probes/test_sampler_cost.py runs it small"),
     (r"^python -m sarathi_jax\.bench\.probes\.startup ",
-     "a machine probe: fresh processes, cold then warm; tests/sarathi_jax/bench/probes/test_startup.py runs it small"),
+     "a machine probe: fresh processes, cold then warm; tests/benchmarks/probes/test_startup.py runs it small"),
     (r"^python -m sarathi_jax\.bench\.probes\.host_cost ",
      "a machine probe: minutes of host-time profiling of three workloads on a 2-core CPU"),
     (r"^grpcurl ", "grpcurl is a Go program, not installed with the project"),
-    (r"^python -m server\.loadgen --soak ", "10 minutes of traffic; tests/server/test_soak.py runs a minute of it"),
+    (r"^python -m server\.loadgen --soak ", "10 minutes of traffic; tests/benchmarks/test_soak.py runs a minute of it"),
 )
 
 

@@ -6,9 +6,9 @@
   metrics.summarize(records, iterations) -> dict
   capacity.find_capacity(engine, workload, prompts, slo_tbt=...) -> CapacityResult
 Cost tools: `python -m sarathi_jax.bench.step_cost` (one iteration's time beside the machine's floors:
-probes/roofline.py, probes/step_timer.py; calibrates sarathi_jax.cost_model.BucketCostModel); the other machine
-probes are in probes/ (`python -m sarathi_jax.bench.probes.loop_cost`: the synchronous vs the overlapped engine
-loop; see probes/__init__.py for the rest). `python -m sarathi_jax.bench.gpu_report`: every part of a lent GPU's
-report (gpu_report/); `python -m sarathi_jax.bench.peer`: this engine against vLLM (peer/).
-`python -m sarathi_jax.bench.bubble_demo`: the pipeline bubble fraction per scheduling policy.
+probes/roofline.py, probes/step_timer.py; calibrates sarathi_jax.sim.cost_model.BucketCostModel); the other machine
+probes are in probes/ (`python -m benchmarks.probes.loop_cost`: the synchronous vs the overlapped engine
+loop; see probes/__init__.py for the rest). `python -m benchmarks.gpu_report`: every part of a lent GPU's
+report (gpu_report/); `python -m benchmarks.peer`: this engine against vLLM (peer/).
+`python -m benchmarks.bubble_demo`: the pipeline bubble fraction per scheduling policy.
 """

@@ -13,12 +13,12 @@ from sarathi_jax.bench.slo_mix import GoodputTarget, SloMix, parse_goodput_targe
 from sarathi_jax.bench.structured import (DEFAULT_CONSTRAINT, NAMED_CONSTRAINTS, parse_constraint, parse_shares,
                                           share_label)
 from sarathi_jax.bench.workload import ARRIVAL_PROCESSES
-from sarathi_jax.config import ACCELERATOR_PLATFORMS, DEFAULT_TOKEN_BUDGET, EngineConfig, token_budget_arg
-from sarathi_jax.config_flags import ConfigFlags, DefaultsHelpFormatter
-from sarathi_jax.disaggregation_config import DisaggregationSplit, KVLink, parse_kv_link
-from sarathi_jax.paths import cli_path
+from sarathi_jax.config.engine_config import ACCELERATOR_PLATFORMS, DEFAULT_TOKEN_BUDGET, EngineConfig, token_budget_arg
+from sarathi_jax.config.flags import ConfigFlags, DefaultsHelpFormatter
+from sarathi_jax.config.disaggregation import DisaggregationSplit, KVLink, parse_kv_link
+from sarathi_jax.utils.paths import cli_path
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
-from sarathi_jax.structured_outputs import StructuredOutputs
+from sarathi_jax.request.structured_outputs import StructuredOutputs
 
 CPU_DEFAULT_MODEL = "tiny-llama"
 ACCELERATOR_DEFAULT_MODEL = "llama-1b"  # a GPU-sized preset: tiny-llama would measure launch overhead only
@@ -104,12 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-link", default="nvlink", metavar="LINK",
                    help="--simulate: the link between devices, for KV transfers and tensor-parallel all-reduces: "
                         "nvlink (300 GB/s), pcie (32 GB/s), 25gbe (3.125 GB/s) or a bandwidth in GB/s "
-                        "(sarathi_jax/disaggregation_config.py says where each figure comes from)")
+                        "(sarathi_jax/config/disaggregation.py says where each figure comes from)")
     g.add_argument("--tp-serial-fraction", type=float, default=0.0, metavar="F",
                    help="--simulate: the part of an iteration that tensor parallelism does not split "
-                        "(sarathi_jax/tp_cost.py; 0: an ideal split)")
+                        "(sarathi_jax/sim/tp_cost.py; 0: an ideal split)")
     g.add_argument("--endpoint", default=None, metavar="HOST:PORT",
-                   help="drive a running server through server/loadgen.py instead of an in-process engine: "
+                   help="drive a running server through sarathi_jax/bench/loadgen.py instead of an in-process engine: "
                         "HOST:PORT (gRPC) or http://HOST:PORT (the OpenAI-compatible HTTP API)")
 
     w = p.add_argument_group("workload")

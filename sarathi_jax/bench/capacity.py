@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from sarathi_jax.arrival_loop import RunState
+from sarathi_jax.core.arrival_loop import RunState
 from sarathi_jax.bench.driver import RunResult, run_workload
 from sarathi_jax.bench.metrics import summarize
 from sarathi_jax.bench.slo_mix import GoodputTarget, SloClass
 from sarathi_jax.bench.workload import Workload
-from sarathi_jax.engine_api import Engine
+from sarathi_jax.core.engine_api import Engine
 
 if TYPE_CHECKING:
-    from sarathi_jax.structured_outputs import StructuredOutputs
+    from sarathi_jax.request.structured_outputs import StructuredOutputs
 
 DEFAULT_MAX_SCHED_DELAY = 2.0
 BEYOND_THROUGHPUT_FACTOR = 1.25  # see CapacityResult.beyond_throughput

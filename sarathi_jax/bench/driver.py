@@ -1,7 +1,7 @@
 """Drive an engine through a workload and collect per-request records and the iteration log.
 
-The driver uses only the engine API (`sarathi_jax.engine_api.Engine`, docs/design.md) and runs the one driver
-loop (`sarathi_jax.arrival_loop.drive`): each request is added once its arrival time has passed on the
+The driver uses only the engine API (`sarathi_jax.core.engine_api.Engine`, docs/design.md) and runs the one driver
+loop (`sarathi_jax.core.arrival_loop.drive`): each request is added once its arrival time has passed on the
 engine's own clock, with `arrival_time = run start + its offset`; while the engine is idle the clock waits for
 the next arrival (a real engine sleeps, the simulator jumps). Offline runs put every arrival at 0.
 """
@@ -16,15 +16,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from sarathi_jax.arrival_loop import Arrival, RunState, drive
+from sarathi_jax.core.arrival_loop import Arrival, RunState, drive
 from sarathi_jax.bench.metrics import RequestRecord
 from sarathi_jax.bench.slo_mix import NO_CLASS, SloClass
 from sarathi_jax.bench.workload import Workload
-from sarathi_jax.engine_api import Engine
-from sarathi_jax.outputs import IterationRecord
-from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.speculative import SpeculationStats
-from sarathi_jax.structured_outputs import StructuredOutputs
+from sarathi_jax.core.engine_api import Engine
+from sarathi_jax.request.outputs import IterationRecord
+from sarathi_jax.request.sampling_params import SamplingParams
+from sarathi_jax.spec_decode.speculative import SpeculationStats
+from sarathi_jax.request.structured_outputs import StructuredOutputs
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -74,7 +74,7 @@ def workload_requests(
     constraints: Sequence[StructuredOutputs | None] | None = None,
 ) -> list[tuple[float, list[int], SamplingParams]]:
     """Request i of `workload` as (arrival, seconds after the run start; prompt token ids; sampling params):
-    what `run_workload` adds to an engine and `server.loadgen` sends to a server. `constraints`: request i's
+    what `run_workload` adds to an engine and `sarathi_jax.bench.loadgen` sends to a server. `constraints`: request i's
     structured-outputs constraint (None: all unconstrained; --structured-share)."""
     if len(prompts) != len(workload):
         raise ValueError(f"{len(prompts)} prompts for {len(workload)} requests")

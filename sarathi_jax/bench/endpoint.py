@@ -1,5 +1,5 @@
 """`--endpoint`: the bench drives a running server as any client does. The load driver (`python -m
-server.loadgen --bench-job JOB --bench-result RESULT`) runs in a child process and talks gRPC or HTTP to the
+sarathi_jax.bench.loadgen --bench-job JOB --bench-result RESULT`) runs in a child process and talks gRPC or HTTP to the
 server; the bench hands it the requests and reads back the run as JSON, and imports nothing of the server."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from sarathi_jax.bench.driver import RunResult
 from sarathi_jax.bench.workload import Workload
 
-LOAD_DRIVER = "server.loadgen"  # the module the child process runs
+LOAD_DRIVER = "sarathi_jax.bench.loadgen"  # the module the child process runs
 
 
 class EndpointError(RuntimeError):
@@ -22,7 +22,7 @@ class EndpointError(RuntimeError):
 
 
 def bench_job(endpoint: str, workload: Workload, prompts: list[list[int]], temperature: float) -> dict:
-    """What the load driver needs to replay `workload` (see `server.loadgen.run_bench_workload`)."""
+    """What the load driver needs to replay `workload` (see `sarathi_jax.bench.loadgen.run_bench_workload`)."""
     return {"endpoint": endpoint, "arrivals": workload.arrivals.tolist(), "prompt_lens": workload.prompt_lens.tolist(),
             "output_lens": workload.output_lens.tolist(), "prompts": [list(map(int, p)) for p in prompts],
             "temperature": temperature}

@@ -25,8 +25,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from sarathi_jax.outputs import RequestLatencies
-from sarathi_jax.percentiles import percentiles
+from sarathi_jax.request.outputs import RequestLatencies
+from sarathi_jax.utils.percentiles import percentiles
 
 COMPLETED_REASONS = ("stop", "length")
 DEFAULT_STALL_FACTOR = 5.0

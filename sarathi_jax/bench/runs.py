@@ -21,16 +21,16 @@ from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchErro
 from sarathi_jax.bench.capacity import CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
 from sarathi_jax.bench.endpoint import EndpointError, run_endpoint
-from sarathi_jax.bench.engines import make_disaggregated_engine, make_llm_engine, make_simulated_engine
+from sarathi_jax.factory import make_disaggregated_engine, make_llm_engine, make_simulated_engine
 from sarathi_jax.bench.metrics import fmt_seconds, summarize
 from sarathi_jax.bench.slo_mix import SloMix, request_slos
 from sarathi_jax.bench.structured import constrained_cell, constrained_rows, constrained_summary, request_constraints
 from sarathi_jax.bench.workload import (Workload, as_conversations, synthetic_workload, trace_workload,
                                         with_shared_prefix)
-from sarathi_jax.config import EngineConfig
-from sarathi_jax.disaggregation_config import KVLink
-from sarathi_jax.engine_api import Engine
-from sarathi_jax.gc_heap import startup_heap_frozen
+from sarathi_jax.config.engine_config import EngineConfig
+from sarathi_jax.config.disaggregation import KVLink
+from sarathi_jax.core.engine_api import Engine
+from sarathi_jax.engine.gc_heap import startup_heap_frozen
 from sarathi_jax.models.presets import LLAMA2_VOCAB_SIZE
 
 
@@ -38,7 +38,7 @@ def default_engine_factory(simulate: bool, cost_model_path: str | None = None, *
                            serial_fraction: float = 0.0, num_devices: int | None = None) -> Callable[[dict], Engine]:
     cost_model = None
     if cost_model_path:
-        from sarathi_jax.cost_model import BucketCostModel
+        from sarathi_jax.sim.cost_model import BucketCostModel
 
         try:
             cost_model = BucketCostModel.load(cost_model_path)
@@ -141,7 +141,7 @@ def text_prompts(engine: Engine, workload: Workload, path: str, max_model_len: i
 def _ready_line(engine: Engine, seconds: float) -> str:
     startup = engine.startup_stats()
     if startup is not None:  # LLMEngine: the start-up in parts
-        from sarathi_jax.engine import format_startup
+        from sarathi_jax.engine.llm_engine import format_startup
 
         return format_startup(startup)  # its token budget words included
     setup = engine.budget_setup

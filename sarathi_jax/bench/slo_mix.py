@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sarathi_jax.bench.metrics import RequestSlo
-from sarathi_jax.sequence import PRIORITY_MAX, PRIORITY_MIN
+from sarathi_jax.request.sequence import PRIORITY_MAX, PRIORITY_MIN
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _SHARE_TOLERANCE = 1e-6

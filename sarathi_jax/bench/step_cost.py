@@ -3,7 +3,7 @@ beside this machine's compute and memory floors.
 
 The pieces: `bench.probes.roofline` (the FLOP and byte counts of a batch, the machine's matmul rate and bandwidth,
 the floors), `bench.probes.step_timer` (the compositions of each mode and timing them on the real runner, median of
-round-robin repeats) and `sarathi_jax.cost_model.BucketCostModel` (fitted in calibrate mode). This module is
+round-robin repeats) and `sarathi_jax.sim.cost_model.BucketCostModel` (fitted in calibrate mode). This module is
 the command line: the table, the JSON document and the plots. `x floor` = time / max(compute floor, memory
 floor).
 
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 from sarathi_jax.bench.args import CPU_DEFAULT_MODEL as DEFAULT_MODEL
 from sarathi_jax.bench.args import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-from sarathi_jax.bench.probes.step_timer import DEFAULT_TOKEN_BUDGET, MODES, measure
-from sarathi_jax.paths import cli_path
-from sarathi_jax.sizing import DTYPE_BYTES, token_buckets
+from sarathi_jax.bench.step_timer import DEFAULT_TOKEN_BUDGET, MODES, measure
+from sarathi_jax.utils.paths import cli_path
+from sarathi_jax.config.sizing import DTYPE_BYTES, token_buckets
 
 
 # ----------------------------------------------------------------------------------------------- output

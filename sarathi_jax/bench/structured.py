@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from sarathi_jax.bench.metrics import RequestRecord
-from sarathi_jax.structured_outputs import StructuredOutputs
+from sarathi_jax.request.structured_outputs import StructuredOutputs
 
 DEFAULT_CONSTRAINT = "schema"
 NAMED_CONSTRAINTS = ("schema", "json_object")
@@ -53,7 +53,7 @@ def parse_constraint(spec: str) -> StructuredOutputs:
     """The constraint of --structured-outputs SPEC; ValueError with the grammar library's message."""
     spec = str(spec).strip()
     if spec == "schema":
-        from sarathi_jax.bench.probes.grammar_cost import SCHEMA
+        from benchmarks.probes.grammar_cost import SCHEMA
 
         return StructuredOutputs.parse({"json": SCHEMA})
     if spec == "json_object":

@@ -29,7 +29,7 @@ Exports resolve lazily, so `sarathi_jax.models.config` and `.presets` (plain Pyt
 
 from __future__ import annotations
 
-from sarathi_jax.lazy_exports import lazy_exports
+from sarathi_jax.utils.lazy_exports import lazy_exports
 
 # Exported name -> the submodule that defines it.
 _EXPORTS = {

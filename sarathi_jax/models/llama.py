@@ -27,7 +27,7 @@ Checkpoints keep HF's separate `q_proj`, `k_proj`, `v_proj` (`[layers, embed, he
 `fusion.fuse_projections` joins once at load time.
 
 With `scan_layers=False` the same layers are unrolled as `layers_{i}` entries without the leading axis (the
-engine does this on GPU, where it runs faster: see `sarathi_jax.config.resolve_scan_layers`);
+engine does this on GPU, where it runs faster: see `sarathi_jax.config.engine_config.resolve_scan_layers`);
 `layers.stack_layer_params` / `layers.unstack_layer_params` convert between the two trees. Checkpoints and
 presets are always stacked.
 

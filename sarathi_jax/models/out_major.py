@@ -9,7 +9,7 @@ W [in, out]` puts the weight on the right, so a decode step of a few rows copies
 With the weight stored `[out, in]` it can be the left operand, which YNNPACK reads in place: `(W [out, in] .
 x^T)^T`, the transpose of the small `[out, T]` result kept apart from the dot by an optimization barrier (without
 it XLA folds the transpose into the dot and emits `x @ W^T`, the weight on the right again).
-`python -m sarathi_jax.bench.probes.layer_matmul_cost` measured it 1.3-1.8x faster than `x @ W` over a stack of
+`python -m benchmarks.probes.layer_matmul_cost` measured it 1.3-1.8x faster than `x @ W` over a stack of
 layers at 4-32 rows, no different at one row (docs/results-cpu.md §11). From `LEFT_MAX_ROWS` rows on, the weight
 goes back on the right (`x . W^T`), where the product is compute-bound and packing is amortised.
 

@@ -37,8 +37,8 @@ import itertools
 from collections import deque
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
-from sarathi_jax.block_manager import NO_HIT, BlockManager, PrefixHit
-from sarathi_jax.sequence import PRIORITY_MIN, Batch, ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
+from sarathi_jax.scheduler.block_manager import NO_HIT, BlockManager, PrefixHit
+from sarathi_jax.request.sequence import PRIORITY_MIN, Batch, ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from sarathi_jax.scheduler.speculation import Speculation
@@ -116,7 +116,7 @@ class Scheduler:
     def add_sequence(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
-        # Admission's guarantee (sarathi_jax/admission.py), asserted: a request past these limits would wait forever.
+        # Admission's guarantee (sarathi_jax/core/admission.py), asserted: a request past these limits would wait forever.
         bm = self.block_manager
         assert (0 < seq.num_prompt_tokens and seq.max_total_tokens <= self.config.max_model_len
                 and bm.blocks_for_tokens(seq.max_total_tokens) <= bm.num_total_blocks - bm.watermark_blocks), seq
@@ -126,7 +126,7 @@ class Scheduler:
         if self._max_wait_s is not None and seq.priority > PRIORITY_MIN:
             heapq.heappush(self._aging, (seq.metrics.arrival_time + self._max_wait_s, rank, seq.seq_id))
         # A sequence that arrives with its prompt's K/V in blocks it holds here (the decode instance of a
-        # disaggregated engine, sarathi_jax/disaggregation.py: the caller reserved them) runs as a decode at once.
+        # disaggregated engine, sarathi_jax/disagg/sim_engine.py: the caller reserved them) runs as a decode at once.
         prefilled = seq.num_computed_tokens > 0
         seq.status = SequenceStatus.RUNNING if prefilled else SequenceStatus.WAITING
         self._insert(self._running if prefilled else self._waiting, seq)

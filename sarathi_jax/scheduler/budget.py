@@ -1,7 +1,7 @@
 """Token budgets from a TBT target (issue 30): `pick_auto_budget` (token_budget="auto": one budget, picked at
 start-up) and `SloTokenBudget` (token_budget="dynamic": a budget per iteration). Plain Python, no JAX.
 
-Both ask an `IterationPredictor` (a cost model calibrated on the device: `sarathi_jax.cost_model.BucketCostModel`,
+Both ask an `IterationPredictor` (a cost model calibrated on the device: `sarathi_jax.sim.cost_model.BucketCostModel`,
 or the simulator's `CostModel`) how long a batch of running decodes plus one prefill chunk takes, and take the
 largest multiple of `TILE` tokens whose predicted time is at most `margin` x the target. The margin
 (`EngineConfig.slo_margin`, default `DEFAULT_MARGIN` = 0.9) leaves room for what the prediction misses: the
@@ -27,7 +27,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from sarathi_jax.sequence import Batch, Sequence
+from sarathi_jax.request.sequence import Batch, Sequence
 
 TILE = 16  # budgets are multiples of a matmul tile of rows (EngineConfig's rule for token_budget)
 DEFAULT_MARGIN = 0.9

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from sarathi_jax.scheduler.base import Scheduler
-from sarathi_jax.sequence import Batch
-from sarathi_jax.sequence import SequenceStatus
+from sarathi_jax.request.sequence import Batch
+from sarathi_jax.request.sequence import SequenceStatus
 
 
 class FasterTransformerScheduler(Scheduler):

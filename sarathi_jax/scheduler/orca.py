@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sarathi_jax.scheduler.base import Scheduler
-from sarathi_jax.sequence import Batch
+from sarathi_jax.request.sequence import Batch
 
 
 class OrcaScheduler(Scheduler):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sarathi_jax.block_manager import BlockManager
+from sarathi_jax.scheduler.block_manager import BlockManager
 from sarathi_jax.scheduler.base import Scheduler, SchedulerSettings
 from sarathi_jax.scheduler.chunked_prefills_only import ChunkedPrefillsOnlyScheduler
 from sarathi_jax.scheduler.faster_transformer import FasterTransformerScheduler

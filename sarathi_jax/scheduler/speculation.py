@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.ngram_proposer import propose_ngram
-from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.sequence import Sequence as Seq
-from sarathi_jax.speculative import SpeculativeConfig, speculates
+from sarathi_jax.scheduler.block_manager import BlockManager
+from sarathi_jax.spec_decode.ngram_proposer import propose_ngram
+from sarathi_jax.request.sampling_params import SamplingParams
+from sarathi_jax.request.sequence import Sequence as Seq
+from sarathi_jax.spec_decode.speculative import SpeculativeConfig, speculates
 
 Proposer = Callable[[Seq, int], Sequence[int]]  # (sequence, most tokens) -> draft tokens
 # [(sequence, exactly n tokens)] -> each one's n draft tokens, in order

@@ -27,8 +27,8 @@ import torch
 
 from checkpoints_convert.__main__ import main
 from sarathi_jax import LLM, SamplingParams
-from sarathi_jax.admission import Admission
-from sarathi_jax.chat_template import ChatTemplate, ChatTemplateError
+from sarathi_jax.core.admission import Admission
+from sarathi_jax.request.chat_template import ChatTemplate, ChatTemplateError
 from sarathi_jax.models import ModelConfig
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the smollm2_gguf fixture (tests/conftest.py)
@@ -269,9 +269,9 @@ def test_server_chat_grpc_messages_and_openai_http(llm: LLM, hf, hf_greedy) -> N
 
 
 def test_real_model_bench_against_hf_generate(smollm2_dir: Path, smollm2_gguf: Path, tmp_path: Path, capsys) -> None:
-    """`python -m sarathi_jax.bench.real_model`: chat prompts through this engine and HF's padded `generate`;
+    """`python -m benchmarks.real_model`: chat prompts through this engine and HF's padded `generate`;
     the first completion is printed, greedy sequences agree, and the floor is below the measured time."""
-    from sarathi_jax.bench.real_model import main as real_model_main
+    from benchmarks.real_model import main as real_model_main
 
     questions = tmp_path / "questions.txt"
     questions.write_text("What is the capital of France?\n\nList three fruits.\n")

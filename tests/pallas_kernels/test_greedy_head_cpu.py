@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.greedy_head_cpu import MAX_ROWS, greedy_head_cpu, greedy_head_reference, greedy_head_status
-from sarathi_jax.input_batch import make_sampling_arrays
+from sarathi_jax.runner.input_batch import make_sampling_arrays
 from sarathi_jax.parallel.stages import LMHead
-from sarathi_jax.sampling import FULL_VARIANT, sample_packed_jit
-from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.sampling_vocab_major import GREEDY_KERNEL_MIN_ROWS, GREEDY_ONLY, greedy_vocab_major
-from sarathi_jax.step_inputs import pack_sampling
+from sarathi_jax.runner.sample.sampler import FULL_VARIANT, sample_packed_jit
+from sarathi_jax.request.sampling_params import SamplingParams
+from sarathi_jax.runner.sample.vocab_major import GREEDY_KERNEL_MIN_ROWS, GREEDY_ONLY, greedy_vocab_major
+from sarathi_jax.runner.step_inputs import pack_sampling
 
 kernel_module = importlib.import_module("pallas_kernels.greedy_head_cpu")
 greedy_head_jit = jax.jit(greedy_head_cpu)

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sarathi_jax.sampling import SamplerOutput, sample_jit
-from sarathi_jax.input_batch import make_sampling_arrays, sampler_variant
-from sarathi_jax.sampling_inputs import SamplerVariant, padded_bitmask
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.runner.sample.sampler import SamplerOutput, sample_jit
+from sarathi_jax.runner.input_batch import make_sampling_arrays, sampler_variant
+from sarathi_jax.runner.sample.inputs import SamplerVariant, padded_bitmask
+from sarathi_jax.request.sampling_params import SamplingParams
 
 # A few fixed shapes so that the whole file compiles each sampler variant only a handful of times.
 S, V = 16, 64

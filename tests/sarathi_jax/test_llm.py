@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sarathi_jax import LLM, SamplingParams
-from sarathi_jax.tokenizer import load_tokenizer
+from sarathi_jax.request.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

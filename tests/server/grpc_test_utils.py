@@ -34,7 +34,7 @@ def serving(llama_engine: tuple[Any, Any], chat_template: str | None = None, **s
     """A GenerationServer on 127.0.0.1 over the shared `(engine, config)`, started in a thread and stopped
     (grace 0) on exit; `chat_template`, when given, is the engine's for that long. `server_kwargs` go to
     GenerationServer (ports default to free ones: port=0, no HTTP)."""
-    from sarathi_jax.chat_template import ChatTemplate
+    from sarathi_jax.request.chat_template import ChatTemplate
     from server.service import GenerationServer
 
     engine, config = llama_engine

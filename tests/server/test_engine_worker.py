@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from grpc_test_utils import assert_parks_when_idle
-from sarathi_jax.admission import AdmittedRequest
-from sarathi_jax.outputs import RequestOutput
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.core.admission import AdmittedRequest
+from sarathi_jax.request.outputs import RequestOutput
+from sarathi_jax.request.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig
-from sarathi_jax.simulator import SimulatedEngine
+from sarathi_jax.sim.simulator import SimulatedEngine
 from server import engine_worker
 from server.engine_worker import EngineError, EngineWorker
 

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from grpc_test_utils import greedy, wait_until
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.request.sampling_params import SamplingParams
 from server.client import finish_reason_name, make_request
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc

@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from grpc_test_utils import all_blocks_free, assert_parks_when_idle, fail_next_step, get_stats, greedy, wait_until
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.request.sampling_params import SamplingParams
 from server.client import finish_reason_name, make_request
-from server.loadgen import run_load
+from sarathi_jax.bench.loadgen import run_load
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 
@@ -203,7 +203,7 @@ def test_client_cli_streams_text(server, stub):
 
 def test_bench_hook_run_bench_workload(server, stub):
     from sarathi_jax.bench.workload import Workload
-    from server.loadgen import run_bench_workload
+    from sarathi_jax.bench.loadgen import run_bench_workload
 
     workload = Workload(arrivals=[0.0, 0.01, 0.02, 0.05], prompt_lens=[3, 10, 20, 5], output_lens=[4, 6, 3, 5])
     prompts = workload.prompts(32000, 0)  # the bench's default vocabulary: folded into the model's 256

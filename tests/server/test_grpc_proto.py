@@ -33,7 +33,7 @@ def test_generated_modules_import_as_a_package():
 def test_every_sampling_param_is_in_the_request_and_round_trips():
     import dataclasses
 
-    from sarathi_jax.sampling_params import SamplingParams
+    from sarathi_jax.request.sampling_params import SamplingParams
     from server.client import make_request
     from server.proto.sarathi.v1 import generation_pb2
     from server.grpc_service import sampling_params_from_proto
@@ -47,7 +47,7 @@ def test_every_sampling_param_is_in_the_request_and_round_trips():
 
 
 def _output(**overrides):
-    from sarathi_jax.outputs import RequestMetrics, RequestOutput, TokenLogprob
+    from sarathi_jax.request.outputs import RequestMetrics, RequestOutput, TokenLogprob
 
     fields = dict(request_id="r", prompt_token_ids=(1, 2, 3), new_token_ids=(7,), token_ids=(5, 7), text_delta="b",
                   text="ab", new_logprobs=(TokenLogprob(7, -0.5, (7, 9), (-0.5, -1.5)),), finished=False,

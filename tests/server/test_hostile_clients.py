@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from grpc_test_utils import PLAIN_CHAT_TEMPLATE, all_blocks_free, greedy, serving
-from sarathi_jax.sampling_params import MAX_STOP_STRINGS
+from sarathi_jax.request.sampling_params import MAX_STOP_STRINGS
 from server.client import make_request
 from server.http_limits import HttpLimits
 from server.proto.sarathi.v1 import generation_pb2 as pb

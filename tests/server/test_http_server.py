@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grpc_test_utils import fail_next_step, wait_until
 from sarathi_jax import LLM, SamplingParams
-from sarathi_jax.chat_template import ChatTemplate
+from sarathi_jax.request.chat_template import ChatTemplate
 from server.service import GenerationServer
 
 # Roles and contents as plain text; "<s>" is the test tokenizer's BOS, written by the template.

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from sarathi_jax.admission import AdmissionError
+from sarathi_jax.core.admission import AdmissionError
 from server.http_api import error_body, error_response
 from server.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from server.request_state import RequestError

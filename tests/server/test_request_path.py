@@ -24,10 +24,10 @@ from server.client import make_request
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = tuple(str(REPO_ROOT / p) + "/" for p in ("sarathi_jax", "server", "pallas_kernels", "checkpoints_convert"))
 
-LLM_PATH = ["sarathi_jax/sampling_params.py", "sarathi_jax/llm.py", "sarathi_jax/engine_core.py",
-            "sarathi_jax/admission.py", "sarathi_jax/model_runner.py", "sarathi_jax/sequence.py",
-            "sarathi_jax/scheduler/base.py", "sarathi_jax/block_manager.py", "sarathi_jax/scheduler/sarathi.py",
-            "sarathi_jax/input_batch.py"]
+LLM_PATH = ["sarathi_jax/request/sampling_params.py", "sarathi_jax/llm.py", "sarathi_jax/core/engine_core.py",
+            "sarathi_jax/core/admission.py", "sarathi_jax/runner/model_runner.py", "sarathi_jax/request/sequence.py",
+            "sarathi_jax/scheduler/base.py", "sarathi_jax/scheduler/block_manager.py", "sarathi_jax/scheduler/sarathi.py",
+            "sarathi_jax/runner/input_batch.py"]
 
 
 def files_entered(request: Callable[[], Any]) -> list[str]:
@@ -101,7 +101,7 @@ def test_grpc_complete_runs_code_in_at_most_14_files(profiled_server):
         entered = _count(state, profile, lambda: stub.Complete(message, timeout=60))
     finally:
         channel.close()
-    assert "server/grpc_service.py" in entered and "sarathi_jax/engine_core.py" in entered, entered
+    assert "server/grpc_service.py" in entered and "sarathi_jax/core/engine_core.py" in entered, entered
     assert len(entered) <= 14, entered
 
 
@@ -116,5 +116,5 @@ def test_http_completion_runs_code_in_at_most_14_files(profiled_server):
             assert response.status == 200
 
     entered = _count(state, profile, post)
-    assert "server/http_api.py" in entered and "sarathi_jax/engine_core.py" in entered, entered
+    assert "server/http_api.py" in entered and "sarathi_jax/core/engine_core.py" in entered, entered
     assert len(entered) <= 14, entered

@@ -9,9 +9,9 @@ import httpx2
 import pytest
 
 from grpc_test_utils import all_blocks_free, greedy, serving
-from sarathi_jax.admission import AdmissionError
-from sarathi_jax.sampling_params import SamplingParams
-from sarathi_jax.simulator import SimulatedEngine
+from sarathi_jax.core.admission import AdmissionError
+from sarathi_jax.request.sampling_params import SamplingParams
+from sarathi_jax.sim.simulator import SimulatedEngine
 from server.client import make_request
 
 # (case, prompt token ids, sampling fields (SamplingParams' names, which both protocols share), field at fault).

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sarathi_jax.scheduler import SchedulerConfig, SchedulerOutput
-from sarathi_jax.simulator import SimulatedEngine
+from sarathi_jax.sim.simulator import SimulatedEngine
 
 CLOCK_START = 100.0
 BLOCK_SIZE = 16

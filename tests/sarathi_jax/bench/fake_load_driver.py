@@ -1,4 +1,4 @@
-"""`python -m fake_load_driver`: the real load driver's command line (`server.loadgen.main`) with the server
+"""`python -m fake_load_driver`: the real load driver's command line (`sarathi_jax.bench.loadgen.main`) with the server
 replaced by the simulator (`bench_fakes.sim_engine`), for the bench's --endpoint tests; the endpoint
 "refused:1" fails as an unreachable server does."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from bench_fakes import sim_engine
 from sarathi_jax.bench.driver import RunResult, run_workload
-from server import loadgen
+from sarathi_jax.bench import loadgen
 
 
 def run_on_simulator(target: str, workload, prompts, *, temperature: float = 0.0, **_) -> RunResult:

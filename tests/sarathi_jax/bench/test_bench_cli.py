@@ -141,7 +141,7 @@ def test_bad_trace_file_message(tmp_path, capsys):
 
 def test_endpoint_runs_the_load_driver_in_a_child_process(tmp_path, capsys, monkeypatch):
     """--endpoint replays the workload through the load driver's command line in a child process
-    (`fake_load_driver`: server.loadgen's, on the simulator instead of a server) and reads the run back."""
+    (`fake_load_driver`: sarathi_jax.bench.loadgen's, on the simulator instead of a server) and reads the run back."""
     from sarathi_jax.bench import endpoint
 
     monkeypatch.setattr(endpoint, "LOAD_DRIVER", "fake_load_driver")

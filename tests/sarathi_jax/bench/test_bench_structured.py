@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from sarathi_jax.bench.__main__ import main
-from sarathi_jax.bench.probes.grammar_cost import SCHEMA
+from benchmarks.probes.grammar_cost import SCHEMA
 from sarathi_jax.bench.report import safe_name
 from sarathi_jax.bench.structured import constrained_rows, parse_constraint, parse_shares, share_label
-from sarathi_jax.structured_outputs import StructuredOutputs
+from sarathi_jax.request.structured_outputs import StructuredOutputs
 
 
 def test_parse_shares() -> None:

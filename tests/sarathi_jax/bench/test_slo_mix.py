@@ -154,7 +154,7 @@ def test_runs_send_each_request_with_its_class_targets():
     from sarathi_jax.bench.driver import run_workload
     from sarathi_jax.bench.workload import synthetic_workload
     from sarathi_jax.scheduler import SchedulerConfig
-    from sarathi_jax.simulator import SimulatedEngine
+    from sarathi_jax.sim.simulator import SimulatedEngine
 
     class Spy(SimulatedEngine):
         seen: dict = {}

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from sarathi_jax.bench import step_cost as sc
-from sarathi_jax.sizing import bucket_for, platform_buckets
+from sarathi_jax.config.sizing import bucket_for, platform_buckets
 
 
 def test_cli_runs_on_tiny_model(tmp_path, capsys):

@@ -118,7 +118,7 @@ def test_matmul_precision_follows_dtype(dtype, precision):
 
 
 def test_scan_layers_default_follows_the_platform():
-    from sarathi_jax.config import resolve_scan_layers
+    from sarathi_jax.config.engine_config import resolve_scan_layers
 
     assert resolve_scan_layers(None, "tpu")
     assert not resolve_scan_layers(None, "cpu")

@@ -13,7 +13,7 @@ from sarathi_jax.parallel import initialize_distributed_from_env
 initialize_distributed_from_env()  # before anything touches a JAX backend
 
 from sarathi_jax import EngineConfig, SamplingParams  # noqa: E402
-from sarathi_jax.disaggregated_engine import DisaggregatedEngine, build_engine  # noqa: E402
+from sarathi_jax.disagg.real_engine import DisaggregatedEngine, build_engine  # noqa: E402
 
 
 def main() -> None:

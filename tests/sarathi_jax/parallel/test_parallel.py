@@ -17,7 +17,7 @@ import pytest
 
 from sarathi_jax import EngineConfig, LLMEngine, SamplingParams
 from sarathi_jax.models import ModelConfig
-from sarathi_jax.sizing import platform_buckets
+from sarathi_jax.config.sizing import platform_buckets
 from sarathi_jax.parallel import (
     initialize_distributed_from_env,
     make_plan,

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
-from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.engine_core import EngineCore, LoopConfig, RequestState
-from sarathi_jax.outputs import RequestOutput
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.core.admission import Admission, AdmissionError, KVCapacity
+from sarathi_jax.scheduler.block_manager import BlockManager
+from sarathi_jax.core.engine_core import EngineCore, LoopConfig, RequestState
+from sarathi_jax.request.outputs import RequestOutput
+from sarathi_jax.request.sampling_params import SamplingParams
 from sarathi_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
-from sarathi_jax.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from sarathi_jax.simulator import CostModel, CostModelExecutor
-from sarathi_jax.tokenizer import StopStringChecker
+from sarathi_jax.request.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from sarathi_jax.sim.simulator import CostModel, CostModelExecutor
+from sarathi_jax.request.tokenizer import StopStringChecker
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Token budgets from a TBT target (sarathi_jax/scheduler/budget.py, sarathi_jax/token_budget.py): "auto" picks
+"""Token budgets from a TBT target (sarathi_jax/scheduler/budget.py, sarathi_jax/engine/token_budget.py): "auto" picks
 the budget a synthetic cost model's known answer says; the dynamic budget stays within its bounds and running
 decodes are never displaced, on random traces under hypothesis on the plain-Python Sarathi scheduler; bad
 configurations are refused."""
@@ -12,17 +12,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sarathi_jax import token_budget
-from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.config import EngineConfig
-from sarathi_jax.cost_model import BucketCostModel
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.engine import token_budget
+from sarathi_jax.scheduler.block_manager import BlockManager
+from sarathi_jax.config.engine_config import EngineConfig
+from sarathi_jax.sim.cost_model import BucketCostModel
+from sarathi_jax.request.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SchedulerConfig
 from sarathi_jax.scheduler.budget import (TILE, IterationFeedback, SloTokenBudget, largest_budget, pick_auto_budget,
                                           reference_batch)
 from sarathi_jax.scheduler.registry import SCHEDULERS
-from sarathi_jax.sequence import Sequence
-from sarathi_jax.sizing import bucket_for, bucket_ladder, platform_buckets
+from sarathi_jax.request.sequence import Sequence
+from sarathi_jax.config.sizing import bucket_for, bucket_ladder, platform_buckets
 from scheduler_harness import complete
 
 MAX_MODEL_LEN = 256

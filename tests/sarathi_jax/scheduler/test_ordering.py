@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
-from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.core.admission import Admission, AdmissionError, KVCapacity
+from sarathi_jax.scheduler.block_manager import BlockManager
+from sarathi_jax.request.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SchedulerConfig
 from sarathi_jax.scheduler.registry import SCHEDULERS, WHOLE_PROMPT_POLICIES
-from sarathi_jax.sequence import PRIORITY_MIN, Sequence, SequenceStatus
+from sarathi_jax.request.sequence import PRIORITY_MIN, Sequence, SequenceStatus
 from scheduler_harness import Req, complete, run_trace
 
 MAX_MODEL_LEN = 128

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from sarathi_jax.admission import Admission, AdmissionError, KVCapacity
-from sarathi_jax.block_manager import BlockManager
-from sarathi_jax.sampling_params import SamplingParams
+from sarathi_jax.core.admission import Admission, AdmissionError, KVCapacity
+from sarathi_jax.scheduler.block_manager import BlockManager
+from sarathi_jax.request.sampling_params import SamplingParams
 from sarathi_jax.scheduler import SCHEDULER_POLICIES, SCHEDULERS, SchedulerConfig, make_scheduler
 from sarathi_jax.scheduler.base import SchedulerSettings
-from sarathi_jax.sequence import Sequence, SequenceStatus
+from sarathi_jax.request.sequence import Sequence, SequenceStatus
 from scheduler_harness import complete
 
 

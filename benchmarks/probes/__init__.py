@@ -1,0 +1,17 @@
+"""Machine probes: what one step, one engine loop, the sampler and start-up cost on this machine, beside its
+floors. Each command is `python -m benchmarks.probes.NAME --help`:
+
+  loop_cost      the synchronous vs the overlapped engine loop (pieces: loop_timing.py, step_replay.py)
+  host_cost      the host's CPU time per `engine.step()`, and where it goes
+  sampler_cost   the device sampler's time per call for each sampler variant
+  layer_matmul_cost  which form of a decode step's layer matmuls is fastest (weight on the right or the left)
+  out_major_steps    model steps with in-major against out-major projection weights, two engines alternated
+  grammar_cost   structured outputs' grammar engines (llguidance, xgrammar, outlines-core): host cost per mask
+  startup        start-up time, cold and warm, in fresh processes
+  profile_steps  a JAX profiler trace of steady decode, read by trace_summary.py
+  trace_summary  where the time goes in a profiler trace
+
+roofline.py counts a batch's FLOPs and bytes and measures the machine's rates (the floors); step_timer.py
+times batch compositions on the real runner. `python -m sarathi_jax.bench.step_cost` (one iteration's time
+beside the floors, and the cost model's calibration) is the command line over those two.
+"""

@@ -1,0 +1,391 @@
+"""The real engine: a model's weights, KV cache sizing, scheduler, model runner and admission, built from an
+`EngineConfig`, with its start-up report.
+
+Requests never run code here: `add_request`, `add_admitted` and `step` are `engine_core.CoreFrontEnd`'s, the
+one copy the simulator shares. `add_request` validates a request through `self.admission`
+(sarathi_jax/core/admission.py, the one admission path, which servers call themselves); `step` runs one iteration
+of `EngineCore` (sarathi_jax/core/engine_core.py), which asks the scheduler for a batch, dispatches it on the model
+runner, and postprocesses sampled tokens (append, stop checks, finish, KV blocks freed). By default the loop
+is overlapped (`EngineConfig.async_scheduling`): the host schedules and dispatches batch N+1 before fetching
+batch N's tokens. The engine is driven by one thread; servers hand it work through a queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu_kernel_status, get_attention_fn
+from sarathi_jax.engine import token_budget
+from sarathi_jax.core.admission import Admission, KVCapacity
+from sarathi_jax.scheduler.block_manager import BlockManager
+from sarathi_jax.request.chat_template import ChatTemplate
+from sarathi_jax.runner.compile_cache import PhaseTimer, enable_compilation_cache, record_compiles
+from sarathi_jax.config.engine_config import (
+    GPU_PLATFORMS,
+    EngineConfig,
+    resolve_attention_backend,
+    resolve_dtype,
+    resolve_scan_layers,
+)
+from sarathi_jax.core.engine_api import WallClock
+from sarathi_jax.core.engine_core import CoreFrontEnd, EngineCore, LoopConfig
+from sarathi_jax.runner.executable_cache import ExecutableCache
+from sarathi_jax.runner.model_runner import ModelRunner
+from sarathi_jax.models import load_model
+from sarathi_jax.models.layers import unstack_layer_params
+from sarathi_jax.scheduler import make_scheduler
+from sarathi_jax.scheduler.speculation import Speculation
+from sarathi_jax.config.sizing import (
+    bucket_ladder, jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, kv_cache_shares, platform_buckets,
+    size_engine)
+from sarathi_jax.request.tokenizer import Tokenizer, load_tokenizer
+
+
+class LLMEngine(CoreFrontEnd):
+    """The engine API (`engine_api.Engine`) over a model: weights, KV cache and compiled steps."""
+
+    clock = WallClock()  # what metrics are stamped with: time.monotonic(), as `ModelRunner.now`
+
+    def __init__(self, config: EngineConfig, *, warmup: bool = True, devices: Sequence[Any] | None = None) -> None:
+        """Build the engine: load the weights, size the KV cache and the scheduler, compile and warm up.
+
+        `devices`: the devices it runs on (default: the first tp x pp of `jax.devices()`); a disaggregated
+        engine gives each of its instances its own (sarathi_jax/disagg/real_engine.py).
+
+        `self.config` is `config` as resolved on this machine: the dtype and attention backend that "auto"
+        chose, the compilation cache directory in use (None: none), and the KV sizing used (the
+        gpu_memory_utilization, or the fixed kv_cache_bytes; neither when num_blocks was given).
+        `startup_stats()` reports the parts' times.
+        """
+        if config.disaggregation is not None:  # one instance of it: sarathi_jax.disagg.real_engine builds them
+            raise ValueError(f"disaggregation={config.disaggregation!r}: LLMEngine is colocated; build "
+                             "`DisaggregatedEngine` (sarathi_jax/disagg/real_engine.py), or use `LLM` or the server")
+        num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.devices = list(jax.devices()[:num_devices] if devices is None else devices)
+        t_start = time.time()
+        platform = jax.default_backend()
+        # The CPU kernel's status makes one tiny call: before the compilation cache and the compile counts.
+        kernel_status = cpu_kernel_status() if platform == "cpu" else f"this engine runs on {platform!r}"
+        cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
+        requested_backend = config.attention_backend
+        attention_backend = resolve_attention_backend(requested_backend, platform, cpu_kernel_status=kernel_status)
+        scan_layers = resolve_scan_layers(config.scan_layers, platform)
+        requested_dtype = config.dtype
+        requested_budget = config.token_budget
+        self.config = config = dataclasses.replace(
+            config, attention_backend=attention_backend, compilation_cache_dir=cache_dir, scan_layers=scan_layers,
+            dtype=resolve_dtype(requested_dtype, platform),
+        )
+        dtype = jnp.dtype(config.dtype)
+        self.parallel_plan = None  # sarathi_jax.parallel.ParallelPlan when tensor/pipeline parallel
+        with record_compiles() as compiles:
+            timer = PhaseTimer(compiles)
+            with timer.phase("load"):
+                # A mesh (of one device, off device 0; or in a multi-process run, where a plain jit would run
+                # on each process's own default device rather than on the engine's devices)
+                if num_devices > 1 or self.devices[0] != jax.devices()[0] or jax.process_count() > 1:
+                    from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
+
+                    self.parallel_plan, self.model_config, params = load_parallel_model(
+                        config.model, dtype, config.seed, config.tensor_parallel_size,
+                        config.pipeline_parallel_size, devices=self.devices,
+                    )
+                else:
+                    self.model_config, params = load_model(config.model, dtype, seed=config.seed)
+                    if not scan_layers:  # unrolled: per-layer arrays now, so the stacked copy is gone before
+                        params = unstack_layer_params(params)  # the KV cache is sized from the free memory
+                self.tokenizer: Tokenizer | None = (
+                    load_tokenizer(config.model) if Path(config.model).is_dir() else None
+                )
+                spec = config.speculative_config
+                draft, draft_plan = None, None  # a separate draft's (config, params), its plan under TP
+                if spec is not None and spec.model is not None:  # loaded before the KV cache is sized
+                    draft, draft_plan = _load_draft(spec.model, dtype, config, self.parallel_plan, self.devices)
+            mc = self.model_config
+
+            with timer.phase("init"):
+                jax.block_until_ready((params, draft))  # the weights (the draft's too) count in memory in use
+                kv_budget = self._kv_budget(config, platform)
+                if kv_budget is not None:
+                    self.config = config = dataclasses.replace(
+                        config, kv_cache_bytes=None if kv_budget.gpu_memory_utilization else kv_budget.kv_cache_bytes,
+                        gpu_memory_utilization=kv_budget.gpu_memory_utilization,
+                    )
+                kv_bytes = kv_budget.kv_cache_bytes if kv_budget else None
+                # A draft model's own KV cache has a block for each of the target's: the budget holds both.
+                draft_block = kv_bytes_per_block(draft[0], config.block_size, config.dtype) if draft else 0
+                target_block = kv_bytes_per_block(mc, config.block_size, config.dtype)
+                if kv_bytes is not None and draft_block:
+                    # Sized from device memory, a block costs each device its share of both caches: a draft with
+                    # fewer KV heads than the TP devices replicates them, so its share may be the larger.
+                    cost = draft_block * kv_cache_shares(config, mc) / kv_cache_shares(config, draft[0]) if (
+                        config.gpu_memory_utilization) else draft_block
+                    kv_bytes = int(kv_bytes // (target_block + cost)) * target_block  # the target's share
+                cost_path, cost_model, cost_source = None, None, None
+                if isinstance(requested_budget, str):  # "auto" / "dynamic": resolve before sizing when a cost
+                    top = dataclasses.replace(config, token_budget=config.budget_ceiling,  # model is at hand;
+                                              bucket_ladder=bucket_ladder(config))  # "dynamic"'s, pinned
+                    top_sizing = size_engine(top, mc, kv_bytes)
+                    buckets = platform_buckets(top_sizing.max_step_tokens, platform, top.bucket_ladder)
+                    cost_path = token_budget.cache_path(cache_dir, config, jax.devices()[0].device_kind, buckets)
+                    cost_model, cost_source = token_budget.saved_cost_model(config, cost_path)
+                    if cost_model is None:  # calibrated after warm-up, on the runner compiled for the ceiling
+                        config = top
+                    else:
+                        config, self.budget_setup = token_budget.resolve(  # "auto": the engine is sized for its pick
+                            config, cost_model, cost_source, buckets if requested_budget == "dynamic" else None,
+                            max_model_len=top_sizing.max_model_len)
+                else:
+                    self.budget_setup = token_budget.BudgetSetup("fixed", requested_budget)
+                self.config = config
+                sizing = size_engine(config, mc, kv_bytes)
+                num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
+                self.scheduler_config = sizing.scheduler_config
+                self.block_manager = BlockManager(
+                    num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks),
+                    enable_prefix_caching=config.enable_prefix_caching,
+                )
+                self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
+                if spec is not None:
+                    spec.check_model(mc.num_hidden_layers)
+                self.runner = ModelRunner(
+                    mc, params, config, sizing, attention_fn=get_attention_fn(attention_backend),
+                    plan=self.parallel_plan, executable_cache=ExecutableCache.in_compilation_cache(cache_dir),
+                )
+                self.draft_runner = None  # a draft model's (sarathi_jax/runner/draft_runner.py)
+                if spec is not None and spec.method != "ngram":
+                    from sarathi_jax.runner.draft_runner import DraftRunner  # off the request path unless speculating
+
+                    if spec.method == "self":
+                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers,
+                                                                   spec.num_speculative_tokens)
+                    else:
+                        self.draft_runner = DraftRunner.draft_model(
+                            self.runner, *draft, spec.num_speculative_tokens,
+                            attention_fn=get_attention_fn(attention_backend), plan=draft_plan)
+                if spec is not None:
+                    self.scheduler.speculation = Speculation.of(
+                        spec, self.draft_runner.propose if self.draft_runner is not None else None)
+            with timer.phase("warmup"):
+                if warmup:
+                    self.runner.warmup(background=config.background_compile)
+                    if self.draft_runner is not None:
+                        self.draft_runner.warmup()
+                if isinstance(requested_budget, str) and cost_model is None:
+                    self._calibrate_budget(dataclasses.replace(config, token_budget=requested_budget), cost_path)
+                    config = self.config
+        token_budget.install(self.budget_setup, self.scheduler, time.perf_counter)
+        self.core = EngineCore(
+            self.scheduler,
+            self.runner,
+            loop=LoopConfig(config.async_scheduling, config.pipeline_parallel_size),
+            eos_token_ids=mc.eos_token_ids,
+            tokenizer=self.tokenizer,
+            seed=config.seed,
+        )
+        if self.draft_runner is not None:  # a sampled request's draft samples with its seed and settings
+            self.draft_runner.sampling_of = self.core.sampling_of
+        is_folder = Path(config.model).is_dir()
+        self.admission = Admission(
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            kv_cache=KVCapacity.of(self.block_manager),
+            tokenizer=self.tokenizer,
+            eos_token_ids=mc.eos_token_ids,
+            chat_template=ChatTemplate.from_folder(config.model) if is_folder else None,
+        )
+        store = self.runner.executable_cache
+        loaded = store.hits if store is not None else 0  # ready-made executables: neither traced nor compiled
+        peak = [(m or {}).get("peak_bytes_in_use") for m in _memory_stats(self.devices)]
+        self._startup_stats = {
+            "load_s": timer.seconds["load"],
+            "init_s": timer.seconds["init"],
+            "compile_s": timer.compile_seconds,
+            "warmup_s": timer.seconds["warmup"],
+            "total_s": time.time() - t_start,
+            "warmed_up": warmup,
+            "platform": platform,
+            "device": jax.devices()[0].device_kind,
+            "num_devices": num_devices,
+            "attention_backend": attention_backend,
+            "token_budget": self.budget_setup.as_dict(),
+            "token_budget_words": self.budget_setup.describe(),
+            "attention_backend_setting": requested_backend,
+            "dtype": config.dtype,
+            "dtype_setting": requested_dtype,
+            "num_kv_blocks": num_blocks,
+            "kv_cache_bytes": num_blocks * target_block,
+            # A draft model's share of the memory: its parameters and its KV cache (num_kv_blocks blocks).
+            "draft_param_bytes": _nbytes(draft[1]) if draft else 0,
+            "draft_kv_cache_bytes": num_blocks * draft_block,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "activation_bytes_estimate": kv_budget.activation_bytes if kv_budget else 0,
+            "kv_unfragmented_bytes": kv_budget.unfragmented_bytes if kv_budget else None,
+            "peak_bytes_in_use": max(peak) if all(p is not None for p in peak) else None,
+            "scan_layers": scan_layers,
+            "compilation_cache_dir": cache_dir,
+            "executables": compiles.executables + loaded,
+            "cache_hits": compiles.cache_hits + loaded if cache_dir else 0,
+            "cache_misses": compiles.executables - compiles.cache_hits if cache_dir else None,
+            "executables_loaded": loaded,
+            "background_executables": self.runner.background.num_builds if self.runner.background else 0,
+        }
+
+    def _calibrate_budget(self, requested: EngineConfig, cost_path) -> None:
+        """Time a few steps of every bucket (all built first), fit the cost model, cache it, and resolve the
+        requested "auto"/"dynamic" budget with it, padding to the buckets compiled; "auto" then runs the
+        scheduler at the budget picked (the larger buckets stay compiled, unused; a later start that finds the
+        cached model compiles for the pick alone, and may pick larger: its top bucket is the budget itself)."""
+        self.runner.wait_for_executables()
+        model = token_budget.calibrate(self.runner, self.block_manager, self.scheduler_config.max_num_seqs,
+                                       self.max_model_len, source={"model": requested.model, "dtype": requested.dtype})
+        source = token_budget.save_cost_model(model, cost_path)
+        self.config, self.budget_setup = token_budget.resolve(requested, model, source, self.runner.buckets,
+                                                              max_model_len=self.max_model_len)
+        if self.budget_setup.budget != self.scheduler_config.token_budget:
+            self.scheduler_config = dataclasses.replace(self.scheduler_config, token_budget=self.budget_setup.budget)
+            speculation = self.scheduler.speculation  # the new scheduler keeps the draft grants
+            self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
+            self.scheduler.speculation = speculation
+
+    def _kv_budget(self, config: EngineConfig, platform: str):
+        """`sizing.kv_cache_budget` with this process's devices: their memory statistics (None on CPU) and
+        JAX's allocator fraction (GPUs only; a TPU's bytes_limit is its whole memory)."""
+        stats = _memory_stats(self.devices)
+        fraction = jax_mem_fraction() if platform in GPU_PLATFORMS else 1.0
+        return kv_cache_budget(config, self.model_config, stats, fraction)
+
+    # ----------------------------------------------------------------------------------- pipeline parallelism
+
+    def pipeline_stats(self) -> dict:
+        """Pipeline accounting since start (or `reset_pipeline_stats`): `bubble_fraction`
+        (1 - busy / (stages x wall)), `stage_busy_s`, `wall_s`, `num_microbatches`, `max_in_flight` (most
+        micro-batches dispatched and not yet retired at once) and `max_overlap` (most whose device work
+        overlapped in time). See `sarathi_jax.parallel.pipeline`. With pipeline_parallel_size 1 nothing is
+        measured: bubble_fraction is None."""
+        timeline = self.runner.timeline
+        if timeline is None:
+            return {"num_stages": 1, "num_microbatches": len(self.iteration_log),
+                    "max_in_flight": min(self.core.loop.max_in_flight, len(self.iteration_log)),
+                    "bubble_fraction": None}
+        return timeline.stats()
+
+    def reset_pipeline_stats(self) -> None:
+        if self.runner.timeline is not None:
+            self.runner.timeline.reset()
+
+    @property
+    def max_microbatches_in_flight(self) -> int:
+        timeline = self.runner.timeline
+        if timeline is not None:
+            return timeline.max_in_flight
+        return min(self.core.loop.max_in_flight, len(self.iteration_log))
+
+    # ----------------------------------------------------------------------------------- introspection
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the executables left to background threads at start-up (`background_compile`) are all
+        built: True, or False after `timeout` seconds; RuntimeError if one of them failed to build (serving
+        goes on without it). Benchmarks call it before they time anything."""
+        return self.runner.wait_for_executables(timeout)
+
+    def stop_background_compile(self) -> None:
+        """Build nothing more in the background, and return once the builds in flight have ended (an XLA
+        compile cannot be interrupted): for a process about to exit."""
+        if self.runner.background is not None:
+            self.runner.background.stop()
+
+    def startup_stats(self) -> dict:
+        """How start-up went. Seconds: `load_s` (weights and tokenizer), `init_s` (sizing, scheduler, model
+        runner and KV cache), `compile_s` (tracing, lowering and XLA compiling, or loading executables from the
+        persistent cache, wherever it happened), `warmup_s` (the rest of running each bucket once; 0 when built
+        with warmup=False, in which case buckets compile on first use), `total_s`. The first three exclude
+        the compile time inside them, so the four add up to about the total. Also `platform`, `device`,
+        `num_devices`, `attention_backend` (resolved) and `attention_backend_setting` (as given),
+        `scan_layers` (resolved), `dtype` (resolved) and `dtype_setting` (as given), `num_kv_blocks` and
+        `kv_cache_bytes` (the cache allocated), `gpu_memory_utilization` (None: a fixed budget or num_blocks),
+        `activation_bytes_estimate` (set aside per device under memory-fraction sizing, else 0),
+        `kv_unfragmented_bytes` (per device, what the memory fraction allowed when the largest free block of
+        device memory allowed less and decided; else None),
+        `peak_bytes_in_use` (the most any device held by the end of start-up; None where not reported),
+        `compilation_cache_dir` (None: no persistent cache), `executables` (built during start-up),
+        `cache_hits` (of those, loaded from the cache) and `cache_misses` (compiled; None without a cache),
+        `background_executables` (left to background threads when the engine was ready) and
+        `background_compile_s` (how long those took; None until they are all built)."""
+        background = self.runner.background
+        return {**self._startup_stats,
+                "background_compile_s": background.seconds if background is not None and background.done else None}
+
+
+def _load_draft(name: str, dtype: Any, config: EngineConfig, plan: Any, devices: Sequence[Any]
+                ) -> tuple[tuple[Any, Any], Any]:
+    """A separate draft's ((config, params), parallel plan): on one device (`plan` None), or on the target's
+    devices with the target's tensor parallelism, sharded by the same rules (a draft whose heads do not split
+    is refused as the target would be). Errors name the draft."""
+    try:
+        if plan is None:
+            return load_model(name, dtype, seed=config.seed), None
+        from sarathi_jax.parallel import load_parallel_model
+
+        draft_plan, *draft = load_parallel_model(name, dtype, config.seed, config.tensor_parallel_size, 1,
+                                                 devices=devices)
+        return (draft[0], draft[1]), draft_plan
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model {name!r}: {error}") from error
+
+
+def _memory_stats(devices: Sequence[Any]) -> list[dict | None]:
+    """`memory_stats()` of the engine's devices (the mesh's order); None for a device that keeps none (CPU).
+    None of them when the engine spans processes: each would size its cache from its own devices, and every
+    process must build the same number of blocks."""
+    if jax.process_count() > 1:
+        return [None]
+    return [d.memory_stats() for d in devices]
+
+
+def format_startup(stats: dict) -> str:
+    """One line for logs: `startup_stats()` in words."""
+    s = stats
+    backend = s["attention_backend"] + (" (auto)" if s["attention_backend_setting"] == "auto" else "")
+    if s["compilation_cache_dir"]:
+        cache = (f"{s['executables']} executables, {s['cache_hits']} from the compilation cache "
+                 f"{s['compilation_cache_dir']}")
+    else:
+        cache = f"{s['executables']} executables, no compilation cache"
+    warm = f"warm-up {s['warmup_s']:.1f} s" if s["warmed_up"] else "no warm-up"
+    if s.get("background_executables"):
+        n, seconds = s["background_executables"], s.get("background_compile_s")
+        cache += (f"; {n} more building in the background" if seconds is None
+                  else f"; {n} more built in the background in {seconds:.1f} s")
+    return (f"engine ready in {s['total_s']:.1f} s (load {s['load_s']:.1f} s, init {s['init_s']:.1f} s, "
+            f"compile {s['compile_s']:.1f} s, {warm}; {cache}) on {s['platform']} "
+            f"[{s['device']} x{s['num_devices']}], {backend} attention, "
+            f"{'scanned' if s.get('scan_layers', True) else 'unrolled'} layers, "
+            f"{s['dtype']}{' (auto)' if s['dtype_setting'] == 'auto' else ''}, {_kv_words(s)}"
+            + (f"; {s['token_budget_words']}" if s.get("token_budget_words") else ""))
+
+
+def _kv_words(s: dict) -> str:
+    kv = f"KV cache {s['num_kv_blocks']} blocks ({s['kv_cache_bytes'] / 2**30:.2f} GiB"
+    if s["gpu_memory_utilization"] is not None:
+        kv += f", gpu_memory_utilization {s['gpu_memory_utilization']:g}"
+    if s.get("kv_unfragmented_bytes") is not None:
+        kv += (f", cut from {s['kv_unfragmented_bytes'] / 2**30:.2f} GiB per device to fit the largest free block "
+               f"of device memory")
+    if s.get("draft_param_bytes"):
+        kv += (f"; draft model {s['draft_param_bytes'] / 2**30:.2f} GiB of parameters and "
+               f"{s['draft_kv_cache_bytes'] / 2**30:.2f} GiB of KV cache")
+    if s["peak_bytes_in_use"] is not None:
+        kv += f"; device memory peak {s['peak_bytes_in_use'] / 2**30:.2f} GiB"
+    return kv + ")"
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
