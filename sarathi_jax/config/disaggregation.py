@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation's configuration (issue 33): how devices split into a prefill side and a decode
+"""Prefill/decode disaggregation's configuration: how devices split into a prefill side and a decode
 side (`DisaggregationSplit`, `EngineConfig.disaggregation = "P:D"`), and the links a request's KV cache moves
 over (`KVLink`, `KV_LINKS`). Plain Python, no JAX; the simulated engine is sarathi_jax/disagg/sim_engine.py.
 

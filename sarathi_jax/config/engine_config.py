@@ -37,9 +37,9 @@ def token_budget_arg(text: str) -> int | str:
 def resolve_attention_backend(name: str, platform: str, *, cpu_kernel_status: str | None) -> str:
     """The backend `name` means on `platform` (`jax.default_backend()`): "auto" is the Pallas kernel on a
     GPU, where the jnp path is 10-370x off the hardware floor; on a CPU the C++ kernel ("cpu": decode steps
-    5-17x faster than the jnp path, docs/results-cpu.md section 11) when it was built, else "xla"; "xla"
-    elsewhere (on TPU the Pallas kernel has no compiled path). `cpu_kernel_status` is `pallas_kernels.cpu_kernel_status()`: None when the C++ kernel is
-    available, else why not (the caller asks, so that this module needs no JAX).
+    5-17x faster than the jnp path on a 2-core CPU) when it was built, else "xla"; "xla" elsewhere (on TPU the
+    Pallas kernel has no compiled path). `cpu_kernel_status` is `pallas_kernels.cpu_kernel_status()`: None when
+    the C++ kernel is available, else why not (the caller asks, so that this module needs no JAX).
 
     Raises:
       ValueError: an unknown name, or "cpu" on another platform or where the kernel is not built.
@@ -74,7 +74,7 @@ def resolve_scan_layers(scan_layers: bool | None, platform: str) -> bool:
     once whatever the depth, but on GPUs and CPUs each layer's weights are then sliced out of the stacked
     arrays by a copy every step (XLA fuses the loop's dynamic slice into neither backend's matmuls): llama-1b
     decode x32 on an H100 took 5.8 ms per step scanned against 4.0 ms unrolled; on a 2-core CPU, decode steps
-    of SmolLM2 and a 60M Llama took 0.62-0.94x the time unrolled (docs/results-cpu.md §11). Unrolled start-up
+    of SmolLM2 and a 60M Llama took 0.62-0.94x the time unrolled. Unrolled start-up
     is about twice as long (SmolLM2 on that CPU: ready in 10.5 s cold, 8.2 s warm, against 6.9 and 4.1 s),
     paid once per process and mostly cached. So: unrolled on GPUs and CPUs; scanned on TPUs, as MaxText runs
     them there (not measured here)."""
@@ -166,12 +166,13 @@ class EngineConfig:
         model with the same vocabulary). Unconstrained requests only. The overlapped loop retires first after a
         step that verified drafts; a draft model's requests keep the loop synchronous.
         With tensor parallelism (a draft model on the model's devices, sharded alike); not with pipeline
-        parallelism or tile_size. See docs/design.md, "Speculative decoding".
+        parallelism or tile_size. See docs/design/speculative-decoding.md.
     disaggregation: "P:D" splits prefill from decode (DistServe, Splitwise): P devices run prompts and sample
         each request's first token, then its KV cache moves to the D decode devices (a side may be
         DEVICES/TP: instances of TP devices; sarathi_jax/config/disaggregation.py). None: colocated. Runs on
-        `DisaggregatedEngine` (one process; `LLM` and the server build it; partial, docs/design.md) and in the
-        simulator (`python -m sarathi_jax.bench --simulate --disaggregation P:D`); LLMEngine refuses it.
+        `DisaggregatedEngine` (one process; `LLM` and the server build it; partial,
+        docs/design/disaggregation.md) and in the simulator (`python -m sarathi_jax.bench --simulate
+        --disaggregation P:D`); LLMEngine refuses it.
     """
 
     model: str = "tiny-llama"

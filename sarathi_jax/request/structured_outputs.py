@@ -1,6 +1,6 @@
 """Structured outputs: constrain a request's tokens to a JSON schema, a regex, a list of choices or a grammar.
 
-The grammar engine is llguidance (docs/design.md, "Structured outputs", says why, with figures). Three parts:
+The grammar engine is llguidance (docs/design/structured-outputs.md says why, with figures). Three parts:
 
 - `StructuredOutputs`: what a user sends (`{"json": SCHEMA}`, `{"json_object": True}`, `{"regex": R}`,
   `{"choice": [...]}`, `{"grammar": EBNF_OR_LARK}`), parsed and validated without a tokenizer, so the API edge
