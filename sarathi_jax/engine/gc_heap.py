@@ -2,7 +2,7 @@
 
 Building an engine leaves some 170k long-lived Python objects behind (JAX's tracing and compilation state, the
 tokenizer, the model's pytrees). CPython's collection of its oldest generation walks every one of them: 60-180
-ms on the 2-core CPU machine (docs/results-cpu.md, §11), on the thread that happens to allocate, so a serving
+ms on a 2-core CPU machine, on the thread that happens to allocate, so a serving
 engine stalls for that long whenever enough objects have survived into that generation (a few times a minute
 under load), and every running request sees one long time between tokens. `gc.freeze()` after start-up moves
 those objects into the permanent generation, which collections skip (vLLM freezes its engine's start-up heap

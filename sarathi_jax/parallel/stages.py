@@ -47,8 +47,8 @@ class LMHead:
     replicated: NamedSharding | None = None  # TP: what the logits and the sampler's outputs are gathered to
     # Greedy-only samplers take the logits vocab-major, [vocab, R] (`logits_vocab_major`), with the weight
     # [vocab, embed] as the dot's left operand: XLA:CPU's YNNPACK packs a dot's right operand on every call,
-    # so [R, embed] x [vocab, embed]^T repacks the whole head per step (1.3-1.7x slower at R <= 16; see
-    # docs/results-cpu.md §11). Set on a CPU.
+    # so [R, embed] x [vocab, embed]^T repacks the whole head per step (1.3-1.7x slower at R <= 16).
+    # Set on a CPU.
     vocab_major_greedy: bool = False
     # Greedy-only samplers of GREEDY_KERNEL_MIN_ROWS..greedy_head_cpu.MAX_ROWS rows run the LM head and the
     # sampler in one C++ call (`pallas_kernels.greedy_head_cpu`: no logits written, no further passes over

@@ -9,7 +9,7 @@ point-mass proposal) before the step that verifies them (`DraftRunner.propose`, 
     (`ModelRunner.step_shadow`): the same packed batch runs through the draft, so its cache holds every token
     the target's does (prompt chunks, prefix-cache hits, recomputed preemptions) and nothing else to track.
 
-Why the target's cache serves the "self" draft exactly (docs/design.md, "Speculative decoding"):
+Why the target's cache serves the "self" draft exactly (docs/design/speculative-decoding.md):
   * Committed tokens' K/V in layers < L is what the draft's own layers would write: the draft's layers are
     the target's layers, on the same tokens at the same positions. So the draft needs no cache and no
     prefill of its own.
@@ -39,8 +39,8 @@ separate draft's shadow step: once per runner bucket).
 
 Where it runs: on a `parallel.stages.Stage`, the target's for "self", the draft's own for a separate model.
 Under tensor parallelism that stage is on the target's mesh, its params and KV cache sharded by the target's
-rules; the draft's steps keep those shardings (docs/design.md, "Under tensor parallelism"). Pipeline
-parallelism is refused (`EngineConfig`).
+rules; the draft's steps keep those shardings (docs/design/speculative-decoding.md, "Under tensor
+parallelism"). Pipeline parallelism is refused (`EngineConfig`).
 """
 
 from __future__ import annotations

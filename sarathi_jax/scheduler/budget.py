@@ -1,18 +1,18 @@
-"""Token budgets from a TBT target (issue 30): `pick_auto_budget` (token_budget="auto": one budget, picked at
-start-up) and `SloTokenBudget` (token_budget="dynamic": a budget per iteration). Plain Python, no JAX.
+"""Token budgets from a TBT target: `pick_auto_budget` (token_budget="auto": one budget, picked at start-up)
+and `SloTokenBudget` (token_budget="dynamic": a budget per iteration). Plain Python, no JAX. The design:
+docs/design/scheduler.md.
 
 Both ask an `IterationPredictor` (a cost model calibrated on the device: `sarathi_jax.sim.cost_model.BucketCostModel`,
 or the simulator's `CostModel`) how long a batch of running decodes plus one prefill chunk takes, and take the
 largest multiple of `TILE` tokens whose predicted time is at most `margin` x the target. The margin
 (`EngineConfig.slo_margin`, default `DEFAULT_MARGIN` = 0.9) leaves room for what the prediction misses: the
-fit's error, the host's own time per iteration, noise. A budget never goes below the decodes it must hold, so running decodes always fit (stall-free): when
-even they alone are predicted over the target, the budget is just big enough for them.
+fit's error, the host's own time per iteration, noise. A budget never goes below the decodes it must hold, so
+running decodes always fit (stall-free): when even they alone are predicted over the target, the budget is just big enough for them.
 
 "auto" predicts a worst-case iteration of B tokens (`reference_batch`): min(REFERENCE_DECODES, max_num_seqs - 1,
 B // 2) decodes at the longest context a request may reach (max_model_len), and a prefill chunk of the rest
 ending there. It thus holds the target whatever the contexts, and is conservative where they stay short (a
-fixed 512-token reference picked budgets whose iterations overran the target on longer traces: docs/results-cpu.md
-section 15).
+fixed 512-token reference picks budgets whose iterations overrun the target on longer traces).
 "dynamic" predicts the iteration it is about to build: the ready decodes at their own contexts, and a prefill
 chunk of the rest starting where the earliest running prefill stands (0 when none: a new prompt). Its target is
 the tightest `slo_tbt_s` among the running requests that have produced a token (a request without its own

@@ -71,7 +71,7 @@ class Speculation:
     def overlaps(self) -> bool:
         """Whether a decode whose last token is still pending (the overlapped loop) may get drafts: a lookup
         guesses that token (`ngram_proposer`); a draft model reads it on the host, so the engine core keeps
-        requests that may speculate with one synchronous (docs/design.md, "The loop")."""
+        requests that may speculate with one synchronous (docs/design/speculative-decoding.md, "The loop")."""
         return self.propose is not None
 
     def synchronous(self, params: SamplingParams) -> bool:

@@ -5,7 +5,7 @@ row, no logprobs, no constraint), in the two forms `sampling.sample_packed` take
   float32, the kernel built for AVX-512), for `GREEDY_KERNEL_MIN_ROWS..GREEDY_KERNEL_MAX_ROWS` rows: the LM
   head and the sampler in one pass, no logits written. On the 60M Llama's head ([32000, 512]) it took 0.6-0.85x
   the time of the jnp forms below at 16-64 rows, tied at 8 and lost at 1-4, where it reads the head slower
-  than XLA's dot does (docs/results-cpu.md §11, tenth session).
+  than XLA's dot does.
 * **Vocab-major logits** `[vocab, R]`, every reduction over axis 0 (`greedy_vocab_major`), for at most
   `MAX_ROWS` rows where `LMHead.vocab_major_greedy` is set (on a CPU). Why a second layout: XLA:CPU's YNNPACK
   packs a dot's right operand on every call. Logits `[R, vocab]` put the head's weight on the right, so each
@@ -36,7 +36,7 @@ GREEDY_ONLY = SamplerVariant(sampled=False, filter="none", logprobs=False)
 
 # The most rows it serves: from 64 rows the dot is compute-bound enough that YNNPACK's packing no longer
 # dominates, and the [vocab, R] reductions were slower (`sampler_cost --head`: 0.65-0.8x at 64-128 rows,
-# 1.1-2.5x at 4-32, on a loaded 2-core machine; docs/results-cpu.md §11).
+# 1.1-2.5x at 4-32, on a loaded 2-core machine).
 MAX_ROWS = 32
 
 # The fewest rows the C++ kernel serves (see the module docstring): at 16 rows it took 0.74-0.85x the time of the
