@@ -7,7 +7,8 @@ or the simulator's `CostModel`) how long a batch of running decodes plus one pre
 largest multiple of `TILE` tokens whose predicted time is at most `margin` x the target. The margin
 (`EngineConfig.slo_margin`, default `DEFAULT_MARGIN` = 0.9) leaves room for what the prediction misses: the
 fit's error, the host's own time per iteration, noise. A budget never goes below the decodes it must hold, so
-running decodes always fit (stall-free): when even they alone are predicted over the target, the budget is just big enough for them.
+running decodes always fit (stall-free): when even they alone are predicted over the target, the budget is just
+big enough for them.
 
 "auto" predicts a worst-case iteration of B tokens (`reference_batch`): min(REFERENCE_DECODES, max_num_seqs - 1,
 B // 2) decodes at the longest context a request may reach (max_model_len), and a prefill chunk of the rest
