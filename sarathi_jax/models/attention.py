@@ -27,7 +27,8 @@ KVCache = tuple[jax.Array, jax.Array]
 
 @flax.struct.dataclass
 class AttentionMetadata:
-    """Everything about the batch layout that the attention of every layer shares (see docs/design.md)."""
+    """Everything about the batch layout that the attention of every layer shares (the attention contract:
+    docs/design/kernels.md)."""
 
     slot_mapping: jax.Array  # int32[T]: flat cache slot per token row; -1 for padding rows
     kv_lens: jax.Array  # int32[S]: cached tokens per sequence, this step's included

@@ -1,6 +1,6 @@
 """Falcon (`FalconForCausalLM`, the Falcon-7B/40B/180B family) as a Flax linen decoder over the paged KV cache.
 
-Same model contract as `llama.py` (see docs/design.md), built from the same shared layers (`layers.py`: the
+Same model contract as `llama.py` (see docs/design/models.md), built from the same shared layers (`layers.py`: the
 projections, RoPE, `PagedSelfAttention` over the paged KV cache with its pluggable `attention_fn`, and the
 decoder itself, `PagedDecoderLM`): the same `__call__` signature, logits only for `logits_indices`,
 logical axis names on every parameter. Follows transformers' `modeling_falcon.py`:

@@ -38,7 +38,7 @@ from sarathi_jax.models.param_source import ParamSource
 
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
-    """One implementation of the model contract (docs/design.md) and the architectures it serves."""
+    """One implementation of the model contract (docs/design/models.md) and the architectures it serves."""
 
     name: str
     architectures: tuple[str, ...]

@@ -23,7 +23,7 @@ from sarathi_jax.models.config import ModelConfig, RopeScaling
 from sarathi_jax.models.fusion import split_qkv
 from sarathi_jax.models.out_major import IN_MAJOR, OUT_MAJOR, PANELS, out_major_product, panel_product, panel_shape
 
-# Same signature as `ragged_paged_attention_xla` (see docs/design.md).
+# Same signature as `ragged_paged_attention_xla` (the attention contract: docs/design/kernels.md).
 AttentionFn = Callable[..., jax.Array]
 
 # Random-init scale of every matrix (HF `initializer_range`); gives logits of std ~0.3 at hidden 256.
@@ -221,7 +221,7 @@ class PagedDecoderLayer(nn.Module):
 
 
 class PagedDecoderLM(nn.Module):
-    """The decoder every model here is: the model contract's fields and `__call__` (docs/design.md). A
+    """The decoder every model here is: the model contract's fields and `__call__` (docs/design/models.md). A
     subclass names its token embedding (`embedding_name`), its layer (`layer_class`) and its final norm.
 
     `__call__(token_ids [T], positions [T], kv_cache, metadata, logits_indices [S]) -> (logits [S, vocab],

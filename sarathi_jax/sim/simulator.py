@@ -1,6 +1,6 @@
 """Discrete-event serving simulator: the real schedulers and block manager, a cost model instead of a model.
 
-`SimulatedEngine` has the engine API of docs/design.md on a virtual clock: it is the engine's own core
+`SimulatedEngine` has the engine API (docs/design/core.md) on a virtual clock: it is the engine's own core
 (`sarathi_jax.core.engine_core.EngineCore`: scheduler, block manager, postprocessing, outputs) driving
 `CostModelExecutor`, whose batches advance a `VirtualClock` by the cost model's time and sample dummy tokens.
 `simulate()` feeds a trace of timed arrivals through the driver loop the bench uses (`sarathi_jax.core.arrival_loop`). Requests go through the engine's own admission

@@ -1,4 +1,4 @@
-"""`TensorParallelCost`: a simulator cost model for an instance of `tp` devices, from a single-device one (issue 33:
+"""`TensorParallelCost`: a simulator cost model for an instance of `tp` devices, from a single-device one (for
 each side of a disaggregated engine, and a colocated engine at equal devices, priced from the same measured
 single-device step costs). No JAX.
 
