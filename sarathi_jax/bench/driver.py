@@ -1,6 +1,6 @@
 """Drive an engine through a workload and collect per-request records and the iteration log.
 
-The driver uses only the engine API (`sarathi_jax.core.engine_api.Engine`, docs/design.md) and runs the one driver
+The driver uses only the engine API (`sarathi_jax.core.engine_api.Engine`, docs/design/core.md) and runs the one driver
 loop (`sarathi_jax.core.arrival_loop.drive`): each request is added once its arrival time has passed on the
 engine's own clock, with `arrival_time = run start + its offset`; while the engine is idle the clock waits for
 the next arrival (a real engine sleeps, the simulator jumps). Offline runs put every arrival at 0.

@@ -2,7 +2,7 @@
 `SimulatedEngine` both meet (the bench, the driver loop and the servers' engine thread use nothing else), and
 the `Clock` an engine stamps its times with: wall time (`WallClock`) for `LLMEngine`, virtual seconds for
 `SimulatedEngine`, and below the core, the `Executor` that runs its batches (the model runner, or a cost model
-on a virtual clock) with the `StepHandle` and `SampledBatch` it returns. See docs/design.md, "Engine API". No JAX.
+on a virtual clock) with the `StepHandle` and `SampledBatch` it returns. See docs/design/core.md, "Engine API". No JAX.
 """
 
 from __future__ import annotations
@@ -20,7 +20,25 @@ if TYPE_CHECKING:
     from sarathi_jax.request.outputs import IterationRecord, RequestOutput
     from sarathi_jax.request.sampling_params import RequestSampling, SamplingParams
     from sarathi_jax.request.sequence import ScheduledChunk, Sequence
-    from sarathi_jax.engine.token_budget import BudgetSetup
+
+
+class BudgetSetup(Protocol):
+    """How an engine's token budget was set, as drivers read it (`sarathi_jax.engine.token_budget.BudgetSetup`
+    is the one there is; named here by its shape, since the engine package sits above this one)."""
+
+    @property
+    def mode(self) -> str:
+        """One of "fixed", "auto", "dynamic"."""
+        ...
+
+    @property
+    def budget(self) -> int:
+        """The resolved token budget (under "dynamic", the compiled maximum)."""
+        ...
+
+    def describe(self) -> str: ...
+
+    def as_dict(self) -> dict: ...
 
 
 class Clock(Protocol):
@@ -96,7 +114,7 @@ class Engine(Protocol):
 
     def stats(self) -> dict:
         """num_running, num_waiting, num_free_blocks, num_total_blocks, kv_cache_usage, num_preemptions,
-        prefix_cache_queries, prefix_cache_hits (see docs/design.md)."""
+        prefix_cache_queries, prefix_cache_hits (see docs/design/core.md)."""
         ...
 
     def reset_prefix_cache(self) -> None: ...

@@ -23,7 +23,7 @@ How many batches stay in flight after a step (`LoopConfig`):
 A constrained row's bitmask (`_token_bitmask`) and a draft model's proposal need the last token on the host:
 while such a request is unfinished, the overlapped loop retires every batch before it schedules. A verified
 chunk's 1 to k + 1 tokens are known only at retirement: the loop also retires first while a running sequence's
-verification is in flight (n-gram lookups guess a pending last token: docs/design.md, "Speculative decoding",
+verification is in flight (n-gram lookups guess a pending last token: docs/design/speculative-decoding.md,
 "The loop"). In every mode a request's tokens depend only on its own tokens and seed.
 """
 

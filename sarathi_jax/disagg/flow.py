@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation's request flow (issue 33), the one copy that the simulated engine
+"""Prefill/decode disaggregation's request flow (docs/design/disaggregation.md), the one copy that the simulated engine
 (sarathi_jax/disagg/sim_engine.py: cost models on virtual clocks) and the real one (sarathi_jax/disagg/real_engine.py:
 model runners on their own devices, the wall clock) share. No JAX.
 

@@ -1,4 +1,4 @@
-"""The real KV transfer of a disaggregated engine (issue 33): a request's prompt blocks, from a prefill
+"""The real KV transfer of a disaggregated engine: a request's prompt blocks, from a prefill
 instance's paged KV cache to the blocks a decode instance reserved for it, device to device.
 
 `KVBlockMover(source, target)` between two model runners (one stage each: no pipeline parallelism). A move is

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation in the simulator (issue 33): `DisaggregatedSimEngine`, the engine API
+"""Prefill/decode disaggregation in the simulator: `DisaggregatedSimEngine`, the engine API
 (`engine_api.Engine`) on a virtual clock, like `SimulatedEngine`, with prefill and decode on separate instances
 (`disaggregation_config.DisaggregationSplit`). The request flow (queue, prefill, hand-off, back-pressure, landing,
 aborts) is sarathi_jax/disagg/flow.py, shared with the real engine (sarathi_jax/disagg/real_engine.py);

@@ -1,4 +1,4 @@
-"""The parts of a disaggregated engine's request flow (issue 33; the flow: sarathi_jax/disagg/flow.py):
+"""The parts of a disaggregated engine's request flow (the flow: sarathi_jax/disagg/flow.py):
 an instance (`Instance`: a core, its queue, its room), a request between instances (`Queued` at a prefill
 instance, `Handoff` while held and moving), a copy still on the device (`CopyInFlight`), a finished transfer
 (`TransferRecord`), and the sampling settings a prefill instance runs a request with (`prefill_params`). No JAX.
