@@ -61,7 +61,7 @@ class Experiment:
     sarathi_budgets: tuple[int, ...] = (512, 2048)
     max_num_seqs: int = 128
     max_model_len: int = 4096
-    sample: int = 128  # requests per probe; the paper replays more (see docs/results-gpu.md)
+    sample: int = 128  # requests per probe; the paper replays more
     length_scale: float = 1.0
     capacity_probes: int = 6
     decode_probe_batch: int = 32

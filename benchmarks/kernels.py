@@ -1,11 +1,11 @@
 """Benchmark for ragged paged attention: the Pallas kernel against its hardware floor, the jnp (XLA) path and
 FlashAttention (PyTorch's `scaled_dot_product_attention` on contiguous K/V), case by case.
 
-    python -m benchmarks.kernels                      # the issue-13 suite, Mistral-7B heads (32/8/128, bf16)
+    python -m benchmarks.kernels                      # the suite, Mistral-7B heads (32/8/128, bf16)
     python -m benchmarks.kernels --heads llama1b --out bench.json
     python -m benchmarks.kernels --decodes 32 --decode-ctx 1024 --prefill-chunks 512 --prefill-ctx 1536
 
-Without batch flags it runs the suite (`SUITE`: the six rows of issue 13: 64 decodes x ctx 1024, 256 decodes
+Without batch flags it runs the suite (`SUITE`, six batches: 64 decodes x ctx 1024, 256 decodes
 x ctx 2048, 8 decodes x ctx 16384, 32 decodes at ctx 1024 + one 512-token chunk at ctx 1536, a 2048-token
 prefill, and a 512-token chunk at ctx 1536). With `--decodes` / `--prefill-chunks` it runs that one batch:
 `--decodes` decode rows (one query token each, `--decode-ctx` tokens of context before it) plus one prefill
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunks", default=None, help="custom batch: comma-separated prefill chunk sizes")
     p.add_argument("--prefill-ctx", default="0", help="prior context per chunk (one value or one per chunk)")
     p.add_argument("--cases", default=None,
-                   help="suite: comma-separated indices into SUITE (default: all six issue-13 rows)")
+                   help="suite: comma-separated indices into SUITE (default: all six)")
     p.add_argument("--heads", default=None,
                    help=f"one of {sorted(HEADS)} or 'Q,KV,D' (query heads, KV heads, head_dim); default mistral7b "
                         "(on a CPU: the suite's CPU_HEADS)")

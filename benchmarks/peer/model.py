@@ -1,6 +1,6 @@
 """The model both engines of `python -m benchmarks.peer` load: an HF Llama folder with random weights.
 
-`make_model(DIR)` writes the issue's 60M-parameter Llama (hidden 512, 8 layers, 8 heads of 64, vocab 32000,
+`make_model(DIR)` writes a 60M-parameter Llama (hidden 512, 8 layers, 8 heads of 64, vocab 32000,
 untied LM head, float32 safetensors) with `transformers.save_pretrained`, seeded, plus a word-level
 `tokenizer.json` (token i is the word `t<i>`; ids 0, 1, 2 are <unk>, <s>, </s>). The prompts are token ids, so
 neither engine needs the tokenizer to read them; it is there because vLLM's OpenAI server wants a tokenizer
@@ -34,7 +34,7 @@ class LlamaShape:
         return self.num_hidden_layers * layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
-PEER_60M = LlamaShape()  # ~58.5M parameters: the issue's figures were measured on this shape
+PEER_60M = LlamaShape()  # ~58.5M parameters: the shape the CPU comparisons with vLLM run
 # Tests. Heads of 64: vLLM's CPU attention has kernels for a few head sizes only (16 is refused).
 TINY = LlamaShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)

@@ -206,8 +206,8 @@ def start_server(cmd: ServerCommand, port: int, log_dir: Path, timeout: float) -
 @contextlib.contextmanager
 def sigterm_as_exit() -> Iterator[None]:
     """Inside it, SIGTERM (a `kill`, a job runner's stop) raises SystemExit, so that the `finally` around each
-    server stops it: the servers run in sessions of their own and would outlive the bench otherwise (one did,
-    and loaded the machine under the next run). Only the main thread can set a handler; elsewhere it does
+    server stops it: the servers run in sessions of their own and would outlive the bench otherwise (and
+    load the machine under the next run). Only the main thread can set a handler; elsewhere it does
     nothing. The previous handler comes back on the way out."""
     if threading.current_thread() is not threading.main_thread():
         yield

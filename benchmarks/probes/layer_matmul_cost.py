@@ -15,9 +15,9 @@ step may copy every weight before reading it. Formulations, each jitted, timed r
   kernel       `panel_matmul_cpu(x, pack_panels(Wt), N)`: the C++ matmul on weights packed once into column
                panels (`pallas_kernels/panel_matmul_cpu.py`; only where the kernel is built)
 
-An earlier C++ kernel reading `W [K, N]` in place (commit f00a550, removed after) did not beat `left+T` on an
-AVX2 machine over a scanned stack (docs/results-cpu.md §11); one reading `Wt [N, K]` in place led it over the
-unrolled stack on an AVX-512 machine (ninth session), and the panel kernel replaced it (tenth session).
+Why panels, not the weight read in place: a C++ kernel reading `W [K, N]` in place did not beat `left+T` on an
+AVX2 machine over a scanned stack; one reading `Wt [N, K]` in place led it over the unrolled stack on an AVX-512
+machine, and the panel kernel is level with it at 1-8 rows and faster at 24-64.
 
 Two tables: one matmul per shape (weight passed as an argument), and a stack of `--layers` layers (qkv, o,
 gate+up, down with their elementwise glue, no attention), unrolled over per-layer weights as the engine runs
