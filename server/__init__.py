@@ -4,8 +4,8 @@ server/README.md.
     python -m server --model tiny-llama --port 50051 --metrics-port 9090 [--http-port 8000]
     python -m server.client --token-ids 1,2,3 --max-tokens 16 --target 127.0.0.1:50051
 
-`GenerationServer` (server.service) and `run_load` (sarathi_jax.bench.loadgen) resolve lazily, so importing the proto
-modules or the client does not pull in the rest.
+`GenerationServer` (server.service) resolves lazily, so importing the proto modules or the client does not pull
+in the rest. The load driver that drives these servers is `sarathi_jax.bench.loadgen` (`run_load`), a layer above.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ _EXPORTS = {
     "GenerationServer": "server.service",
     "EngineWorker": "server.engine_worker",
     "ServingEngine": "server.engine_worker",
-    "run_load": "sarathi_jax.bench.loadgen",
-    "run_load_async": "sarathi_jax.bench.loadgen",
-    "ClientRequestResult": "sarathi_jax.bench.load_client",
     "make_request": "server.client",
 }
 

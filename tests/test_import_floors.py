@@ -1,12 +1,18 @@
-"""The floors: every import between the project's modules points down the layer order (`LAYERS`), and no
-modules import each other in a cycle.
+"""The floors: the project's packages stand in layers (`LAYERS`, bottom first), every import between modules
+points down that order or stays level, no packages import each other in a cycle, and no modules either. The
+layering, and what each package owns, is docs/design/README.md's; each package's __init__ docstring says the
+same for its own part.
 
-Read from the source with `ast`, so what runs at import time and what runs later count alike: module-level and
-function-level imports, imports under `if TYPE_CHECKING:` (a type named is a dependency too),
-`importlib.import_module("...")` with a literal name, and the names a package resolves lazily (`lazy_exports`:
-`from sarathi_jax import LLM` depends on sarathi_jax.llm, and the package on each module it exports from).
-Importing `a.b.c` runs `a/__init__` and `a/b/__init__` too; that is not counted, since every submodule would
-otherwise depend on its package's exports.
+A module belongs to the innermost listed package that contains it (`package_of`); `sarathi_jax` is listed for
+its __init__ alone, so a new subpackage or top module of it must be listed by name. The package graph is the
+module graph with each module replaced by its package.
+
+The module graph is read from the source with `ast`, so what runs at import time and what runs later count
+alike: module-level and function-level imports, imports under `if TYPE_CHECKING:` (a type named is a dependency
+too), `importlib.import_module("...")` with a literal name, and the names a package resolves lazily
+(`lazy_exports`: `from sarathi_jax import LLM` depends on sarathi_jax.llm, and the package on each module it
+exports from). Importing `a.b.c` runs `a/__init__` and `a/b/__init__` too; that is not counted, since every
+submodule would otherwise depend on its package's exports.
 """
 
 from __future__ import annotations
@@ -18,50 +24,35 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pallas_kernels", "sarathi_jax", "checkpoints_convert", "server")
+LIBRARY = ("pallas_kernels", "sarathi_jax", "checkpoints_convert", "server")  # what the wheel installs
+INSTRUMENTS = ("benchmarks",)  # developer instruments, run from a clone; never imported by the library
+ROOTS = LIBRARY + INSTRUMENTS
 
-# Bottom first. A module may import from its own layer and the layers below it. A pattern names a module, or
-# ends in `*` (`a.b.*`: a.b and everything below it; `a.b.peer_*`: the modules whose names start so); the most
-# specific pattern that matches a module places it. Every module must be placed (see docs/design.md).
-Layers = tuple[tuple[str, tuple[str, ...]], ...]
+# Bottom first. A package's modules may import from its own package, the other packages of its layer (no cycle
+# among them) and the layers below.
+Layers = tuple[tuple[str, frozenset[str]], ...]
 LAYERS: Layers = (
-    ("kernels", ("pallas_kernels.*",)),
-    ("kernel benchmark and tuner", ("benchmarks.kernels", "pallas_kernels.bench_*", "pallas_kernels.tune")),
-    ("grammar engine (llguidance, no JAX)", ("sarathi_jax.request.structured_outputs",)),
-    ("plain data: requests, sequences, KV blocks, model shapes", (
-        "sarathi_jax.utils.lazy_exports", "sarathi_jax.utils.paths", "sarathi_jax.utils.percentiles", "sarathi_jax.request.sampling_params", "sarathi_jax.request.outputs",
-        "sarathi_jax.request.tokenizer", "sarathi_jax.request.chat_template", "sarathi_jax.request.sequence", "sarathi_jax.scheduler.block_manager",
-        "sarathi_jax.models.config", "sarathi_jax.models.presets", "sarathi_jax.spec_decode.speculative",
-        "sarathi_jax.spec_decode.ngram_proposer",
-    )),
-    ("scheduling and configuration (no JAX)", ("sarathi_jax.scheduler.*", "sarathi_jax.config.engine_config", "sarathi_jax.config.flags", "sarathi_jax.config.sizing",
-                                               "sarathi_jax.config.disaggregation")),
-    ("models", ("sarathi_jax.models.*",)),
-    ("parallelism", ("sarathi_jax.parallel.*",)),
-    ("model runner", (
-        "sarathi_jax.runner.sample.inputs", "sarathi_jax.runner.sample.vocab_major", "sarathi_jax.runner.sample.sampler", "sarathi_jax.runner.step_inputs", "sarathi_jax.runner.input_batch",
-        "sarathi_jax.runner.sample.rejection",
-        "sarathi_jax.runner.compile_cache", "sarathi_jax.runner.executable_cache", "sarathi_jax.runner.precompile",
-        "sarathi_jax.runner.model_runner", "sarathi_jax.runner.draft_runner",
-    )),
-    ("engine", ("sarathi_jax.core.admission", "sarathi_jax.core.engine_core", "sarathi_jax.core.engine_api", "sarathi_jax.engine.llm_engine",
-                "sarathi_jax.sim.simulator", "sarathi_jax.sim.cost_model", "sarathi_jax.core.arrival_loop",
-                "sarathi_jax.engine.token_budget", "sarathi_jax.sim.tp_cost", "sarathi_jax.disagg.state",
-                "sarathi_jax.disagg.flow",
-                "sarathi_jax.disagg.sim_engine", "sarathi_jax.disagg.kv_transfer", "sarathi_jax.disagg.real_engine",
-                "sarathi_jax.engine.gc_heap")),
-    ("offline API", ("sarathi_jax", "sarathi_jax.llm")),
-    ("checkpoint converter", ("checkpoints_convert.*",)),
-    ("benchmarks", ("sarathi_jax.bench.*",)),
-    ("servers and their clients", ("server.*",)),
-    ("server comparisons (drive this server and vLLM's with sarathi_jax.bench.loadgen)", (
-        "benchmarks.peer.*",
-    )),
+    ("kernels", frozenset({"pallas_kernels"})),
+    ("utilities", frozenset({"sarathi_jax.utils"})),
+    ("requests, sequences, outputs, the grammar engine", frozenset({"sarathi_jax.request"})),
+    ("speculative decoding's plain parts", frozenset({"sarathi_jax.spec_decode"})),
+    ("schedulers and the block manager", frozenset({"sarathi_jax.scheduler"})),
+    ("models", frozenset({"sarathi_jax.models"})),
+    ("configuration", frozenset({"sarathi_jax.config"})),
+    ("parallelism", frozenset({"sarathi_jax.parallel"})),
+    ("model runner", frozenset({"sarathi_jax.runner"})),
+    ("engine core and its API", frozenset({"sarathi_jax.core"})),
+    ("simulator and cost models", frozenset({"sarathi_jax.sim"})),
+    ("engine", frozenset({"sarathi_jax.engine"})),
+    ("disaggregated prefill and decode", frozenset({"sarathi_jax.disagg"})),
+    ("offline API and engine factory", frozenset({"sarathi_jax", "sarathi_jax.llm", "sarathi_jax.factory"})),
+    ("checkpoint converter", frozenset({"checkpoints_convert"})),
+    ("servers and their client", frozenset({"server"})),
+    ("bench and load driver", frozenset({"sarathi_jax.bench"})),
+    ("developer instruments", frozenset({"benchmarks"})),
 )
-
-# Imports known to break the floors, each removed by other work on issue 28 (item 4); empty this once that work
-# is merged (test_known_exceptions_are_still_needed says when). Nothing else may be added here.
-KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
+# Listed for the module itself (its __init__), not for the modules under it.
+SHALLOW = frozenset({"sarathi_jax"})
 
 
 # ----------------------------------------------------------------------------------------------- the graph
@@ -141,39 +132,67 @@ def import_graph(root: Path, packages: Iterable[str]) -> dict[str, set[str]]:
 # ----------------------------------------------------------------------------------------------- the checks
 
 
-def layer_of(module: str, layers: Layers) -> int | None:
-    """Index of the layer whose most specific pattern matches `module` (None: no pattern does)."""
-    best: tuple[int, int] | None = None  # (specificity, layer)
-    for index, (_, patterns) in enumerate(layers):
-        for pattern in patterns:
-            if pattern.endswith(".*"):
-                prefix = pattern[:-2]
-                hit = module == prefix or module.startswith(prefix + ".")
-                specificity = 2 * len(prefix)
-            elif pattern.endswith("*"):
-                hit, specificity = module.startswith(pattern[:-1]), 2 * len(pattern[:-1])
-            else:
-                hit, specificity = module == pattern, 2 * len(pattern) + 1
-            if hit and (best is None or specificity > best[0]):
-                best = (specificity, index)
-    return None if best is None else best[1]
+def package_of(module: str, layers: Layers = LAYERS, shallow: frozenset[str] = SHALLOW) -> str | None:
+    """The innermost listed package containing `module` (a shallow one contains only itself); None: none does."""
+    listed = {name for _, names in layers for name in names}
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in listed and (name == module or name not in shallow):
+            return name
+    return None
 
 
-def upward_imports(graph: Mapping[str, set[str]], layers: Layers,
-                   exceptions: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
+def layer_of(package: str, layers: Layers = LAYERS) -> int:
+    return next(i for i, (_, names) in enumerate(layers) if package in names)
+
+
+def package_graph(graph: Mapping[str, set[str]], layers: Layers = LAYERS, shallow: frozenset[str] = SHALLOW
+                  ) -> dict[str, set[str]]:
+    """Package -> the packages its modules import (not itself); modules in no listed package are left out."""
+    packages: dict[str, set[str]] = {name: set() for _, names in layers for name in names}
+    for module, targets in graph.items():
+        source = package_of(module, layers, shallow)
+        for target in targets:
+            owner = package_of(target, layers, shallow)
+            if source is not None and owner is not None and owner != source:
+                packages[source].add(owner)
+    return packages
+
+
+def upward_imports(graph: Mapping[str, set[str]], layers: Layers = LAYERS, shallow: frozenset[str] = SHALLOW
+                   ) -> list[str]:
     found = []
     for module, targets in sorted(graph.items()):
+        source = package_of(module, layers, shallow)
         for target in sorted(targets):
-            low, high = layer_of(module, layers), layer_of(target, layers)
-            if (module, target) not in exceptions and low is not None and high is not None and high > low:
-                found.append(f"{module} ({layers[low][0]}) imports {target} ({layers[high][0]})")
+            owner = package_of(target, layers, shallow)
+            if source is None or owner is None:
+                continue
+            low, high = layer_of(source, layers), layer_of(owner, layers)
+            if high > low:
+                found.append(f"{module} ({source}: {layers[low][0]}) imports {target} ({owner}: {layers[high][0]})")
     return found
 
 
-def import_cycles(graph: Mapping[str, set[str]], exceptions: frozenset[tuple[str, str]] = frozenset()
-                  ) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), each sorted."""
-    edges = {m: sorted(t for t in ts if t in graph and (m, t) not in exceptions) for m, ts in graph.items()}
+def edges_within(graph: Mapping[str, set[str]], packages: Iterable[str], layers: Layers = LAYERS,
+                 shallow: frozenset[str] = SHALLOW) -> list[str]:
+    """The module imports between different packages of `packages`: what makes a package cycle."""
+    members = set(packages)
+    found = []
+    for module, targets in sorted(graph.items()):
+        source = package_of(module, layers, shallow)
+        for target in sorted(targets):
+            owner = package_of(target, layers, shallow)
+            if source in members and owner in members and owner != source:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def import_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted: modules that import each
+    other, or, on `package_graph`, packages."""
+    edges = {m: sorted(t for t in ts if t in graph) for m, ts in graph.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -210,29 +229,43 @@ def import_cycles(graph: Mapping[str, set[str]], exceptions: frozenset[tuple[str
 # ----------------------------------------------------------------------------------------------- the project
 
 
-def test_every_module_has_a_layer():
-    unplaced = [m for m in project_modules(REPO_ROOT, PACKAGES) if layer_of(m, LAYERS) is None]
-    assert not unplaced, f"place these modules in LAYERS (tests/test_import_floors.py): {unplaced}"
+def test_every_module_is_in_a_listed_package():
+    unplaced = [m for m in project_modules(REPO_ROOT, ROOTS) if package_of(m) is None]
+    assert not unplaced, f"list their packages in LAYERS (tests/test_import_floors.py): {unplaced}"
+
+
+def test_every_package_is_listed_once():
+    names = [name for _, names in LAYERS for name in names]
+    assert len(names) == len(set(names))
+    modules = project_modules(REPO_ROOT, ROOTS)
+    assert not [name for name in names if name not in modules], "LAYERS names a package that is not there"
 
 
 @pytest.fixture(scope="module")
 def project_graph() -> dict[str, set[str]]:
-    return import_graph(REPO_ROOT, PACKAGES)
+    return import_graph(REPO_ROOT, ROOTS)
 
 
 def test_no_import_runs_upward(project_graph):
-    found = upward_imports(project_graph, LAYERS, KNOWN_EXCEPTIONS)
+    found = upward_imports(project_graph)
     assert not found, "imports from a lower layer to a higher one:\n" + "\n".join(found)
 
 
-def test_no_import_cycles(project_graph):
-    cycles = import_cycles(project_graph, KNOWN_EXCEPTIONS)
+def test_no_package_cycles(project_graph):
+    cycles = import_cycles(package_graph(project_graph))
+    assert not cycles, "packages that import each other:\n" + "\n".join(
+        f"{cycle}: " + ", ".join(edges_within(project_graph, cycle)) for cycle in cycles)
+
+
+def test_no_module_cycles(project_graph):
+    cycles = import_cycles(project_graph)
     assert not cycles, f"modules that import each other: {cycles}"
 
 
-def test_known_exceptions_are_still_needed(project_graph):
-    gone = sorted(e for e in KNOWN_EXCEPTIONS if e[1] not in project_graph.get(e[0], set()))
-    assert not gone, f"these imports are gone: remove them from KNOWN_EXCEPTIONS: {gone}"
+def test_the_library_never_imports_the_instruments(project_graph):
+    found = [f"{m} -> {t}" for m, ts in sorted(project_graph.items()) if m.split(".")[0] in LIBRARY
+             for t in sorted(ts) if t.split(".")[0] in INSTRUMENTS]
+    assert not found, "the installed packages import benchmarks/, which the wheel leaves out:\n" + "\n".join(found)
 
 
 # ----------------------------------------------------------------------------------------------- the checker
@@ -264,24 +297,40 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert graph["pkg"] == {"pkg.lazy_exports", "pkg.sub.thing", "pkg.sub.sibling"}
 
 
-def test_the_checks_find_an_upward_import_and_a_cycle(tmp_path):
+TOY_LAYERS: Layers = (("bottom", frozenset({"low"})), ("middle", frozenset({"mid.a", "mid.b"})),
+                      ("top", frozenset({"high", "mid"})))
+
+
+def test_a_module_belongs_to_the_innermost_listed_package():
+    assert package_of("mid.a.x", TOY_LAYERS, frozenset()) == "mid.a"
+    assert package_of("mid.c", TOY_LAYERS, frozenset()) == "mid"
+    assert package_of("mid.c", TOY_LAYERS, frozenset({"mid"})) is None  # shallow: its own __init__ only
+    assert package_of("mid", TOY_LAYERS, frozenset({"mid"})) == "mid"
+    assert package_of("elsewhere.x", TOY_LAYERS, frozenset()) is None
+
+
+def test_the_checks_find_an_upward_import_and_the_cycles(tmp_path):
     write_tree(tmp_path, {
         "low/__init__.py": "", "low/a.py": "def f():\n    import high.b\n", "low/c.py": "from low import d\n",
         "low/d.py": "import low.c\n", "high/__init__.py": "", "high/b.py": "from low import a\n",
+        "mid/__init__.py": "", "mid/a/__init__.py": "", "mid/a/x.py": "from mid.b import y\n",
+        "mid/b/__init__.py": "", "mid/b/y.py": "", "mid/b/z.py": "import mid.a\n",  # two packages, no module cycle
     })
-    graph = import_graph(tmp_path, ["low", "high"])
-    layers = (("bottom", ("low.*",)), ("top", ("high.*",)))
-    assert upward_imports(graph, layers) == ["low.a (bottom) imports high.b (top)"]
+    graph = import_graph(tmp_path, ["low", "mid", "high"])
+    assert upward_imports(graph, TOY_LAYERS, frozenset()) == ["low.a (low: bottom) imports high.b (high: top)"]
     assert import_cycles(graph) == [["high.b", "low.a"], ["low.c", "low.d"]]
-    assert import_cycles(graph, frozenset({("low.d", "low.c"), ("low.a", "high.b")})) == []
-    assert upward_imports(graph, layers, frozenset({("low.a", "high.b")})) == []
+    packages = package_graph(graph, TOY_LAYERS, frozenset())
+    assert packages == {"low": {"high"}, "mid.a": {"mid.b"}, "mid.b": {"mid.a"}, "high": {"low"}, "mid": set()}
+    assert import_cycles(packages) == [["high", "low"], ["mid.a", "mid.b"]]
+    assert edges_within(graph, ["mid.a", "mid.b"], TOY_LAYERS, frozenset()) == ["mid.a.x -> mid.b.y", "mid.b.z -> mid.a"]
 
 
-def test_the_most_specific_pattern_places_a_module():
-    assert LAYERS[layer_of("benchmarks.peer.servers", LAYERS)][0].startswith("server comparisons")
-    assert LAYERS[layer_of("sarathi_jax.bench.runs", LAYERS)][0] == "benchmarks"
-    assert LAYERS[layer_of("sarathi_jax.bench.roofline", LAYERS)][0] == "benchmarks"
-    assert LAYERS[layer_of("sarathi_jax.models.presets", LAYERS)][0].startswith("plain data")
-    assert LAYERS[layer_of("sarathi_jax.models.llama", LAYERS)][0] == "models"
-    assert LAYERS[layer_of("benchmarks.kernels", LAYERS)][0] == "kernel benchmark and tuner"
-    assert layer_of("sarathi_jax.not_placed", LAYERS) is None
+def test_the_project_layers_place_modules_as_documented():
+    assert package_of("benchmarks.peer.servers") == "benchmarks"
+    assert package_of("sarathi_jax.bench.loadgen") == "sarathi_jax.bench"
+    assert package_of("sarathi_jax.runner.sample.sampler") == "sarathi_jax.runner"
+    assert package_of("pallas_kernels.tune") == "pallas_kernels"
+    assert package_of("server.proto.sarathi.v1.generation_pb2") == "server"
+    assert package_of("sarathi_jax") == "sarathi_jax"
+    assert package_of("sarathi_jax.not_listed") is None
+    assert layer_of("benchmarks") == len(LAYERS) - 1

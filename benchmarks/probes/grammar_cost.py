@@ -2,8 +2,9 @@
 
 For each installed candidate (llguidance, xgrammar, outlines-core) and a tokenizer (`--model DIR` holding a
 tokenizer.json, e.g. a `checkpoints_convert --gguf` output folder; or `--gguf FILE`, whose tokenizer files are
-built into a temporary folder), with a nested JSON schema (`SCHEMA`: nested objects, arrays with min/max
-items, enums, bounded numbers, patterns, optional keys):
+built into a temporary folder), with a nested JSON schema (`SCHEMA`, the bench's default constraint, from
+sarathi_jax/bench/structured.py: nested objects, arrays with min/max items, enums, bounded numbers, patterns,
+optional keys):
 
   tokenizer  the one-time set-up per tokenizer (the library's vocabulary tables)
   compile    the schema compiled from its text, no cache (median of `--compiles`)
@@ -33,28 +34,8 @@ from typing import Any, Protocol
 import numpy as np
 import tokenizers
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
-        "status": {"enum": ["active", "inactive", "pending"]},
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 4},
-        "address": {
-            "type": "object",
-            "properties": {"street": {"type": "string"}, "city": {"type": "string"},
-                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["street", "city"],
-        },
-        "items": {
-            "type": "array", "minItems": 1, "maxItems": 3,
-            "items": {"type": "object", "required": ["sku", "qty"],
-                      "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1, "maximum": 99}}},
-        },
-    },
-    "required": ["id", "name", "status", "tags", "address", "items"],
-}
+from sarathi_jax.bench.structured import SCHEMA
+
 DOCUMENT: dict[str, Any] = {
     "id": 4242, "name": "Grace", "status": "active", "score": 0.75, "tags": ["math", "navy", "cobol"],
     "address": {"street": "12 Harbour Road", "city": "Arlington", "zip": "22201"},

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "length. Real engine only (not --simulate or --endpoint); the model needs a tokenizer")
     w.add_argument("--structured-outputs", default=None, metavar="SPEC",
                    help=f"the constraint of --structured-share: {' or '.join(NAMED_CONSTRAINTS)} (default "
-                        f"{DEFAULT_CONSTRAINT}: a nested JSON schema, bench/probes/grammar_cost.py's SCHEMA), a "
+                        f"{DEFAULT_CONSTRAINT}: a nested JSON schema, sarathi_jax/bench/structured.py's SCHEMA), a "
                         "structured-outputs object as JSON text (e.g. '{\"regex\": \"[a-z]+( [a-z]+)*\"}', as "
                         "SamplingParams.structured_outputs takes), or @PATH to a file holding one")
 

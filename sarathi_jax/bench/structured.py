@@ -4,7 +4,7 @@
 same requests and arrivals (swept like --scheduler). The constrained requests of fraction f are the first
 round(f * n) of a permutation of the requests drawn from the workload seed (a stream of its own: the
 workload's other draws do not change), so every fraction's constrained requests include a smaller one's.
-`--structured-outputs SPEC`: their constraint, `schema` (the default: `bench.probes.grammar_cost.SCHEMA`, a
+`--structured-outputs SPEC`: their constraint, `schema` (the default: `SCHEMA` here, a
 nested JSON schema with nested objects, arrays with min/max items, enums, bounded numbers, patterns and
 optional keys), `json_object`, a structured-outputs object as JSON text (what `SamplingParams.structured_outputs`
 takes, e.g. '{"regex": "[a-z]+( [a-z]+)*"}') or `@PATH`, a file holding one.
@@ -21,6 +21,7 @@ import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,30 @@ from sarathi_jax.request.structured_outputs import StructuredOutputs
 
 DEFAULT_CONSTRAINT = "schema"
 NAMED_CONSTRAINTS = ("schema", "json_object")
+
+# The default constraint (`schema`); `python -m benchmarks.probes.grammar_cost` times the grammar engines on it.
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["street", "city"],
+        },
+        "items": {
+            "type": "array", "minItems": 1, "maxItems": 3,
+            "items": {"type": "object", "required": ["sku", "qty"],
+                      "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1, "maximum": 99}}},
+        },
+    },
+    "required": ["id", "name", "status", "tags", "address", "items"],
+}
 
 
 def parse_shares(text: str) -> list[float]:
@@ -53,8 +78,6 @@ def parse_constraint(spec: str) -> StructuredOutputs:
     """The constraint of --structured-outputs SPEC; ValueError with the grammar library's message."""
     spec = str(spec).strip()
     if spec == "schema":
-        from benchmarks.probes.grammar_cost import SCHEMA
-
         return StructuredOutputs.parse({"json": SCHEMA})
     if spec == "json_object":
         return StructuredOutputs.parse({"json_object": True})

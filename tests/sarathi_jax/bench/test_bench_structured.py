@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from sarathi_jax.bench.__main__ import main
-from benchmarks.probes.grammar_cost import SCHEMA
 from sarathi_jax.bench.report import safe_name
-from sarathi_jax.bench.structured import constrained_rows, parse_constraint, parse_shares, share_label
+from sarathi_jax.bench.structured import SCHEMA, constrained_rows, parse_constraint, parse_shares, share_label
 from sarathi_jax.request.structured_outputs import StructuredOutputs
 
 
