@@ -13,7 +13,7 @@ named host function (`--step-name`, default the engine's `step`):
   their time summed over the threads that ran them. The work an op hands to other threads (a YNNPACK matmul's
   parallel parts) is not in its event, so these sums are not wall time and do not add up to the step.
 
-Busy fraction is what the engine-core issue asks about: a decode step whose device is idle most of the wall
+Busy fraction says what bounds a step: a decode step whose device is idle most of the wall
 time is bound by the host (Python, launches, syncs), not by the GPU.
 """
 

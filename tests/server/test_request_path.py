@@ -1,7 +1,7 @@
-"""How many hand-written files one request runs code in (issue 28's budget, docs/design.md "The request path"):
+"""How many hand-written files one request runs code in (the budget of docs/design/README.md, "The request path"):
 `LLM.generate` at most 10, a gRPC `Complete` and an HTTP `/v1/completions` at most 14 each.
 
-Counted as docs/design.md says: Python's profiler over the second of two identical requests (the first builds
+Counted as docs/design/README.md says: Python's profiler over the second of two identical requests (the first builds
 what is cached), every thread, the compiled step excluded (it runs no Python); a file counts once, where it
 is first entered. The order is asserted too for `LLM.generate`, since the design doc lists it."""
 

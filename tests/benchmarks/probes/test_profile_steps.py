@@ -93,8 +93,8 @@ def test_bad_arguments_exit(fake_engine):
 
 def test_requests_outlive_a_long_prefill_under_a_small_budget(fake_engine, tmp_path):
     # 8 prompts of 200 tokens under a budget of 16: about 200 steps of prefill while the first requests already
-    # decode. Every request must still be running when the last prompt is in (it used to finish first, and the
-    # probe spun forever waiting for the batch to fill).
+    # decode. Every request must still be running when the last prompt is in (were one to finish first, the
+    # probe would spin forever waiting for the batch to fill).
     assert profile_steps.main(["--batch", "8", "--context", "200", "--steps", "2", "--token-budget", "16",
                                "--dtype", "float32", "--no-async", "--out", str(tmp_path / "prof")]) == 0
     (engine,) = fake_engine.instances

@@ -15,7 +15,7 @@ from sarathi_jax.bench.slo_mix import GoodputTarget, SloClass, parse_goodput_tar
 SPEC = "interactive:0.2:ttft=0.5,tbt=0.05,priority=-1;batch:0.8:ttft=30,tbt=1"
 
 
-def test_parse_the_issue_example():
+def test_parse_an_interactive_and_batch_mix():
     mix = parse_slo_mix(SPEC)
     assert mix.classes == (SloClass("interactive", 0.2, 0.5, 0.05, -1), SloClass("batch", 0.8, 30.0, 1.0, 0))
     assert parse_slo_mix("only:1:tbt=0.1").classes == (SloClass("only", 1.0, None, 0.1, 0),)

@@ -1,4 +1,4 @@
-"""The real disaggregated engine (issue 33) on 8 virtual CPU devices (XLA_FLAGS set in tests/conftest.py).
+"""The real disaggregated engine on 8 virtual CPU devices (XLA_FLAGS set in tests/conftest.py).
 
 Greedy tokens equal HF's and the colocated engine's for "1:1", "2:2" and "4:4" with chunked prefills (token
 budget 16, prompts up to 45 tokens), every prompt's K/V moved by the KV block mover; no KV block left on

@@ -1,4 +1,4 @@
-"""The real disaggregated engine's KV copy, not waited for (issue 33), and aborts of a decode-side recompute on
+"""The real disaggregated engine's KV copy, not waited for, and aborts of a decode-side recompute on
 the real engine, on 8 virtual CPU devices (XLA_FLAGS set in tests/conftest.py).
 
 `KVBlockMover.move` dispatches the gather, the device-to-device copy and the scatter and returns at once; the

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation in the simulator (issue 33): the timeline against hand-computed times,
+"""Prefill/decode disaggregation in the simulator: the timeline against hand-computed times,
 back-pressure, aborts at every stage, and the configuration's errors."""
 
 import pytest

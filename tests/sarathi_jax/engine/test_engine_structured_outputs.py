@@ -70,7 +70,7 @@ def test_random_weights_still_give_valid_outputs(llm: LLM, seed: int) -> None:
         assert valid(out.text), (kind, out.text)
 
 
-# Every kind of JSON schema constraint the issue lists, in the ASCII tokenizer's alphabet; strings and the
+# Every kind of JSON schema constraint structured outputs take, in the ASCII tokenizer's alphabet; strings and the
 # number's digits bounded, so random weights end well within max_tokens.
 RANDOM_WEIGHTS_SCHEMA = {
     "type": "object",

@@ -379,7 +379,7 @@ def test_multihost_loopback(model_dir, prompts, reference):
 
 @pytest.mark.parametrize("split,devices_per_process", [("1:1", 1), ("2:2", 2)])
 def test_multihost_disaggregation(model_dir, prompts, reference, split, devices_per_process):
-    """Prefill/decode disaggregation across two processes (issue 33): the prefill instance on process 0's
+    """Prefill/decode disaggregation across two processes: the prefill instance on process 0's
     devices, the decode instance on process 1's, both processes driving both; every prompt's K/V blocks cross
     processes (`KVBlockMover`'s device_put) and each instance's sampled tokens reach the other process. Chunked
     prefills (prompts up to 45 tokens, budget 16); same tokens as the single-device colocated engine."""

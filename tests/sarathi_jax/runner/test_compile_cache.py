@@ -234,7 +234,7 @@ def test_programs_reused_in_process_by_a_second_engine_are_not_saved(tmp_path):
     no compile event: one the first engine loaded from JAX's persistent cache must not be saved as a ready-made
     executable either. Three processes with the bench's two engines: fresh; with a changed executable-cache key
     (an environment variable in its fingerprint) but JAX's cache warm; then that key again, which loads what
-    the second process saved. Before the fix the third failed with XLA's "Function ... not found"."""
+    the second process saved. Were such a program saved, the third would fail with XLA's "Function ... not found"."""
     runs = []
     for key_change in ("1", "2", "2"):
         env = dict(os.environ, SARATHI_TEST_KEY=key_change, XLA_PYTHON_CLIENT_PREALLOCATE="false",

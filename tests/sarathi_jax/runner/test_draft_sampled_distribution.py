@@ -5,7 +5,7 @@ empirical distributions of emitted positions 1, 2 and 3 (position 1 the prefill'
 verified drafts: k = 2) match the target's marginals computed from HF's logits with the same temperature and
 top-k (Pearson chi-square, significance ALPHA, fixed seeds). Accepting every draft (or comparing a plain
 sample with a dense draft) makes positions 2 and 3 follow the draft instead, which the test detects (checked
-by hand when it was written: see docs/results-cpu.md §16)."""
+by hand)."""
 
 from __future__ import annotations
 

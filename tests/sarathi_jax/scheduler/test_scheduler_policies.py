@@ -94,8 +94,8 @@ def test_memory_pressure_preempts_and_still_finishes(policy, mode, prefix_cachin
 
 def test_overlapped_loop_never_preempts_a_sequence_holding_all_its_outputs():
     # In the overlapped loop a sequence whose pending token is its last output only waits for the host to
-    # finish it. Evicting it for a decode that needs a block re-queued it, and it was re-admitted and
-    # re-prefilled for nothing (the harness asserts on every preemption). This trace did that before the fix.
+    # finish it. Evicting it for a decode that needs a block would re-queue it, to be re-admitted and
+    # re-prefilled for nothing (the harness asserts on every preemption). This trace leads there.
     cfg = SchedulerConfig(policy="sarathi", token_budget=16, max_num_seqs=8, max_model_len=80, watermark=0.0,
                           tile_size=4)
     reqs = [Req(1, 17, 18), Req(1, 5, 29), Req(2, 19, 5), Req(4, 31, 12), Req(6, 3, 9), Req(8, 32, 13),
