@@ -1,4 +1,4 @@
-"""The gRPC server over the real disaggregated engine (issue 33): built from its config as the server's start
+"""The gRPC server over the real disaggregated engine: built from its config as the server's start
 builds it (`build_engine`), served unchanged: unary and streamed greedy tokens equal HF's, and every KV block
 is free on both sides once they are done; the KV transfers appear in GetStats and the Prometheus counters."""
 
