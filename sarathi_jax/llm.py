@@ -9,7 +9,7 @@ from typing import Any
 
 from sarathi_jax.request.chat_template import ChatTemplate
 from sarathi_jax.config.engine_config import EngineConfig
-from sarathi_jax.disagg.real_engine import build_engine
+from sarathi_jax.factory import build_engine
 from sarathi_jax.request.outputs import RequestOutput, TokenLogprob
 from sarathi_jax.request.sampling_params import SamplingParams
 

@@ -67,7 +67,7 @@ class _StartupInterrupted(Exception):
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from sarathi_jax.disagg.real_engine import build_engine
+    from sarathi_jax.factory import build_engine
     from sarathi_jax.engine.llm_engine import format_startup
     from sarathi_jax.engine.gc_heap import freeze_startup_heap
 

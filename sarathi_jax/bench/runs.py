@@ -21,7 +21,7 @@ from sarathi_jax.bench.args import (DEFAULT_NUM_REQUESTS, DEFAULT_QPS, BenchErro
 from sarathi_jax.bench.capacity import CapacityResult, find_capacity
 from sarathi_jax.bench.driver import RunResult, engine_vocab_size, measure_decode_iteration_time, run_workload
 from sarathi_jax.bench.endpoint import EndpointError, run_endpoint
-from sarathi_jax.factory import make_disaggregated_engine, make_llm_engine, make_simulated_engine
+from sarathi_jax.factory import build_engine, build_simulated_engine
 from sarathi_jax.bench.metrics import fmt_seconds, summarize
 from sarathi_jax.bench.slo_mix import SloMix, request_slos
 from sarathi_jax.bench.structured import constrained_cell, constrained_rows, constrained_summary, request_constraints
@@ -47,12 +47,12 @@ def default_engine_factory(simulate: bool, cost_model_path: str | None = None, *
 
     def make(kwargs: dict) -> Engine:
         config = EngineConfig(**kwargs)
-        if not simulate:
-            return make_llm_engine(config)
-        sim = {"link": link, "serial_fraction": serial_fraction}
-        if config.disaggregation is not None:
-            return make_disaggregated_engine(config, cost_model, num_devices=num_devices, **sim)
-        return make_simulated_engine(config, cost_model=cost_model, **sim)
+        if simulate:
+            return build_simulated_engine(config, cost_model, link=link, serial_fraction=serial_fraction,
+                                          num_devices=num_devices)
+        engine = build_engine(config)
+        engine.wait_until_compiled()  # nothing is timed while background threads still compile
+        return engine
 
     return make
 

@@ -214,9 +214,3 @@ def place_instances(split: DisaggregationSplit, devices: Sequence[Any]) -> tuple
 def _per_process(devices: Sequence[Any]) -> int:
     return min(sum(d.process_index == p for d in devices) for p in {d.process_index for d in devices})
 
-
-def build_engine(config: EngineConfig, *, warmup: bool = True) -> LLMEngine | DisaggregatedEngine:
-    """The engine `config` asks for: disaggregated when `config.disaggregation` is set, else `LLMEngine`."""
-    if config.disaggregation is not None:
-        return DisaggregatedEngine(config, warmup=warmup)
-    return LLMEngine(config, warmup=warmup)

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,7 @@ from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.scheduler.speculation import Speculation
 from sarathi_jax.config.sizing import (
-    bucket_ladder, jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, kv_cache_shares, platform_buckets,
-    size_engine)
+    KVBudget, jax_mem_fraction, kv_bytes_per_block, kv_cache_budget, kv_cache_shares)
 from sarathi_jax.request.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -71,116 +70,124 @@ class LLMEngine(CoreFrontEnd):
         self.devices = list(jax.devices()[:num_devices] if devices is None else devices)
         t_start = time.time()
         platform = jax.default_backend()
-        # The CPU kernel's status makes one tiny call: before the compilation cache and the compile counts.
-        kernel_status = cpu_kernel_status() if platform == "cpu" else f"this engine runs on {platform!r}"
-        cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
-        requested_backend = config.attention_backend
-        attention_backend = resolve_attention_backend(requested_backend, platform, cpu_kernel_status=kernel_status)
-        scan_layers = resolve_scan_layers(config.scan_layers, platform)
-        requested_dtype = config.dtype
-        requested_budget = config.token_budget
-        self.config = config = dataclasses.replace(
-            config, attention_backend=attention_backend, compilation_cache_dir=cache_dir, scan_layers=scan_layers,
-            dtype=resolve_dtype(requested_dtype, platform),
-        )
-        dtype = jnp.dtype(config.dtype)
-        self.parallel_plan = None  # sarathi_jax.parallel.ParallelPlan when tensor/pipeline parallel
+        requested = config
+        self.config = config = _resolved_for(config, platform)
         with record_compiles() as compiles:
             timer = PhaseTimer(compiles)
             with timer.phase("load"):
-                # A mesh (of one device, off device 0; or in a multi-process run, where a plain jit would run
-                # on each process's own default device rather than on the engine's devices)
-                if num_devices > 1 or self.devices[0] != jax.devices()[0] or jax.process_count() > 1:
-                    from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
-
-                    self.parallel_plan, self.model_config, params = load_parallel_model(
-                        config.model, dtype, config.seed, config.tensor_parallel_size,
-                        config.pipeline_parallel_size, devices=self.devices,
-                    )
-                else:
-                    self.model_config, params = load_model(config.model, dtype, seed=config.seed)
-                    if not scan_layers:  # unrolled: per-layer arrays now, so the stacked copy is gone before
-                        params = unstack_layer_params(params)  # the KV cache is sized from the free memory
-                self.tokenizer: Tokenizer | None = (
-                    load_tokenizer(config.model) if Path(config.model).is_dir() else None
-                )
-                spec = config.speculative_config
-                draft, draft_plan = None, None  # a separate draft's (config, params), its plan under TP
-                if spec is not None and spec.model is not None:  # loaded before the KV cache is sized
-                    draft, draft_plan = _load_draft(spec.model, dtype, config, self.parallel_plan, self.devices)
-            mc = self.model_config
-
+                params, draft, draft_plan = self._load(config)
             with timer.phase("init"):
                 jax.block_until_ready((params, draft))  # the weights (the draft's too) count in memory in use
-                kv_budget = self._kv_budget(config, platform)
-                if kv_budget is not None:
-                    self.config = config = dataclasses.replace(
-                        config, kv_cache_bytes=None if kv_budget.gpu_memory_utilization else kv_budget.kv_cache_bytes,
-                        gpu_memory_utilization=kv_budget.gpu_memory_utilization,
-                    )
-                kv_bytes = kv_budget.kv_cache_bytes if kv_budget else None
-                # A draft model's own KV cache has a block for each of the target's: the budget holds both.
-                draft_block = kv_bytes_per_block(draft[0], config.block_size, config.dtype) if draft else 0
-                target_block = kv_bytes_per_block(mc, config.block_size, config.dtype)
-                if kv_bytes is not None and draft_block:
-                    # Sized from device memory, a block costs each device its share of both caches: a draft with
-                    # fewer KV heads than the TP devices replicates them, so its share may be the larger.
-                    cost = draft_block * kv_cache_shares(config, mc) / kv_cache_shares(config, draft[0]) if (
-                        config.gpu_memory_utilization) else draft_block
-                    kv_bytes = int(kv_bytes // (target_block + cost)) * target_block  # the target's share
-                cost_path, cost_model, cost_source = None, None, None
-                if isinstance(requested_budget, str):  # "auto" / "dynamic": resolve before sizing when a cost
-                    top = dataclasses.replace(config, token_budget=config.budget_ceiling,  # model is at hand;
-                                              bucket_ladder=bucket_ladder(config))  # "dynamic"'s, pinned
-                    top_sizing = size_engine(top, mc, kv_bytes)
-                    buckets = platform_buckets(top_sizing.max_step_tokens, platform, top.bucket_ladder)
-                    cost_path = token_budget.cache_path(cache_dir, config, jax.devices()[0].device_kind, buckets)
-                    cost_model, cost_source = token_budget.saved_cost_model(config, cost_path)
-                    if cost_model is None:  # calibrated after warm-up, on the runner compiled for the ceiling
-                        config = top
-                    else:
-                        config, self.budget_setup = token_budget.resolve(  # "auto": the engine is sized for its pick
-                            config, cost_model, cost_source, buckets if requested_budget == "dynamic" else None,
-                            max_model_len=top_sizing.max_model_len)
-                else:
-                    self.budget_setup = token_budget.BudgetSetup("fixed", requested_budget)
-                self.config = config
-                sizing = size_engine(config, mc, kv_bytes)
-                num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
-                self.scheduler_config = sizing.scheduler_config
-                self.block_manager = BlockManager(
-                    num_blocks, config.block_size, watermark_blocks=int(config.watermark * num_blocks),
-                    enable_prefix_caching=config.enable_prefix_caching,
-                )
-                self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
-                if spec is not None:
-                    spec.check_model(mc.num_hidden_layers)
-                self.runner = ModelRunner(
-                    mc, params, config, sizing, attention_fn=get_attention_fn(attention_backend),
-                    plan=self.parallel_plan, executable_cache=ExecutableCache.in_compilation_cache(cache_dir),
-                )
-                self.draft_runner = None  # a draft model's (sarathi_jax/runner/draft_runner.py)
-                if spec is not None and spec.method != "ngram":
-                    from sarathi_jax.runner.draft_runner import DraftRunner  # off the request path unless speculating
-
-                    if spec.method == "self":
-                        self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers,
-                                                                   spec.num_speculative_tokens)
-                    else:
-                        self.draft_runner = DraftRunner.draft_model(
-                            self.runner, *draft, spec.num_speculative_tokens,
-                            attention_fn=get_attention_fn(attention_backend), plan=draft_plan)
-                if spec is not None:
-                    self.scheduler.speculation = Speculation.of(
-                        spec, self.draft_runner.propose if self.draft_runner is not None else None)
+                kv = self._kv_sizing(config, platform, draft[0] if draft else None)
+                plan = self._plan(kv.config, kv.kv_cache_bytes, platform)
+                self.config, self.budget_setup = plan.config, plan.budget_setup
+                self._build_parts(plan, params, draft, draft_plan)
             with timer.phase("warmup"):
                 if warmup:
-                    self.runner.warmup(background=config.background_compile)
+                    self.runner.warmup(background=self.config.background_compile)
                     if self.draft_runner is not None:
                         self.draft_runner.warmup()
-                if isinstance(requested_budget, str) and cost_model is None:
-                    self._calibrate_budget(dataclasses.replace(config, token_budget=requested_budget), cost_path)
-                    config = self.config
+                if self.budget_setup is None:  # "auto"/"dynamic" with no cost model at hand: calibrate now
+                    self._calibrate_budget(dataclasses.replace(self.config, token_budget=requested.token_budget))
+        self._serving_parts()
+        self._startup_stats = self._startup_report(
+            requested, kv, plan.sizing.num_blocks, timer, compiles, warmup=warmup, t_start=t_start,
+            draft_params=draft[1] if draft else None)
+
+    def _load(self, config: EngineConfig) -> tuple[Any, tuple[Any, Any] | None, Any]:
+        """The weights (`self.model_config`, `self.parallel_plan`: None on one device), the tokenizer, and a
+        separate draft model's ((config, params), plan), loaded before the KV cache is sized."""
+        dtype = jnp.dtype(config.dtype)
+        self.parallel_plan = None  # sarathi_jax.parallel.ParallelPlan when tensor/pipeline parallel
+        # A mesh (of more than one device, or of one off device 0; or in a multi-process run, where a plain jit
+        # would run on each process's own default device rather than on the engine's devices)
+        num_devices = config.tensor_parallel_size * config.pipeline_parallel_size
+        if num_devices > 1 or self.devices[0] != jax.devices()[0] or jax.process_count() > 1:
+            from sarathi_jax.parallel import load_parallel_model  # ValueError on a split that cannot work
+
+            self.parallel_plan, self.model_config, params = load_parallel_model(
+                config.model, dtype, config.seed, config.tensor_parallel_size,
+                config.pipeline_parallel_size, devices=self.devices,
+            )
+        else:
+            self.model_config, params = load_model(config.model, dtype, seed=config.seed)
+            if not config.scan_layers:  # unrolled: per-layer arrays now, so the stacked copy is gone before
+                params = unstack_layer_params(params)  # the KV cache is sized from the free memory
+        self.tokenizer: Tokenizer | None = load_tokenizer(config.model) if Path(config.model).is_dir() else None
+        spec = config.speculative_config
+        if spec is None or spec.model is None:
+            return params, None, None
+        draft, draft_plan = _load_draft(spec.model, dtype, config, self.parallel_plan, self.devices)
+        return params, draft, draft_plan
+
+    def _kv_sizing(self, config: EngineConfig, platform: str, draft_config: Any) -> _KVSizing:
+        """The KV cache's byte budget on these devices (`sizing.kv_cache_budget`), recorded in the config, and
+        the target model's share of it when a draft model's cache has a block for each of the target's."""
+        kv_budget = self._kv_budget(config, platform)
+        if kv_budget is not None:
+            config = dataclasses.replace(
+                config, kv_cache_bytes=None if kv_budget.gpu_memory_utilization else kv_budget.kv_cache_bytes,
+                gpu_memory_utilization=kv_budget.gpu_memory_utilization,
+            )
+        kv_bytes = kv_budget.kv_cache_bytes if kv_budget else None
+        mc = self.model_config
+        draft_block = kv_bytes_per_block(draft_config, config.block_size, config.dtype) if draft_config else 0
+        target_block = kv_bytes_per_block(mc, config.block_size, config.dtype)
+        if kv_bytes is not None and draft_block:
+            # Sized from device memory, a block costs each device its share of both caches: a draft with fewer
+            # KV heads than the TP devices replicates them, so its share may be the larger.
+            cost = draft_block * kv_cache_shares(config, mc) / kv_cache_shares(config, draft_config) if (
+                config.gpu_memory_utilization) else draft_block
+            kv_bytes = int(kv_bytes // (target_block + cost)) * target_block  # the target's share
+        return _KVSizing(config, kv_bytes, kv_budget, target_block, draft_block)
+
+    def _plan(self, config: EngineConfig, kv_bytes: int | None, platform: str) -> token_budget.EnginePlan:
+        """`token_budget.plan_engine` with the cost model saved beside the compilation cache for the buckets
+        this engine compiles, if any (its path is kept for a calibration to write)."""
+        self._cost_path = None
+        device_kind = jax.devices()[0].device_kind
+
+        def saved_cost_model(buckets: tuple[int, ...]):
+            self._cost_path = token_budget.cache_path(config.compilation_cache_dir, config, device_kind, buckets)
+            return token_budget.saved_cost_model(config, self._cost_path)
+
+        return token_budget.plan_engine(config, self.model_config, kv_bytes, platform, saved_cost_model)
+
+    def _build_parts(self, plan: token_budget.EnginePlan, params: Any, draft: tuple[Any, Any] | None,
+                     draft_plan: Any) -> None:
+        """The block manager, scheduler, model runner and draft runner for the planned sizing."""
+        config, sizing, mc = plan.config, plan.sizing, self.model_config
+        self.max_model_len, self.scheduler_config = sizing.max_model_len, sizing.scheduler_config
+        self.block_manager = BlockManager(
+            sizing.num_blocks, config.block_size, watermark_blocks=int(config.watermark * sizing.num_blocks),
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = make_scheduler(self.scheduler_config, self.block_manager)
+        spec = config.speculative_config
+        if spec is not None:
+            spec.check_model(mc.num_hidden_layers)
+        self.runner = ModelRunner(
+            mc, params, config, sizing, attention_fn=get_attention_fn(config.attention_backend),
+            plan=self.parallel_plan,
+            executable_cache=ExecutableCache.in_compilation_cache(config.compilation_cache_dir),
+        )
+        self.draft_runner = None  # a draft model's (sarathi_jax/runner/draft_runner.py)
+        if spec is not None and spec.method != "ngram":
+            from sarathi_jax.runner.draft_runner import DraftRunner  # off the request path unless speculating
+
+            if spec.method == "self":
+                self.draft_runner = DraftRunner.self_draft(self.runner, spec.num_layers, spec.num_speculative_tokens)
+            else:
+                self.draft_runner = DraftRunner.draft_model(
+                    self.runner, *draft, spec.num_speculative_tokens,
+                    attention_fn=get_attention_fn(config.attention_backend), plan=draft_plan)
+        if spec is not None:
+            self.scheduler.speculation = Speculation.of(
+                spec, self.draft_runner.propose if self.draft_runner is not None else None)
+
+    def _serving_parts(self) -> None:
+        """The budget policy installed, the engine core over the scheduler and runner, and admission."""
+        config, mc = self.config, self.model_config
         token_budget.install(self.budget_setup, self.scheduler, time.perf_counter)
         self.core = EngineCore(
             self.scheduler,
@@ -201,35 +208,41 @@ class LLMEngine(CoreFrontEnd):
             eos_token_ids=mc.eos_token_ids,
             chat_template=ChatTemplate.from_folder(config.model) if is_folder else None,
         )
+
+    def _startup_report(self, requested: EngineConfig, kv: _KVSizing, num_blocks: int, timer: PhaseTimer,
+                        compiles: Any, *, warmup: bool, t_start: float, draft_params: Any) -> dict:
+        """`startup_stats()`'s fixed part (its docstring says what each entry is)."""
+        config, kv_budget = self.config, kv.budget
         store = self.runner.executable_cache
         loaded = store.hits if store is not None else 0  # ready-made executables: neither traced nor compiled
         peak = [(m or {}).get("peak_bytes_in_use") for m in _memory_stats(self.devices)]
-        self._startup_stats = {
+        cache_dir = config.compilation_cache_dir
+        return {
             "load_s": timer.seconds["load"],
             "init_s": timer.seconds["init"],
             "compile_s": timer.compile_seconds,
             "warmup_s": timer.seconds["warmup"],
             "total_s": time.time() - t_start,
             "warmed_up": warmup,
-            "platform": platform,
+            "platform": jax.default_backend(),
             "device": jax.devices()[0].device_kind,
-            "num_devices": num_devices,
-            "attention_backend": attention_backend,
+            "num_devices": config.tensor_parallel_size * config.pipeline_parallel_size,
+            "attention_backend": config.attention_backend,
             "token_budget": self.budget_setup.as_dict(),
             "token_budget_words": self.budget_setup.describe(),
-            "attention_backend_setting": requested_backend,
+            "attention_backend_setting": requested.attention_backend,
             "dtype": config.dtype,
-            "dtype_setting": requested_dtype,
+            "dtype_setting": requested.dtype,
             "num_kv_blocks": num_blocks,
-            "kv_cache_bytes": num_blocks * target_block,
+            "kv_cache_bytes": num_blocks * kv.target_block,
             # A draft model's share of the memory: its parameters and its KV cache (num_kv_blocks blocks).
-            "draft_param_bytes": _nbytes(draft[1]) if draft else 0,
-            "draft_kv_cache_bytes": num_blocks * draft_block,
+            "draft_param_bytes": _nbytes(draft_params) if draft_params is not None else 0,
+            "draft_kv_cache_bytes": num_blocks * kv.draft_block,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "activation_bytes_estimate": kv_budget.activation_bytes if kv_budget else 0,
             "kv_unfragmented_bytes": kv_budget.unfragmented_bytes if kv_budget else None,
             "peak_bytes_in_use": max(peak) if all(p is not None for p in peak) else None,
-            "scan_layers": scan_layers,
+            "scan_layers": config.scan_layers,
             "compilation_cache_dir": cache_dir,
             "executables": compiles.executables + loaded,
             "cache_hits": compiles.cache_hits + loaded if cache_dir else 0,
@@ -238,7 +251,7 @@ class LLMEngine(CoreFrontEnd):
             "background_executables": self.runner.background.num_builds if self.runner.background else 0,
         }
 
-    def _calibrate_budget(self, requested: EngineConfig, cost_path) -> None:
+    def _calibrate_budget(self, requested: EngineConfig) -> None:
         """Time a few steps of every bucket (all built first), fit the cost model, cache it, and resolve the
         requested "auto"/"dynamic" budget with it, padding to the buckets compiled; "auto" then runs the
         scheduler at the budget picked (the larger buckets stay compiled, unused; a later start that finds the
@@ -246,7 +259,7 @@ class LLMEngine(CoreFrontEnd):
         self.runner.wait_for_executables()
         model = token_budget.calibrate(self.runner, self.block_manager, self.scheduler_config.max_num_seqs,
                                        self.max_model_len, source={"model": requested.model, "dtype": requested.dtype})
-        source = token_budget.save_cost_model(model, cost_path)
+        source = token_budget.save_cost_model(model, self._cost_path)
         self.config, self.budget_setup = token_budget.resolve(requested, model, source, self.runner.buckets,
                                                               max_model_len=self.max_model_len)
         if self.budget_setup.budget != self.scheduler_config.token_budget:
@@ -322,6 +335,33 @@ class LLMEngine(CoreFrontEnd):
         background = self.runner.background
         return {**self._startup_stats,
                 "background_compile_s": background.seconds if background is not None and background.done else None}
+
+
+class _KVSizing(NamedTuple):
+    """The KV cache's sizing on an engine's devices: `config` recording it, the target model's byte budget
+    (None: `size_engine`'s default), where the budget came from, and the bytes of a block of the target's
+    cache and of a draft model's (0: none)."""
+
+    config: EngineConfig
+    kv_cache_bytes: int | None
+    budget: KVBudget | None
+    target_block: int
+    draft_block: int
+
+
+def _resolved_for(config: EngineConfig, platform: str) -> EngineConfig:
+    """`config` with what "auto" means on `platform`: attention backend, layer layout, dtype; and the
+    compilation cache turned on (before anything compiles) with the directory in use."""
+    # The CPU kernel's status makes one tiny call: before the compilation cache and the compile counts.
+    kernel_status = cpu_kernel_status() if platform == "cpu" else f"this engine runs on {platform!r}"
+    cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+    return dataclasses.replace(
+        config, compilation_cache_dir=cache_dir,
+        attention_backend=resolve_attention_backend(config.attention_backend, platform,
+                                                    cpu_kernel_status=kernel_status),
+        scan_layers=resolve_scan_layers(config.scan_layers, platform),
+        dtype=resolve_dtype(config.dtype, platform),
+    )
 
 
 def _load_draft(name: str, dtype: Any, config: EngineConfig, plan: Any, devices: Sequence[Any]

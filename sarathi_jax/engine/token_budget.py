@@ -1,5 +1,6 @@
-"""token_budget "auto" and "dynamic" resolved for an engine (issue 30 items 3 and 4): the cost model they predict
-with, and what they resolve to. The budget rules themselves are plain Python in `scheduler/budget.py`.
+"""An engine's token budget set up: the one sizing-and-budget sequence every engine runs (`plan_engine`), and for
+token_budget "auto" and "dynamic" the cost model they predict with and what they resolve to. The budget rules
+themselves are plain Python in `scheduler/budget.py`.
 
 The cost model (`BucketCostModel`) comes from, in this order: `EngineConfig.cost_profile` (a saved JSON), the
 cache beside the compilation cache (`<compilation cache>/sarathi-cost-models/<key>.json`, the key naming the
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sarathi_jax.config.engine_config import EngineConfig
 from sarathi_jax.sim.cost_model import BucketCostModel, Chunk
@@ -40,7 +41,10 @@ from sarathi_jax.scheduler.budget import (
     pick_auto_budget,
 )
 from sarathi_jax.request.sequence import ScheduledChunk, Sequence
-from sarathi_jax.config.sizing import bucket_ladder
+from sarathi_jax.config.sizing import EngineSizing, bucket_ladder, platform_buckets, size_engine
+
+if TYPE_CHECKING:
+    from sarathi_jax.models.config import ModelConfig
 
 CACHE_SUBDIR = "sarathi-cost-models"
 CALIBRATION_REPEATS = 3  # timed runs of each batch (after one untimed); the median is kept
@@ -118,6 +122,43 @@ def install(setup: BudgetSetup, scheduler: Any, clock: Callable[[], float]) -> N
     if setup.policy is not None:
         setup.policy.feedback = IterationFeedback(clock)
         scheduler.budget_policy = setup.policy
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the sizing-and-budget sequence decided: `config` with token_budget an integer (the resolved budget, or
+    the ceiling while a calibration is pending), the engine's `sizing` under it, and how the budget was set
+    (`budget_setup`; None: "auto"/"dynamic" found no cost model, and the engine resolves after calibrating)."""
+
+    config: EngineConfig
+    sizing: EngineSizing
+    budget_setup: BudgetSetup | None
+
+
+PredictorFor = Callable[[tuple[int, ...]], tuple["IterationPredictor | None", "str | None"]]
+
+
+def plan_engine(config: EngineConfig, model_config: ModelConfig, kv_cache_bytes: int | None, platform: str,
+                predictor_for: PredictorFor) -> EnginePlan:
+    """The one sizing-and-budget sequence of every engine: the real one (and each instance of a disaggregated
+    one), the simulated one and the simulated disaggregated one.
+
+    A fixed budget sizes the engine at once. "auto" and "dynamic" first size it at the budget ceiling, on its
+    bucket ladder (pinned), take the buckets that engine compiles on `platform`, and ask `predictor_for(buckets)`
+    for a cost model and its source: with one, the budget resolves (`resolve`; "dynamic" pads to those buckets)
+    and the engine is sized again at the resolved budget; with none, it stays sized at the ceiling."""
+    if isinstance(config.token_budget, int):
+        return EnginePlan(config, size_engine(config, model_config, kv_cache_bytes),
+                          BudgetSetup("fixed", config.token_budget))
+    top = dataclasses.replace(config, token_budget=config.budget_ceiling, bucket_ladder=bucket_ladder(config))
+    top_sizing = size_engine(top, model_config, kv_cache_bytes)
+    buckets = platform_buckets(top_sizing.max_step_tokens, platform, top.bucket_ladder)
+    predictor, source = predictor_for(buckets)
+    if predictor is None:
+        return EnginePlan(top, top_sizing, None)
+    config, setup = resolve(config, predictor, source, buckets if config.token_budget == "dynamic" else None,
+                            max_model_len=top_sizing.max_model_len)
+    return EnginePlan(config, size_engine(config, model_config, kv_cache_bytes), setup)
 
 
 # ----------------------------------------------------------------------------------------------- the cost model

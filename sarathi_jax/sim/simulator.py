@@ -172,8 +172,8 @@ class SimulatedEngine(CoreFrontEnd):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = make_scheduler(scheduler_config, self.block_manager)
         self.max_model_len = scheduler_config.max_model_len
-        self.config = None  # no EngineConfig: `bench.engines.make_simulated_engine` sizes one like it
-        self.budget_setup = None  # token_budget.BudgetSetup: set by `bench.engines.make_simulated_engine`
+        self.config = None  # no EngineConfig: `factory.build_simulated_engine` sizes one like it
+        self.budget_setup = None  # token_budget.BudgetSetup: set by `factory.build_simulated_engine`
         self.model_config = None
         self.tokenizer = None
         self.admission = Admission(vocab_size=vocab_size, max_model_len=self.max_model_len,

@@ -18,7 +18,8 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def disaggregated(hf_checkpoint):
     from sarathi_jax import EngineConfig
-    from sarathi_jax.disagg.real_engine import DisaggregatedEngine, build_engine
+    from sarathi_jax.disagg.real_engine import DisaggregatedEngine
+    from sarathi_jax.factory import build_engine
 
     # token_budget 16: the 19-token prompt prefills in two chunks.
     config = EngineConfig(model=str(hf_checkpoint("llama")), disaggregation="1:1",

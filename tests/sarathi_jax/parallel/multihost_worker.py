@@ -13,7 +13,8 @@ from sarathi_jax.parallel import initialize_distributed_from_env
 initialize_distributed_from_env()  # before anything touches a JAX backend
 
 from sarathi_jax import EngineConfig, SamplingParams  # noqa: E402
-from sarathi_jax.disagg.real_engine import DisaggregatedEngine, build_engine  # noqa: E402
+from sarathi_jax.disagg.real_engine import DisaggregatedEngine  # noqa: E402
+from sarathi_jax.factory import build_engine  # noqa: E402
 
 
 def main() -> None:
