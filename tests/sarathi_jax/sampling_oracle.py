@@ -14,7 +14,7 @@ from sarathi_jax.request.sampling_params import SamplingParams
 
 # A few fixed shapes so that the whole file compiles each sampler variant only a handful of times.
 S, V = 16, 64
-WIDE_V = 300  # k and nuclei > 128 tokens (the old top_k-candidates limit), not a multiple of 128-token blocks
+WIDE_V = 300  # k and nuclei past the "top_k" filter's TOP_K_CANDIDATES (128); not a multiple of 128-token blocks
 N_DIST = 2048  # rows (= samples) for the distribution tests
 
 
