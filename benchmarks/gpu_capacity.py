@@ -206,9 +206,9 @@ def format_report(table: dict, exp: Experiment, decode_time: float, info: dict) 
 
 
 def plot(table: dict, path: str) -> str:
-    from sarathi_jax.bench.plots import _plt
+    from sarathi_jax.bench.plots import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(table), figsize=(5.5 * len(table), 4), squeeze=False)
     for ax, (trace, by_slo) in zip(axes[0], table.items()):
         labels = list(dict.fromkeys(label for r in by_slo.values() for label in r["capacity"]))

@@ -15,8 +15,12 @@ PROTOS = ["server/proto/sarathi/v1/generation.proto"]
 
 def main(out_dir: str | pathlib.Path | None = None) -> int:
     """Compile PROTOS into `out_dir` (default: the repository root, i.e. next to the .proto files)."""
-    import grpc_tools
-    from grpc_tools import protoc  # grpcio-tools: only needed to regenerate
+    try:
+        import grpc_tools
+        from grpc_tools import protoc
+    except ImportError as e:
+        raise ImportError("regenerating the proto modules needs grpcio-tools, the proto extra: "
+                          "pip install 'sarathi-jax[proto]'") from e
 
     out = pathlib.Path(out_dir) if out_dir is not None else REPO_ROOT
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"

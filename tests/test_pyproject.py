@@ -1,15 +1,29 @@
-"""pyproject.toml's dependency floors are the versions the suite last passed with (README, "Versions"): the
-environment running the suite must meet every declared bound, else a passing run says nothing about them."""
+"""pyproject.toml: the dependency floors are the versions the suite last passed with (README, "Versions"): the
+environment running the suite must meet every declared bound, else a passing run says nothing about them. The
+`test` extra pulls every other extra but the CUDA ones; and the packages the wheel installs are the library's
+alone (no `benchmarks/`, no tests), each a package with a docstring.
+"""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import tomllib
 from pathlib import Path
 
+import setuptools
 from packaging.requirements import Requirement
 
-PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+HARDWARE_EXTRAS = ("cuda", "cuda12")  # JAX's CUDA plugins: not for the CPU suite
+
+
+def _declared() -> list[str]:
+    """The core dependencies and every extra's but the CUDA ones."""
+    project = PYPROJECT["project"]
+    extras = project["optional-dependencies"]
+    return project["dependencies"] + [r for name, reqs in extras.items() if name not in HARDWARE_EXTRAS for r in reqs]
 
 
 def _unmet(requirements: list[str]) -> list[str]:
@@ -27,14 +41,56 @@ def _unmet(requirements: list[str]) -> list[str]:
 
 
 def test_the_installed_versions_meet_every_declared_floor():
-    project = PYPROJECT["project"]
-    assert not _unmet(project["dependencies"] + project["optional-dependencies"]["test"])
+    assert not _unmet(_declared())
 
 
 def test_every_dependency_has_a_floor():
-    project = PYPROJECT["project"]
-    for text in project["dependencies"] + project["optional-dependencies"]["test"]:
+    for text in _declared():
         assert any(s.operator == ">=" for s in Requirement(text).specifier), text
+
+
+def test_the_test_extra_pulls_every_other_extra():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    test = set(extras["test"])
+    missing = {name: sorted(set(reqs) - test) for name, reqs in extras.items()
+               if name not in HARDWARE_EXTRAS + ("test",) and not set(reqs) <= test}
+    assert not missing, f"CI installs the test extra alone: add these to it: {missing}"
+
+
+def test_the_core_leaves_out_the_tools():
+    core = {Requirement(r).name for r in PYPROJECT["project"]["dependencies"]}
+    assert not core & {"matplotlib", "tqdm", "grpcio-tools"}, "a tool's dependency is an extra (plots, progress, proto)"
+
+
+def _packages() -> list[str]:
+    """What setuptools installs: `[tool.setuptools.packages.find]` (namespaces on, as pyproject's default)."""
+    find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+    assert find.get("namespaces", True)
+    return setuptools.find_namespace_packages(str(REPO_ROOT), include=find["include"], exclude=find.get("exclude", ()))
+
+
+def test_the_wheel_holds_the_library_alone():
+    packages = _packages()
+    assert not [p for p in packages if p.split(".")[0] in ("benchmarks", "tests")], packages
+    assert {"sarathi_jax", "pallas_kernels", "checkpoints_convert", "server"} <= set(packages)
+
+
+def test_every_package_of_the_library_has_a_docstring():
+    packages = set(_packages())
+    for top in ("sarathi_jax", "pallas_kernels", "checkpoints_convert"):
+        for folder in sorted({f.parent for f in (REPO_ROOT / top).rglob("*.py")}):
+            name = ".".join(folder.relative_to(REPO_ROOT).parts)
+            assert name in packages, f"{name} holds Python code but the wheel leaves it out"
+            init = folder / "__init__.py"
+            assert init.exists(), f"{name}: no __init__.py"
+            assert ast.get_docstring(ast.parse(init.read_text())), f"{name}/__init__.py: no docstring saying what it owns"
+
+
+def test_the_package_data_is_there():
+    for package, patterns in PYPROJECT["tool"]["setuptools"]["package-data"].items():
+        folder = REPO_ROOT.joinpath(*package.split("."))
+        for pattern in patterns:
+            assert list(folder.glob(pattern)), f"{package}: {pattern} matches nothing"
 
 
 def test_a_floor_above_the_installed_version_is_reported():

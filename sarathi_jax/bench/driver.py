@@ -150,11 +150,7 @@ def run_workload(
     engine.reset_prefix_cache()  # every run (and capacity probe) starts cold: no hits on earlier runs' prompts
     before = engine.stats()
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(ids), desc=label, unit="req", leave=False, file=sys.stderr, dynamic_ncols=True)
+    bar = _progress_bar(len(ids), label) if progress else None
 
     wall0 = time.monotonic()
     loop = drive(engine, arrivals, on_done=None if bar is None else lambda rid: bar.update(1),
@@ -235,3 +231,21 @@ def measure_decode_iteration_time(
 def engine_vocab_size(engine: Engine) -> int:
     """The vocabulary the engine's admission checks prompt token ids against."""
     return engine.admission.vocab_size
+
+
+_told_no_tqdm = False
+
+
+def _progress_bar(total: int, label: str):
+    """A tqdm bar on stderr; None without tqdm (the `progress` extra), said once: the run's progress lines
+    remain."""
+    global _told_no_tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if not _told_no_tqdm:
+            _told_no_tqdm = True
+            print("(no progress bars: tqdm is not installed, the progress extra: pip install 'sarathi-jax[progress]')",
+                  file=sys.stderr, flush=True)
+        return None
+    return tqdm(total=total, desc=label, unit="req", leave=False, file=sys.stderr, dynamic_ncols=True)

@@ -1,7 +1,11 @@
-"""Matplotlib figures (Agg backend, PNG): TBT CDF per run, capacity bars, iteration timelines."""
+"""Matplotlib figures (Agg backend, PNG): TBT CDF per run, capacity bars, iteration timelines.
+
+matplotlib is the `plots` extra (`pip install 'sarathi-jax[plots]'`), imported only when a figure is drawn.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Sequence
 
@@ -11,8 +15,22 @@ from sarathi_jax.bench.driver import RunResult
 from sarathi_jax.bench.metrics import all_tbts, completed
 
 
-def _plt():
-    import matplotlib
+PLOTS_EXTRA = "pip install 'sarathi-jax[plots]'"
+
+
+def have_matplotlib() -> bool:
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend; ImportError naming the `plots` extra when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(f"the PNG figures need matplotlib, the plots extra: {PLOTS_EXTRA}") from e
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -21,7 +39,7 @@ def _plt():
 
 
 def plot_tbt_cdf(runs: Sequence[RunResult], path: str, slo_tbt: float | None = None) -> str:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in runs:
         tbts = np.sort(np.asarray(all_tbts(completed(r.records)), dtype=np.float64)) * 1e3
@@ -50,7 +68,7 @@ def plot_tbt_cdf(runs: Sequence[RunResult], path: str, slo_tbt: float | None = N
 
 def plot_capacity(capacities: dict, path: str) -> str:
     """Bars of capacity (req/s) per run; `capacities` maps label -> CapacityResult."""
-    plt = _plt()
+    plt = pyplot()
     labels = list(capacities)
     values = [capacities[k].capacity_qps for k in labels]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels) + 2), 4))
@@ -90,7 +108,7 @@ def plot_timeline(runs: Sequence[RunResult], path: str, stall_factor: float = 5.
     """One panel per run: tokens per iteration (decode bottom, prefill on top) over time, iteration time on
     the right axis, and iterations longer than `stall_factor` x the median iteration marked in red.
     Long runs are cut to their first `max_iterations` iterations (said in the panel title)."""
-    plt = _plt()
+    plt = pyplot()
     runs = [r for r in runs if r.iterations]
     n = max(1, len(runs))
     fig, axes = plt.subplots(n, 1, figsize=(10, 2.6 * n + 0.6), squeeze=False)

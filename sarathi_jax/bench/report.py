@@ -15,7 +15,7 @@ import numpy as np
 from sarathi_jax.bench.args import DEFAULT_PROMPT_LEN
 from sarathi_jax.bench.driver import RunResult
 from sarathi_jax.bench.metrics import fmt_seconds
-from sarathi_jax.bench.plots import write_plots  # matplotlib itself loads only when plotting
+from sarathi_jax.bench.plots import PLOTS_EXTRA, have_matplotlib, write_plots  # matplotlib loads only to plot
 from sarathi_jax.bench.structured import constrained_cell
 
 if TYPE_CHECKING:
@@ -347,7 +347,9 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
         for r in runs:
             paths += write_run(args.out, r, workload_info.get(r.label, fitted.summary()), capacities.get(r.label))
         paths += write_summary(args.out, runs, capacities, meta)
-        if not args.no_plots:
+        if not args.no_plots and not have_matplotlib():
+            print(f"(no PNG plots: matplotlib is not installed, the plots extra: {PLOTS_EXTRA}; --no-plots skips them)")
+        elif not args.no_plots:
             paths += write_plots(args.out, runs, capacities, slo_tbt, args.stall_factor)
         print(f"wrote {len(paths)} files to {args.out}/")
     else:

@@ -74,10 +74,9 @@ def format_rows(doc: dict) -> str:
 
 
 def write_plot(doc: dict, path: str) -> str:
-    import matplotlib
+    from sarathi_jax.bench.plots import pyplot
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = doc["rows"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -207,6 +206,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else None
+    if args.plot:
+        from sarathi_jax.bench.plots import PLOTS_EXTRA, have_matplotlib
+
+        if not have_matplotlib():
+            parser.error(f"--plot needs matplotlib, the plots extra: {PLOTS_EXTRA}")
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
