@@ -87,10 +87,16 @@ def test_every_package_of_the_library_has_a_docstring():
 
 
 def test_the_package_data_is_there():
+    covered = set()
     for package, patterns in PYPROJECT["tool"]["setuptools"]["package-data"].items():
         folder = REPO_ROOT.joinpath(*package.split("."))
         for pattern in patterns:
             assert list(folder.glob(pattern)), f"{package}: {pattern} matches nothing"
+            covered.update(folder.glob(pattern))
+    # The data the library reads at run time (tables, traces, the proto) must travel with it.
+    data = [f for top in ("sarathi_jax", "pallas_kernels", "checkpoints_convert", "server")
+            for f in (REPO_ROOT / top).rglob("*") if f.suffix in (".json", ".csv", ".proto") and f.is_file()]
+    assert not [str(f.relative_to(REPO_ROOT)) for f in data if f not in covered], "add them to package-data"
 
 
 def test_a_floor_above_the_installed_version_is_reported():
