@@ -33,14 +33,14 @@ CPU_SMALLEST_BUCKET = 4
 # For the same reason a CPU gets a bucket halfway (x1.5) between each two powers of two from 24 tokens up: a
 # lone prompt or a mixed step pays at most 1.5x its tokens in padding instead of 2x (a 300-token step runs in
 # 384, not 512), and 24 decodes run in 24 rows, not 32 (a decode step of the 60M Llama at context 800: 68 ms
-# against 72.6-73.9 in 32, step_cost; docs/results-cpu.md §11, ninth session). Below 24 the powers of two are
+# against 72.6-73.9 in 32, step_cost). Below 24 the powers of two are
 # close enough; accelerators keep the powers of two (tile shapes).
 CPU_MID_BUCKETS_FROM = 24
 
 
 # The fine ladder (EngineConfig.bucket_ladder="fine", the default under token_budget="dynamic"): a budget picked
 # per iteration runs in the smallest bucket that holds it, so on powers of two a batch that fits 80 tokens
-# beside its decodes had to drop to 64 (docs/results-cpu.md section 15). Every multiple of FINE_STEP up to
+# beside its decodes would drop to 64 (docs/design/scheduler.md). Every multiple of FINE_STEP up to
 # FINE_EVERY_STEP_UNTIL, then each bucket at most FINE_GROWTH x the one below (a multiple of FINE_STEP).
 FINE_STEP = 16  # a matmul tile of rows: the token budget's granularity (scheduler/budget.py TILE)
 FINE_EVERY_STEP_UNTIL = 128

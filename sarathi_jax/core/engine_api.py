@@ -2,7 +2,7 @@
 `SimulatedEngine` both meet (the bench, the driver loop and the servers' engine thread use nothing else), and
 the `Clock` an engine stamps its times with: wall time (`WallClock`) for `LLMEngine`, virtual seconds for
 `SimulatedEngine`, and below the core, the `Executor` that runs its batches (the model runner, or a cost model
-on a virtual clock) with the `StepHandle` and `SampledBatch` it returns. See docs/design/core.md, "Engine API". No JAX.
+on a virtual clock) with the `StepHandle` and `SampledBatch` it returns. See docs/design/core.md, "The engine API". No JAX.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The real disaggregated engine (issue 33; partial): `EngineConfig.disaggregation = "P:D"` on real devices.
+"""The real disaggregated engine (partial: docs/design/disaggregation.md): `EngineConfig.disaggregation = "P:D"` on real devices.
 
 The first P devices run prefill instances, the next D decode instances (`disaggregation_config`: "P:D" is one
 instance per side, tensor parallel over its devices; "P/TP:D/TP" several). Each instance is an `LLMEngine`'s
