@@ -7,11 +7,13 @@ floors. Each command is `python -m benchmarks.probes.NAME --help`:
   layer_matmul_cost  which form of a decode step's layer matmuls is fastest (weight on the right or the left)
   out_major_steps    model steps with in-major against out-major projection weights, two engines alternated
   grammar_cost   structured outputs' grammar engines (llguidance, xgrammar, outlines-core): host cost per mask
+  matmul_vs_torch    the engine's projection matmuls beside torch's on the same shapes
+  speculation    speculative decoding's acceptance and step time against plain decoding
   startup        start-up time, cold and warm, in fresh processes
   profile_steps  a JAX profiler trace of steady decode, read by trace_summary.py
   trace_summary  where the time goes in a profiler trace
 
-roofline.py counts a batch's FLOPs and bytes and measures the machine's rates (the floors); step_timer.py
-times batch compositions on the real runner. `python -m sarathi_jax.bench.step_cost` (one iteration's time
+`sarathi_jax.bench.roofline` counts a batch's FLOPs and bytes and measures the machine's rates (the floors);
+`sarathi_jax.bench.step_timer` times batch compositions on the real runner. `python -m sarathi_jax.bench.step_cost` (one iteration's time
 beside the floors, and the cost model's calibration) is the command line over those two.
 """
