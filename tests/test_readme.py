@@ -1,7 +1,7 @@
-"""The READMEs, word for word: every command of every fenced `bash` block of README.md and server/README.md runs,
-in file order, in one temporary folder (a later block uses what an earlier one made, as a reader following the
-README would: the converted `./smollm2-instruct`), with the repository on PYTHONPATH and the session's
-compilation cache. A command fails the test when it exits non-zero or prints a Python traceback.
+"""The README and the manual, word for word: every command of every fenced `bash` block of the pages in READMES
+runs, in the table's order, in one temporary folder (a later block uses what an earlier one made, as a reader
+following the pages would: the converted `./smollm2-instruct`), with the repository on PYTHONPATH and the
+session's compilation cache. A command fails the test when it exits non-zero or prints a Python traceback.
 
 A command is one line with its `\\` continuations and open quotes; bash runs it, trailing comment and all.
 `python -m server ...` starts in the background: the next command runs once it prints that it is listening, and
@@ -9,11 +9,12 @@ at the end of its block it gets SIGTERM and must drain and exit 0, without a tra
 
 Every fence must name its language, so that no command hides in a plain block (`text` for a synopsis).
 
-A command named in EXPECTED_OUTPUT must also print the answer the README promises (the SmolLM2 chat's "Paris").
+A command named in EXPECTED_OUTPUT must also print the answer the page promises (the SmolLM2 chat's "Paris").
 
 Commands run as written except for the substitutions in SUBSTITUTIONS (pattern -> replacement, and why), which
 give them smoke-size settings, free ports and the cached test files. The commands that cannot run here are in
-EXCLUDED with the reason; each pattern of both tables must match a README command, so neither goes stale.
+EXCLUDED with the reason; each pattern of both tables must match a command of these pages, so neither goes
+stale.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-READMES = ("README.md", "server/README.md")
+READMES = ("README.md", "docs/serving.md", "docs/benchmarks.md", "docs/models.md", "docs/parallelism.md",
+           "docs/gpus.md")
 SHELL_LANGUAGES = ("bash", "sh", "shell")
 FENCE = re.compile(r"^[ \t]*```([^\n`]*)\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
 COMMAND_TIMEOUT_S = 300
@@ -44,31 +46,19 @@ EXCLUDED: tuple[tuple[str, str], ...] = (
     (r'^pip install -q -e "\.\[test\]" torch==2\.13\.0 && python -m pytest -q$',
      "the test suite itself, which runs this test (.ci/run runs this line)"),
     (r'^pip install -e "\.\[cuda\]"', "GPU: JAX's CUDA wheels need an NVIDIA GPU and its driver"),
-    (r"^python -m sarathi_jax\.bench\.probes\.profile_steps ", "GPU: profiles llama-1b's steady decode"),
-    (r"^python -m sarathi_jax\.bench\.probes\.trace_summary ",
-     "reads the trace that profile_steps (a GPU command) leaves"),
-    (r"^python -m sarathi_jax\.bench\.gpu_capacity ", "GPU: hours of Mistral-7B-shaped capacity searches"),
-    (r"^python -m sarathi_jax\.bench\.gpu_report ", "GPU: a 9-minute report of a lent GPU; its --smoke run is "
-                                                     "tests/benchmarks/gpu_report/test_gpu_report_smoke.py"),
-    (r"^python -m sarathi_jax\.bench\.peer ", "needs vLLM's CPU build in a venv of its own (docs/results-cpu.md "
-                                              "§10); tests/benchmarks/peer/test_peer.py runs this engine's "
-                                              "side"),
-    (r"^python -m sarathi_jax\.bench\.probes\.loop_cost ",
-     "a machine probe: minutes of compiling and timing on a 2-core CPU; "
-     "tests/benchmarks/probes/test_loop_cost.py runs it small"),
-    (r"^python -m sarathi_jax\.bench\.probes\.sampler_cost",
-     "a machine probe: every sampler variant, a minute of compiling; "
-     "tests/benchmarks/probes/test_sampler_cost.py runs it small"),
-    (r"^python -m sarathi_jax\.bench\.probes\.startup ",
-     "a machine probe: fresh processes, cold then warm; tests/benchmarks/probes/test_startup.py runs it small"),
-    (r"^python -m sarathi_jax\.bench\.probes\.host_cost ",
-     "a machine probe: minutes of host-time profiling of three workloads on a 2-core CPU"),
+    (r"^(XLA_CLIENT_MEM_FRACTION=\S+ )?python -m server --model mistral-7b ",
+     "GPU: Mistral-7B's shape, 14 GiB of weights, sized against a GPU's memory"),
+    (r"^python -m pallas_kernels\.tune(?! --dry-run)", "GPU: times the Pallas kernel's candidates on the device; "
+                                                      "the --dry-run line of docs/gpus.md runs"),
+    (r"^for r in 0 1; do ", "two processes over loopback with fixed ports: "
+                            "tests/sarathi_jax/parallel/test_parallel.py runs the same worker "
+                            "(test_multihost_loopback, test_multihost_disaggregation)"),
     (r"^grpcurl ", "grpcurl is a Go program, not installed with the project"),
-    (r"^python -m server\.loadgen --soak ", "10 minutes of traffic; tests/benchmarks/test_soak.py runs a minute of it"),
+    (r"^python -m benchmarks\.soak ", "10 minutes of traffic; tests/benchmarks/test_soak.py runs a minute of it"),
 )
 
 
-# What a command's output must hold besides a clean exit: the answer the README promises in its comment.
+# What a command's output must hold besides a clean exit: the answer the page promises in its comment.
 EXPECTED_OUTPUT: tuple[tuple[str, str], ...] = (
     (r'^python -m server\.client --chat "What is the capital of France\?"', "The capital of France is Paris."),
 )
@@ -312,7 +302,7 @@ def test_a_failing_command_and_a_traceback_are_caught(tmp_path):
 
 @pytest.mark.parametrize("name", READMES)
 def test_readme_commands_run(name, tmp_path_factory, smollm2_wheel, hf_checkpoint, capsys):
-    folder = tmp_path_factory.getbasetemp() / "readme"  # one folder for both READMEs, as one reader's clone
+    folder = tmp_path_factory.getbasetemp() / "readme"  # one folder for every page, as one reader's clone
     folder.mkdir(exist_ok=True)
     ctx = {"smollm2_wheel": smollm2_wheel, "hf_dir": hf_checkpoint("llama"), "grpc_port": _free_port(),
            "metrics_port": _free_port(), "http_port": _free_port()}
