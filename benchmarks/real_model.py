@@ -11,7 +11,7 @@ sequences are token-identical (HF's padded batch may flip near-ties, so this is 
 tests compare unpadded sequences).
 
 Next to this engine's time is a physical floor: per engine iteration, the larger of its matmul FLOPs over the
-measured matmul rate and its weight bytes over the measured bandwidth (`bench.probes.roofline`'s model and
+measured matmul rate and its weight bytes over the measured bandwidth (`bench.roofline`'s model and
 measurements), summed over the iterations; attention and KV-cache traffic are left out, so it is a lower bound.
 `--reference` is an HF folder or a GGUF file (loaded by transformers' own GGUF support); without it only this
 engine runs.

@@ -1,5 +1,5 @@
-"""Wall-clock timing of jitted calls, for every benchmark (the kernel bench and tuner here, the machine-rate
-probes and the sampler benchmark in `sarathi_jax.bench`): a leaf module, so that both can import it.
+"""Wall-clock timing of jitted calls, for every benchmark (the tuner here, the step timer in `sarathi_jax.bench`,
+the kernel benches and machine probes in `benchmarks/`): a leaf module, so that all of them can import it.
 
 JAX dispatches asynchronously: a call returns before the device is done, so a timed run ends with
 `jax.block_until_ready` on the last output. Calls back to back are synchronised once, at the end, so that host

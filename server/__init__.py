@@ -1,5 +1,5 @@
 """sarathi-jax gRPC generation service (`sarathi.v1.Generation`) and OpenAI-compatible HTTP API; see
-server/README.md.
+docs/serving.md.
 
     python -m server --model tiny-llama --port 50051 --metrics-port 9090 [--http-port 8000]
     python -m server.client --token-ids 1,2,3 --max-tokens 16 --target 127.0.0.1:50051

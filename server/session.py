@@ -264,7 +264,7 @@ class RequestSession:
 
 PREFIX = "sarathi:"
 
-# Latency buckets: 2.0 is Sarathi-Serve's median scheduling-delay bound (bench.peer's capacity check reads it;
+# Latency buckets: 2.0 is Sarathi-Serve's median scheduling-delay bound (benchmarks.peer's capacity check reads it;
 # it gives vLLM these same request-latency buckets).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0)

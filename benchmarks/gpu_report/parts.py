@@ -1,16 +1,16 @@
 """The parts of `python -m benchmarks.gpu_report`, one per process:
 `python -m benchmarks.gpu_report.parts PART --out DIR --result PATH --config JSON`.
 
-Each part measures by calling the benchmark modules that already exist (`bench.probes.roofline`,
-`pallas_kernels.tune`, `benchmarks.kernels`, `bench.probes.profile_steps` and `bench.probes.trace_summary`,
-`bench.probes.startup`, `bench.probes.loop_cost`) and saves a result to PATH after every piece it finishes (so
+Each part measures by calling the benchmark modules that already exist (`bench.roofline`,
+`pallas_kernels.tune`, `benchmarks.kernels`, `benchmarks.probes.profile_steps` and `benchmarks.probes.trace_summary`,
+`benchmarks.probes.startup`, `benchmarks.probes.loop_cost`) and saves a result to PATH after every piece it finishes (so
 a part stopped half-way keeps what it had):
 
     {"figures": [{"name", "value", "unit", "floor", "floor_basis", "ratio"}], "tables": [{"title", "columns",
      "rows"}], "info": {...}, ...}
 
 A figure's `floor` is in its own unit (a time's floor in seconds) or None where no floor applies (a start-up
-time, a fraction, a rate), and `ratio` = value / floor. Floors come from `bench.probes.roofline`: bytes over the
+time, a fraction, a rate), and `ratio` = value / floor. Floors come from `bench.roofline`: bytes over the
 measured bandwidth and FLOPs over the measured matmul rate (both from the `machine` part, passed in as
 `rates`; measured here when that part did not deliver them).
 
@@ -178,7 +178,7 @@ def _startup(cfg: ReportConfig, res: Result, model: str) -> None:
         res.doc["info"]["command"] = "python -m benchmarks.probes.startup " + " ".join(argv)
         rc = startup.main(argv)
         if rc != 0:
-            raise RuntimeError(f"bench.probes.startup exited with status {rc}")
+            raise RuntimeError(f"benchmarks.probes.startup exited with status {rc}")
         with open(path) as f:
             runs = json.load(f)["runs"]
     res.doc["runs"] = runs
@@ -191,7 +191,7 @@ def _startup(cfg: ReportConfig, res: Result, model: str) -> None:
         rows.append([label, r["total_s"], r["process_wall_s"], r["load_s"], r["init_s"], r["compile_s"],
                      r["warmup_s"], r["executables"], r["cache_hits"], r.get("background_compile_s"),
                      r["probe_first_token_s"], None if peak is None else peak / 2**30])
-    res.table(f"{model} start-up (bench.probes.startup: two fresh processes, one compilation cache, empty before "
+    res.table(f"{model} start-up (benchmarks.probes.startup: two fresh processes, one compilation cache, empty before "
               "the first)",
               ["run", "ready s", "process s", "load s", "init s", "compile s", "warm-up s", "executables",
                "cache hits", "background s", "first token s", "peak GiB"], rows)
@@ -233,7 +233,7 @@ def part_loop(cfg: ReportConfig, res: Result, rates: dict | None, **_: Any) -> N
                      r["host_exposed_s"] * 1e3, r["host_cpu_s"] * 1e3, r["memory_floor_s"] * 1e3,
                      r["compute_floor_s"] * 1e3, r["x_floor"], r.get("ratio_mean"), r["compilations_during_timing"]])
     res.doc["rows"] = doc["rows"]
-    res.table(f"decode steps at ctx {cfg.loop_context} (bench.probes.loop_cost; busy = replayed device time / wall)",
+    res.table(f"decode steps at ctx {cfg.loop_context} (benchmarks.probes.loop_cost; busy = replayed device time / wall)",
               ["decodes", "loop", "wall ms", "device ms", "busy", "host ms", "host CPU ms", "bytes floor ms",
                "FLOP floor ms", "x floor", "async / sync", "compiles while timed"], rows)
 

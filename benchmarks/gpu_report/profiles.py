@@ -1,6 +1,6 @@
 """The `profile_large` and `profile_small` parts of `python -m benchmarks.gpu_report`: an engine in steady
 decode (then, for the large model, with a prompt chunk filling each step's budget), a few steps traced by
-`bench.probes.profile_steps`, and per section the wall and device-busy time per step against the roofline floor of the
+`benchmarks.probes.profile_steps`, and per section the wall and device-busy time per step against the roofline floor of the
 steps' work, and the busiest kernels.
 """
 

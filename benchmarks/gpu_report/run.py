@@ -5,7 +5,7 @@ Parts, in this order (each with a time budget, `PARTS`; no part starts after `--
 and a part's timeout is cut to the time left, so that the whole run ends within 9 minutes):
 
 1. `machine`: versions (jax, jaxlib, the CUDA plugin, torch, python, GPU name and driver from nvidia-smi when
-   there is one) and the measured rates (`bench.probes.roofline.measure_rates`: a bf16 matmul, a large reduction and
+   there is one) and the measured rates (`bench.roofline.measure_rates`: a bf16 matmul, a large reduction and
    copy), which the later parts use for their floors;
 2. `tune`: `python -m pallas_kernels.tune` with a time budget, writing `DIR/tuning_table.json` (measured,
    `"tuned": true` on a GPU; copy it over `pallas_kernels/tuning_table.json` to commit it). The later parts
@@ -15,11 +15,11 @@ and a part's timeout is cut to the time left, so that the whole run ends within 
    the report says why), against the floors: bytes for the decode mixes, FLOPs for the prefills;
 4. `profile_large`, `profile_small`: a JAX profiler trace of steady decode through `engine.step()` (and, for the
    large model, of mixed steps: the decodes plus a prefill chunk filling the token budget), read into wall and
-   device busy time per step, the busy fraction and the busiest kernels (`bench.probes.profile_steps`,
-   `bench.probes.trace_summary`), against the floor of the steps dispatched meanwhile (`bench.probes.roofline.work`);
-5. `loop`: the synchronous and the overlapped engine loop at 1, 32 and 128 decodes (`bench.probes.loop_cost`): wall
+   device busy time per step, the busy fraction and the busiest kernels (`benchmarks.probes.profile_steps`,
+   `benchmarks.probes.trace_summary`), against the floor of the steps dispatched meanwhile (`bench.roofline.work`);
+5. `loop`: the synchronous and the overlapped engine loop at 1, 32 and 128 decodes (`benchmarks.probes.loop_cost`): wall
    and device time per step, the device busy fraction;
-6. `startup_small`, `startup_large`: start-up, cold and warm (`bench.probes.startup`). Last: it already has GPU figures.
+6. `startup_small`, `startup_large`: start-up, cold and warm (`benchmarks.probes.startup`). Last: it already has GPU figures.
 
 Each part runs in a process of its own (`python -m benchmarks.gpu_report.parts PART`) with a timeout, so
 a part that crashes or hangs (XLA, the driver, out of memory) is recorded as `failed` or `timeout`, with its
@@ -67,7 +67,7 @@ class ReportConfig:
     dtype: str = "bfloat16"
     small_model: str = "llama-1b"
     large_model: str = "mistral-7b"
-    # machine rates (bench.probes.roofline.measure_rates)
+    # machine rates (bench.roofline.measure_rates)
     matmul_n: int = 8192
     bandwidth_mb: int = 2048
     rate_repeats: int = 5
@@ -86,11 +86,11 @@ class ReportConfig:
     profile_steps: int = 32
     mixed_steps: int = 4
     token_budget: int = 512
-    # start-up (bench.probes.startup); None: the engine's defaults
+    # start-up (benchmarks.probes.startup); None: the engine's defaults
     startup_token_budget: int | None = None
     startup_max_num_seqs: int | None = None
     startup_num_blocks: int | None = None
-    # engine loop (bench.probes.loop_cost)
+    # engine loop (benchmarks.probes.loop_cost)
     loop_batches: tuple[int, ...] = (1, 32, 128)
     loop_context: int = 256
     loop_token_budget: int = 256

@@ -27,7 +27,7 @@ timeline): `--replays` M dispatches back to back (cycling over the K steps), one
 ms per step = time / M, median over the rounds. Measured in the same round as the wall times it is compared
 with, so that drifting background load hits both. A plain replay would write stale K/V into live sequences'
 slots and feed its own samples to the next real step's pending tokens, so the replays are shadowed
-(`bench.probes.step_replay.ShadowReplayer`): the copies' K/V writes go to scratch blocks reserved from the engine's
+(`benchmarks.probes.step_replay.ShadowReplayer`): the copies' K/V writes go to scratch blocks reserved from the engine's
 block manager (the attention still reads the real block tables, so the work is the same) and the runner's previous
 sampled tokens are restored afterwards. `decode_tokens_agree` in the JSON checks it: greedy decodes of both loops
 must produce the same tokens. On a CPU "device" means XLA:CPU's threads, which share the cores with the host
@@ -48,8 +48,8 @@ the K steps; `x floor` = wall / max(floors).
 Checks recorded in the JSON: `engine.core.num_in_flight` after every timed step (overlapped: 1, sync: 0),
 compilations during the timed phases (0: every bucket was compiled by warm-up), decodes per timed step (= B).
 
-The engines, workloads and timed rounds are in `bench.probes.loop_timing`, the step capture and shadowed replay in
-`bench.probes.step_replay`; this module turns the timings into the rows, the table and the JSON document.
+The engines, workloads and timed rounds are in `benchmarks.probes.loop_timing`, the step capture and shadowed replay in
+`benchmarks.probes.step_replay`; this module turns the timings into the rows, the table and the JSON document.
 """
 
 from __future__ import annotations

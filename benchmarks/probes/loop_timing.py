@@ -1,7 +1,7 @@
 """The two engine loops of `python -m benchmarks.probes.loop_cost` under test: the run's configuration and
 engine size, building and warming the engines, the workloads, and the interleaved timed rounds (wall and
 thread CPU time per `engine.step()`, then a shadowed replay of the same steps for their device time).
-The module docstring of `bench.probes.loop_cost` describes the method.
+The module docstring of `benchmarks.probes.loop_cost` describes the method.
 """
 
 from __future__ import annotations

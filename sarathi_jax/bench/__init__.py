@@ -1,14 +1,14 @@
-"""Serving benchmark for sarathi-jax: workloads, a real-time/offline driver, metrics, capacity search, reports.
-
-`python -m sarathi_jax.bench --help` for the CLI; the pieces are importable:
+"""The serving benchmark, `python -m sarathi_jax.bench` (its --help is the CLI): workloads (synthetic or from the
+shipped traces), a real-time or offline driver, metrics and SLO goodput, capacity search, reports and plots, on a
+real or a simulated engine (`sarathi_jax.factory`), or against a running server (`--endpoint`, through the load
+driver `loadgen`). The pieces are importable:
   workload.synthetic_workload / workload.trace_workload -> Workload
   driver.run_workload(engine, workload, prompts) -> RunResult
   metrics.summarize(records, iterations) -> dict
   capacity.find_capacity(engine, workload, prompts, slo_tbt=...) -> CapacityResult
-Cost tools: `python -m sarathi_jax.bench.step_cost` (one iteration's time beside the machine's floors:
-probes/roofline.py, probes/step_timer.py; calibrates sarathi_jax.sim.cost_model.BucketCostModel); the other machine
-probes are in probes/ (`python -m benchmarks.probes.loop_cost`: the synchronous vs the overlapped engine
-loop; see probes/__init__.py for the rest). `python -m benchmarks.gpu_report`: every part of a lent GPU's
-report (gpu_report/); `python -m benchmarks.peer`: this engine against vLLM (peer/).
-`python -m benchmarks.bubble_demo`: the pipeline bubble fraction per scheduling policy.
+  loadgen.run_load(target, requests) -> per-request client-side results
+Step costs: `python -m sarathi_jax.bench.step_cost` times one iteration beside the machine's floors (`roofline`,
+`step_timer`) and calibrates the simulator's `sarathi_jax.sim.cost_model.BucketCostModel` (`cost_profile=`).
+Developer instruments (probes, the vLLM comparison, the GPU report, the paper's experiments) are in the
+repository's `benchmarks/`, not in this package.
 """

@@ -14,7 +14,7 @@ Machine rates (`measure_rates`, with the probes of `pallas_kernels.machine_rates
 the model's dtype (FLOP/s) and a large array reduction and copy (bytes/s, the faster of the two), each the best
 of `repeats` runs (on a shared machine the best run is the least disturbed one, so the floors stay lower
 bounds). `floors(work, rates)`: FLOPs / matmul
-rate and bytes / bandwidth. Used by `bench.step_cost`, `bench.probes.loop_cost` and `bench.real_model`.
+rate and bytes / bandwidth. Used by `bench.step_cost`, `benchmarks.probes.loop_cost` and `benchmarks.real_model`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`python -m sarathi_jax.bench.step_cost`: the model runner's iteration time for chosen batch compositions,
 beside this machine's compute and memory floors.
 
-The pieces: `bench.probes.roofline` (the FLOP and byte counts of a batch, the machine's matmul rate and bandwidth,
-the floors), `bench.probes.step_timer` (the compositions of each mode and timing them on the real runner, median of
+The pieces: `bench.roofline` (the FLOP and byte counts of a batch, the machine's matmul rate and bandwidth,
+the floors), `bench.step_timer` (the compositions of each mode and timing them on the real runner, median of
 round-robin repeats) and `sarathi_jax.sim.cost_model.BucketCostModel` (fitted in calibrate mode). This module is
 the command line: the table, the JSON document and the plots. `x floor` = time / max(compute floor, memory
 floor).

@@ -7,8 +7,8 @@ with synthetic `ScheduledChunk`s: the same jitted step, bucket padding and host-
 serving (the scheduler and the engine's bookkeeping are not timed). Every composition is run `--warmup`
 times untimed (the first compiles its bucket), then the timed repeats go round-robin over all compositions
 of the run, so that load from other processes falls on all of them alike; the median is reported. The
-machine rates (`bench.probes.roofline.measure_rates`) are measured before and after the timed rounds, the better
-kept; per batch, `bench.probes.roofline.work` and `floors` give the compute and memory floors, and
+machine rates (`bench.roofline.measure_rates`) are measured before and after the timed rounds, the better
+kept; per batch, `bench.roofline.work` and `floors` give the compute and memory floors, and
 `x floor` = time / max(floors). Calibration compositions are fitted to `sarathi_jax.sim.cost_model.BucketCostModel`.
 """
 

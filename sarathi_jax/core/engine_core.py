@@ -160,7 +160,7 @@ class EngineCore:
 
     def release(self, request_id: str) -> RequestState:
         """Take a preempted request (waiting, nothing pending) out with no output: another core runs it on
-        (a disaggregated decode instance's recompute goes through a prefill instance: disaggregation_flow.py)."""
+        (a disaggregated decode instance's recompute goes through a prefill instance: disagg/flow.py)."""
         state = self._requests.pop(request_id)
         assert state.seq.status is SequenceStatus.WAITING and not state.seq.num_pending_tokens, state.seq
         self._forget(state)

@@ -66,7 +66,7 @@ def block_buckets(max_blocks: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class PendingCopy:
-    """A move dispatched and not waited for (`disaggregation_parts.CopyInFlight`): its bytes, when the gather
+    """A move dispatched and not waited for (`disagg.state.CopyInFlight`): its bytes, when the gather
     was dispatched, and when the copy was seen done (the mover's thread; module docstring)."""
 
     num_bytes: int

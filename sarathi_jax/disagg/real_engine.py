@@ -1,17 +1,17 @@
 """The real disaggregated engine (partial: docs/design/disaggregation.md): `EngineConfig.disaggregation = "P:D"` on real devices.
 
-The first P devices run prefill instances, the next D decode instances (`disaggregation_config`: "P:D" is one
+The first P devices run prefill instances, the next D decode instances (`config.disaggregation`: "P:D" is one
 instance per side, tensor parallel over its devices; "P/TP:D/TP" several). Each instance is an `LLMEngine`'s
 parts on its own devices: its weights, model runner and KV cache (tensor parallel over its mesh, the
 `parallel` path), scheduler and block manager, driven by its own `EngineCore`. The request flow (queue,
 prefill with max_tokens 1, hand-off, back-pressure, landing, aborts) is sarathi_jax/disagg/flow.py,
-the one copy the simulator shares; the K/V moves device to device (`disaggregation_kv.KVBlockMover`).
+the one copy the simulator shares; the K/V moves device to device (`disagg.kv_transfer.KVBlockMover`).
 
 `step()` on the wall clock: the transfers whose copy is done by now are recorded, new requests enter the
 prefill cores (unless a finished prefill waits for decode room), each busy prefill instance runs one iteration,
 finished prompts move at once (the gather, the copy and the scatter dispatched, none waited for: the devices
 order them after the prefill that wrote the blocks and before the decode side's next step, and the prefill
-blocks are free at once, `disaggregation_kv`), each busy decode instance runs one iteration (a request it
+blocks are free at once, `disagg.kv_transfer`), each busy decode instance runs one iteration (a request it
 preempts goes back to a prefill instance as a recompute), and what that freed lets held prompts move. Both
 sides run the configured loop (overlapped by default); one thread drives them in turn, so the two sides'
 device work and the copies overlap as far as the dispatches run ahead. A transfer's record (its time: the
@@ -136,7 +136,7 @@ class DisaggregatedEngine(DisaggregationFlow):
     def begin_transfer(self, h: Handoff, at: float) -> None:
         """Dispatch the copy of the computed tokens' blocks and land at once: the decode core's next step runs
         on the cache the scatter returns, and the prefill blocks are freed (a later write to them is ordered
-        after the gather that reads them: `disaggregation_kv`). `h.start` is the gather's dispatch; `h.copy`
+        after the gather that reads them: `disagg.kv_transfer`). `h.start` is the gather's dispatch; `h.copy`
         says when the copy was seen done (the flow's `finish_transfers` records it then). The leading blocks
         the decode side's prefix cache held are not copied; when it held them all, nothing is."""
         k = h.num_cached_blocks

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation in the simulator: `DisaggregatedSimEngine`, the engine API
 (`engine_api.Engine`) on a virtual clock, like `SimulatedEngine`, with prefill and decode on separate instances
-(`disaggregation_config.DisaggregationSplit`). The request flow (queue, prefill, hand-off, back-pressure, landing,
+(`config.disaggregation.DisaggregationSplit`). The request flow (queue, prefill, hand-off, back-pressure, landing,
 aborts) is sarathi_jax/disagg/flow.py, shared with the real engine (sarathi_jax/disagg/real_engine.py);
 this module owns the time. Each instance's core runs on its own cost model (`CostModelExecutor` on its own
 virtual clock; on tp devices a `tp_cost.TensorParallelCost`); a KV transfer takes

@@ -23,7 +23,7 @@ from sarathi_jax.request.sequence import Sequence
 class TransferRecord:
     """One request's K/V moved from a prefill instance to a decode instance. `seconds`: the simulator's link
     time; the real engine's, from the gather's dispatch to when the device-to-device copy was seen done
-    (`disaggregation_kv.PendingCopy`: it includes any wait behind device work dispatched before it, such as
+    (`disagg.kv_transfer.PendingCopy`: it includes any wait behind device work dispatched before it, such as
     the prefill side's next step). `num_blocks`: the blocks copied (those the decode side's prefix cache held
     are not); `num_bytes`: what was copied (the real engine: the blocks of its padded bucket; the simulator:
     the copied tokens' K/V)."""

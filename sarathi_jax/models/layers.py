@@ -69,7 +69,7 @@ def materialized(x: jax.Array) -> jax.Array:
     XLA fuses an elementwise producer into each of its consumers, and a loop fusion evaluates it per output
     element: the RoPE cos/sin of a step, read by every layer's q and k rotation and broadcast over the heads,
     were evaluated heads x layers x 2 times over (on a CPU 9 of 180 ms of a 512-token step of the 60M Llama, by
-    `bench.probes.trace_summary` of a traced step). `optimization_barrier` does not stop it (XLA:CPU expands
+    `benchmarks.probes.trace_summary` of a traced step). `optimization_barrier` does not stop it (XLA:CPU expands
     barriers before fusion); a dot with the identity does: it is its own (matmul) op, and exact in float32
     (x * 1 + 0s) but for subnormals, which flush to zero (no cos or sin of a RoPE angle is one)."""
     eye = jnp.eye(x.shape[-1], dtype=x.dtype)

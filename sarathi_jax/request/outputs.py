@@ -158,6 +158,6 @@ class IterationRecord:
     num_padded_tokens: int  # the bucket the step ran at (>= prefill + decode tokens)
     instance: str = ""  # which instance ran it: "" one (colocated); "prefill0", "decode0", ... (disaggregation)
     # Disaggregation: the K/V moved into this instance that landed since its previous iteration (bytes, and
-    # seconds summed over those transfers: `disaggregation_parts.TransferRecord`).
+    # seconds summed over those transfers: `disagg.state.TransferRecord`).
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0

@@ -1,4 +1,4 @@
-"""`bench.probes.loop_timing`: the loop benchmark's engine leaves room for every phase of a run."""
+"""`benchmarks.probes.loop_timing`: the loop benchmark's engine leaves room for every phase of a run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`bench.probes.step_replay`: shadowed replays of captured steps leave a live engine intact."""
+"""`benchmarks.probes.step_replay`: shadowed replays of captured steps leave a live engine intact."""
 
 from __future__ import annotations
 

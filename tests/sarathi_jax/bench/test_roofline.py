@@ -1,4 +1,4 @@
-"""`bench.probes.roofline`: FLOP and byte counts by hand on tiny-llama, floors from given rates, rates from
+"""`bench.roofline`: FLOP and byte counts by hand on tiny-llama, floors from given rates, rates from
 the probes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`bench.probes.step_timer`: the compositions each `python -m sarathi_jax.bench.step_cost` mode times."""
+"""`bench.step_timer`: the compositions each `python -m sarathi_jax.bench.step_cost` mode times."""
 
 from __future__ import annotations
 
