@@ -54,7 +54,7 @@ from pathlib import Path
 
 from sarathi_jax.utils.paths import cli_path
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TUNING_TABLE_ENV = "SARATHI_PALLAS_TUNING_TABLE"  # pallas_kernels.tuning.TABLE_ENV (not imported: no JAX here)
 DEFAULT_DEADLINE_S = 525.0
 MIN_PART_S = 15.0  # a part with less time left than this is skipped, not started

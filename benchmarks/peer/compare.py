@@ -127,7 +127,7 @@ def sarathi_info() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[2]
     git = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True, text=True)
     return {"sarathi-jax": version("sarathi-jax"), "git": git.stdout.strip() or None, "jax": version("jax"),
             "jaxlib": version("jaxlib"), "python": platform.python_version()}

@@ -113,7 +113,7 @@ def test_llm_with_only_a_small_token_budget_builds_and_reports_its_start_up():
 
 
 def test_cuda_extra_names_a_cuda_extra_that_the_installed_jax_declares():
-    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
     jax_extras = set(importlib.metadata.metadata("jax").get_all("Provides-Extra") or ())
     for name in ("cuda", "cuda12"):

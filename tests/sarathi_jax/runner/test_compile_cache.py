@@ -23,7 +23,7 @@ from sarathi_jax.runner.executable_cache import SUBDIR
 from sarathi_jax.runner.sample.sampler import SAMPLER_VARIANTS
 from sarathi_jax.config.sizing import platform_buckets
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # The script's engine (token_budget 32): its step buckets on this platform (4, 8, 16, 24, 32 on a CPU).
 NUM_BUCKETS = len(platform_buckets(32, jax.default_backend()))
 
