@@ -146,7 +146,8 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig, kv_cache_bytes:
     A fixed budget sizes the engine at once. "auto" and "dynamic" first size it at the budget ceiling, on its
     bucket ladder (pinned), take the buckets that engine compiles on `platform`, and ask `predictor_for(buckets)`
     for a cost model and its source: with one, the budget resolves (`resolve`; "dynamic" pads to those buckets)
-    and the engine is sized again at the resolved budget; with none, it stays sized at the ceiling."""
+    and the engine is sized again at the resolved budget; with none, it stays sized at the ceiling. `platform`
+    picks the buckets only: sizing reads `config.dtype` as resolved (a device-less caller's "auto" is a CPU's)."""
     if isinstance(config.token_budget, int):
         return EnginePlan(config, size_engine(config, model_config, kv_cache_bytes),
                           BudgetSetup("fixed", config.token_budget))
