@@ -59,7 +59,7 @@ def build_simulated_engine(config: EngineConfig, cost_model: IterationCost | Non
     from sarathi_jax.engine import token_budget
     from sarathi_jax.sim.simulator import CostModel, SimulatedEngine
 
-    mc, tp = model_config_of(config), config.tensor_parallel_size
+    mc, tp = _model_config(config), config.tensor_parallel_size
     plan = _plan(config, mc, cost_model, link, serial_fraction, kv_devices=tp)
     if cost_model is not None or tp > 1:
         cost_model = device_cost(_padded(cost_model or CostModel(), plan), mc, _dtype(config), tp, link,
@@ -79,7 +79,7 @@ def _disaggregated_sim_engine(config: EngineConfig, cost_model: IterationCost | 
     from sarathi_jax.sim.simulator import CostModel
 
     split = DisaggregationSplit.parse(config.disaggregation)
-    mc = model_config_of(config)
+    mc = _model_config(config)
     split.check(num_devices or split.num_devices, mc.num_attention_heads, mc.num_key_value_heads)
     if not isinstance(config.token_budget, int):
         raise ValueError(f"disaggregation: token_budget {config.token_budget!r} is not supported there yet; give "
@@ -128,8 +128,9 @@ def _dtype(config: EngineConfig) -> str:
     return resolve_dtype(config.dtype, "cpu")
 
 
-def model_config_of(config: EngineConfig) -> ModelConfig:
-    """The model's shape without its weights: an HF folder's config, or a preset's."""
+def _model_config(config: EngineConfig) -> ModelConfig:
+    """The model's shape without its weights: an HF folder's config, or a preset's (as
+    `parallel.loading.load_model_config`, which would load JAX: the simulator runs without it)."""
     if os.path.isdir(config.model):
         from sarathi_jax.models.config import ModelConfig
 

@@ -135,7 +135,7 @@ class EnginePlan:
     budget_setup: BudgetSetup | None
 
 
-PredictorFor = Callable[[tuple[int, ...]], tuple["IterationPredictor | None", "str | None"]]
+PredictorFor = Callable[[tuple[int, ...]], tuple[IterationPredictor | None, str | None]]
 
 
 def plan_engine(config: EngineConfig, model_config: ModelConfig, kv_cache_bytes: int | None, platform: str,
