@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from sarathi_jax.request.chat_template import ChatTemplate
 from sarathi_jax.config.engine_config import EngineConfig
@@ -68,34 +71,33 @@ class LLM:
         SLO targets in seconds, one for all prompts or one per prompt (None: none); each output's `metrics`
         says whether its request met them (`slo_met`).
 
-        Each returned output covers the whole request: `new_token_ids`, `text_delta` and `new_logprobs`
-        hold everything generated. Bad input raises ValueError before anything runs.
+        A prompt is a string or a sequence of integer token ids (a 1-D integer numpy array included). Each
+        returned output covers the whole request: `new_token_ids`, `text_delta` and `new_logprobs` hold
+        everything generated. Bad input raises ValueError before anything runs. An exception or Ctrl-C
+        (KeyboardInterrupt) while it runs aborts this call's requests before it propagates: their KV blocks
+        are freed and the next call is served as if this one had not been made.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+        prompts = _prompt_list(prompts)
+        params = _params_list(params, len(prompts))
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts")
         ttfts, tbts = _per_prompt("slo_ttft_s", slo_ttft_s, len(prompts)), _per_prompt("slo_tbt_s", slo_tbt_s, len(prompts))
 
-        request_ids = []
+        request_ids: list[str] = []
         try:
             for prompt, p, prio, ttft, tbt in zip(prompts, params, priority, ttfts, tbts):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
+                request_ids.append(request_id)  # first: an interrupt inside add_request may leave it queued
                 self.engine.add_request(request_id, prompt, p, priority=prio, slo_ttft_s=ttft, slo_tbt_s=tbt)
-                request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:
-                self.engine.abort(request_id)
-            self.engine.step()  # flush the abort outputs
+            return self._run(request_ids)
+        except BaseException:  # a refused prompt, an engine error, Ctrl-C: this call's requests end here
+            self._abandon(request_ids)
             raise
 
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Step the engine until every request of `request_ids` has finished; their whole outputs, in order."""
         wanted = set(request_ids)
         finals: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
@@ -112,6 +114,57 @@ class LLM:
                         new_logprobs=tuple(logprobs[out.request_id]),
                     )
         return [finals[rid] for rid in request_ids]
+
+    def _abandon(self, request_ids: list[str]) -> None:
+        """Abort a failed call's requests (their KV blocks are freed at once, a token in flight is dropped), so the
+        engine serves the next call. When nothing else is queued, the engine is stepped until idle, which lets
+        the batches still in flight retire and the abort outputs come out; requests queued through
+        `self.engine` directly are left to their caller, whose next `step()` does the same."""
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        stats = self.engine.stats()
+        if not stats["num_running"] and not stats["num_waiting"]:
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+
+
+def _prompt_list(prompts: object) -> list:
+    """`generate`'s prompts as a list: one prompt (a string or a sequence of integer token ids, a numpy array
+    included) or a sequence of them. ValueError naming `prompts` for anything else."""
+    if prompts is None or isinstance(prompts, (bytes, bytearray, memoryview, Mapping)):
+        raise ValueError(f"prompts: expected a string, token ids or a list of them, got {type(prompts).__name__}"
+                         + (" (decode bytes to a string)" if isinstance(prompts, (bytes, bytearray)) else ""))
+    if isinstance(prompts, str) or _is_token_ids(prompts):
+        return [prompts]
+    try:
+        return list(prompts)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"prompts: expected a string, token ids or a list of them, got "
+                         f"{type(prompts).__name__}") from None
+
+
+def _is_token_ids(value: object) -> bool:
+    """A non-empty sequence of integers (numpy's included, bools not): one prompt's token ids."""
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1 and value.size > 0 and np.issubdtype(value.dtype, np.integer)
+    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)) and len(value) > 0
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value))
+
+
+def _params_list(params: object, num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: one for all (None: the defaults) or a sequence of them."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * num_prompts
+    if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+        params = list(params)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("params: expected SamplingParams or a list of them, got a list holding "
+                             + ", ".join(sorted({type(p).__name__ for p in params if not isinstance(p, SamplingParams)})))
+        if len(params) != num_prompts:
+            raise ValueError(f"params: got {len(params)} SamplingParams for {num_prompts} prompts")
+        return params
+    hint = " (SamplingParams(**d) makes one from a dict)" if isinstance(params, Mapping) else ""
+    raise ValueError(f"params: expected SamplingParams or a list of them, got {type(params).__name__}{hint}")
 
 
 def _per_prompt(name: str, value: object, num_prompts: int) -> list:

@@ -122,6 +122,9 @@ class Admission:
             if self.tokenizer is None:
                 raise AdmissionError("prompt", "text prompts need a tokenizer; this model has none, pass token ids")
             return self._encode("prompt", prompt, add_special_tokens=True) if prompt else []
+        if isinstance(prompt, (bytes, bytearray, memoryview)):  # a sequence of ints, but not token ids
+            raise AdmissionError("prompt", f"must be a string or a sequence of token ids, got "
+                                           f"{type(prompt).__name__} (decode bytes to a string)")
         try:
             n = len(prompt)
         except TypeError:

@@ -166,3 +166,107 @@ def test_generate_takes_slo_targets_and_reports_whether_met(llm):
         llm.generate([[5, 6, 7], [8, 9]], params, slo_ttft_s=[1.0, -1.0])
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks
+
+
+class _Interrupt:
+    """Raises KeyboardInterrupt at the `at`-th call of `target.name` (wrapping it), once; what Ctrl-C does to a
+    `generate` at that point."""
+
+    def __init__(self, monkeypatch, target, name: str, at: int, after: bool = False) -> None:
+        self.calls, real = 0, getattr(target, name)
+
+        def wrapped(*args, **kwargs):
+            self.calls += 1
+            if self.calls == at and not after:
+                raise KeyboardInterrupt
+            result = real(*args, **kwargs)
+            if self.calls == at:  # after: the call's work is done, its result lost
+                raise KeyboardInterrupt
+            return result
+
+        monkeypatch.setattr(target, name, wrapped)
+
+
+def _result_of_handles(monkeypatch, executor, at: int) -> None:
+    """KeyboardInterrupt from the `at`-th step handle's `result()` (a batch taken out of flight, not retired)."""
+    real_submit, count = executor.submit, [0]
+
+    def submit(*args, **kwargs):
+        handle = real_submit(*args, **kwargs)
+        count[0] += 1
+        if count[0] == at:
+            real_result = handle.result
+
+            def result():
+                real_result()
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(handle, "result", result)
+        return handle
+
+    monkeypatch.setattr(executor, "submit", submit)
+
+
+@pytest.mark.parametrize("where", ["dispatch", "retire", "schedule", "after_step", "between_adds"])
+def test_an_interrupted_generate_leaves_the_engine_clean(llm, monkeypatch, where):
+    prompts = [[1, 17, 42, 99, 7, 3] * 3, [5, 6, 7], [8, 9, 10, 11] * 5, [2, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = [o.token_ids for o in llm.generate(prompts, params)]
+    engine = llm.engine
+    with monkeypatch.context() as patch:
+        if where == "dispatch":
+            _Interrupt(patch, engine.core.executor, "submit", at=3)
+        elif where == "retire":
+            _result_of_handles(patch, engine.core.executor, at=3)
+        elif where == "schedule":
+            _Interrupt(patch, engine.core.scheduler, "schedule", at=4)
+        elif where == "after_step":
+            _Interrupt(patch, engine, "step", at=3, after=True)
+        else:
+            _Interrupt(patch, engine, "add_request", at=3, after=True)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in again] == reference
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_an_exception_in_generate_aborts_only_its_own_requests(llm, monkeypatch):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [alone] = llm.generate([[3, 1, 4, 1, 5]], params)
+    engine.add_request("outside", [3, 1, 4, 1, 5], params)  # a request of the engine's own API, not of generate
+    with monkeypatch.context() as patch:
+        _Interrupt(patch, engine, "step", at=2, after=True)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], params)
+    assert "outside" in engine.core
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "outside" and out.finished:
+                final = out
+    assert final is not None and final.token_ids == alone.token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_generate_takes_numpy_token_ids_and_refuses_what_is_no_prompt(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    [as_list] = llm.generate([5, 6, 7], params)
+    [as_array] = llm.generate(np.array([5, 6, 7]), params)
+    as_rows = llm.generate(np.array([[5, 6, 7], [5, 6, 7]], dtype=np.int32), params)
+    assert as_array.token_ids == as_list.token_ids == as_rows[0].token_ids == as_rows[1].token_ids
+    assert as_array.prompt_token_ids == (5, 6, 7)
+    for bad, match in ((None, "^prompts: .*got NoneType"), (b"\x05\x06", "^prompts: .*bytes"),
+                       ([b"\x05\x06"], "^prompt: .*bytes"), ({"prompt": "hi"}, "^prompts: .*dict"),
+                       (5, "^prompts: .*got int")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(bad, params)
+    for bad, match in (({"max_tokens": 3}, r"^params: .*got dict \(SamplingParams\(\*\*d\)"),
+                       ([{"max_tokens": 3}], "^params: .*holding dict"), ("greedy", "^params: .*got str")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([5, 6, 7], bad)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks
