@@ -18,7 +18,13 @@ from typing import NoReturn
 
 from sarathi_jax.config.engine_config import EngineConfig  # plain Python: --help stays fast
 from sarathi_jax.config.flags import ConfigFlags
-from server.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, HttpLimits
+from server.http_limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    HttpLimits,
+)
 from server.service import GenerationServer
 from server.session import (
     DEFAULT_MAX_REQUEST_ID_LENGTH,
@@ -50,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP: refuse (413) a request body larger than this")
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="HTTP: close a connection whose request head is not complete within this many seconds")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="HTTP: answer 408 and close a connection whose request body is not complete within this "
+                        "many seconds of its head")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="HTTP: answer 503 and close a connection opened while this many are open (keep it below "
+                        "`ulimit -n`)")
     p.add_argument("--drain-grace", type=float, default=None,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them (default: no limit)")
     p.add_argument("--log-level", default="INFO")
@@ -112,7 +124,9 @@ async def _serve(args: argparse.Namespace) -> None:
                                   max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
                                   max_request_id_length=args.max_request_id_length,
                                   http_limits=HttpLimits(max_body_bytes=args.max_body_bytes,
-                                                         header_timeout_s=args.header_timeout))
+                                                         header_timeout_s=args.header_timeout,
+                                                         body_timeout_s=args.body_timeout,
+                                                         max_connections=args.max_connections))
         await server.start()  # on failure (a port in use) it stops what it started, then raises
     except asyncio.CancelledError:
         raise _StartupInterrupted from None
