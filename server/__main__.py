@@ -2,7 +2,9 @@
 the OpenAI-compatible HTTP API (`--http-port`; `--no-grpc` for HTTP only).
 
 SIGTERM (and a first Ctrl-C) drains: health turns NOT_SERVING, new requests get UNAVAILABLE, running requests
-finish (for at most --drain-grace seconds), then the process exits. A second Ctrl-C stops at once.
+finish (for at most --drain-grace seconds), then the process exits. A second SIGTERM or Ctrl-C ends the grace at
+once: running requests end in-band (an HTTP stream with an SSE error event and `data: [DONE]`, a gRPC stream with
+a last FINISH_REASON_ABORT message), then the process exits.
 """
 
 from __future__ import annotations
@@ -98,9 +100,9 @@ async def _serve(args: argparse.Namespace) -> None:
         elif signals["n"] == 1:
             log.info("%s: draining", signame)
             asyncio.ensure_future(serving[0].drain_async(args.drain_grace))
-        else:
-            log.info("%s again: stopping now", signame)
-            asyncio.ensure_future(serving[0].stop_async(grace=0))
+        else:  # running requests end in-band (an SSE error event and [DONE], gRPC's FINISH_REASON_ABORT), then stop
+            log.info("%s again: ending running requests and stopping", signame)
+            asyncio.ensure_future(serving[0].end_drain_async())
 
     # Installed first: a SIGTERM at any moment, start-up included, ends the process cleanly (exit 0).
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -104,6 +104,14 @@ class LimitedH11Protocol(H11Protocol):
         self.lingering = False
         super().connection_lost(exc)
 
+    def shutdown(self) -> None:
+        """The server stops: a lingering connection closes now (uvicorn waits for every connection to close)."""
+        if self.lingering and self._real_transport is not None:
+            self._disarm()
+            self._real_transport.close()
+            return
+        super().shutdown()
+
     def close_lingering(self) -> None:
         """Close; while the client is still sending a body, half-close and read it away first (bounded)."""
         real = self._real_transport
