@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     if soft < need:  # this process and the server it starts each hold one descriptor per connection
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
     cmd = [sys.executable, "-m", "server", "--model", args.model, "--no-grpc", "--http-port", "0", "--host",
-           "127.0.0.1", "--body-timeout", str(args.body_timeout), "--max-model-len", "256", "--no-background-compile", "--log-level", "WARNING"]
+           "127.0.0.1", "--body-timeout", str(args.body_timeout), "--max-model-len", "256",
+           "--no-background-compile", "--log-level", "WARNING"]  # no compiles growing the RSS meanwhile
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
