@@ -2,7 +2,9 @@
 the OpenAI-compatible HTTP API (`--http-port`; `--no-grpc` for HTTP only).
 
 SIGTERM (and a first Ctrl-C) drains: health turns NOT_SERVING, new requests get UNAVAILABLE, running requests
-finish (for at most --drain-grace seconds), then the process exits. A second Ctrl-C stops at once.
+finish (for at most --drain-grace seconds), then the process exits. A second SIGTERM or Ctrl-C ends the grace at
+once: running requests end in-band (an HTTP stream with an SSE error event and `data: [DONE]`, a gRPC stream with
+a last FINISH_REASON_ABORT message), then the process exits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from typing import NoReturn
 
 from sarathi_jax.config.engine_config import EngineConfig  # plain Python: --help stays fast
 from sarathi_jax.config.flags import ConfigFlags
-from server.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, HttpLimits
+from server.http_limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    HttpLimits,
+)
 from server.service import GenerationServer
 from server.session import (
     DEFAULT_MAX_REQUEST_ID_LENGTH,
@@ -50,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP: refuse (413) a request body larger than this")
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="HTTP: close a connection whose request head is not complete within this many seconds")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="HTTP: answer 408 and close a connection whose request body is not complete within this "
+                        "many seconds of its head")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="HTTP: answer 503 and close a connection opened while this many are open (keep it below "
+                        "`ulimit -n`)")
     p.add_argument("--drain-grace", type=float, default=None,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them (default: no limit)")
     p.add_argument("--log-level", default="INFO")
@@ -86,9 +100,9 @@ async def _serve(args: argparse.Namespace) -> None:
         elif signals["n"] == 1:
             log.info("%s: draining", signame)
             asyncio.ensure_future(serving[0].drain_async(args.drain_grace))
-        else:
-            log.info("%s again: stopping now", signame)
-            asyncio.ensure_future(serving[0].stop_async(grace=0))
+        else:  # running requests end in-band (an SSE error event and [DONE], gRPC's FINISH_REASON_ABORT), then stop
+            log.info("%s again: ending running requests and stopping", signame)
+            asyncio.ensure_future(serving[0].end_drain_async())
 
     # Installed first: a SIGTERM at any moment, start-up included, ends the process cleanly (exit 0).
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -112,7 +126,9 @@ async def _serve(args: argparse.Namespace) -> None:
                                   max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
                                   max_request_id_length=args.max_request_id_length,
                                   http_limits=HttpLimits(max_body_bytes=args.max_body_bytes,
-                                                         header_timeout_s=args.header_timeout))
+                                                         header_timeout_s=args.header_timeout,
+                                                         body_timeout_s=args.body_timeout,
+                                                         max_connections=args.max_connections))
         await server.start()  # on failure (a port in use) it stops what it started, then raises
     except asyncio.CancelledError:
         raise _StartupInterrupted from None

@@ -7,9 +7,8 @@ admission, back-pressure (429, gRPC's RESOURCE_EXHAUSTED), cancellation (a clien
 request, which frees its KV blocks at once) and metrics. Every error, the framework's own (404, 405, an
 unparsable body) and the body-size limit's 413 included, uses OpenAI's JSON shape
 `{"error": {"message", "type", "param", "code"}}`. Limits on a client's cost (`HttpLimits`,
-server/http_limits.py) are enforced here: `BodySizeLimit` (413) and uvicorn's h11 protocol with a deadline on a
-request's head, which uvicorn lacks (its keep-alive timeout only runs between requests, and any byte cancels
-it: a client sending a head a byte at a time would hold its connection forever).
+server/http_limits.py) are enforced here (`BodySizeLimit`: 413) and in server/http_connection.py (deadlines on a
+request's head and body, the cap on open connections, lingering close), whose protocol uvicorn runs.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from server.http_errors import (
     framework_error_response,
     validation_error_response,
 )
+from server.http_connection import h11_protocol_with_limits
 from server.http_limits import HttpLimits
 from server.openai_schema import ChatCompletionRequest, CompletionRequest, Renderer, sse_event, usage_of
 from server.request_state import ActiveRequest, RequestError
@@ -45,7 +45,6 @@ from server.session import RequestSession
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
-    from uvicorn.protocols.http.h11_impl import H11Protocol
 
 def _finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
@@ -241,7 +240,7 @@ class HttpFrontEnd:
             sock.close()
             raise OSError(exc.errno, f"could not bind HTTP to {host}:{port}: {exc.strerror}") from None
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
-                                http=h11_protocol_with_header_timeout(self.limits.header_timeout_s),
+                                http=h11_protocol_with_limits(self.limits),
                                 h11_max_incomplete_event_size=self.limits.max_header_bytes)
         self._uvicorn = _EmbeddedUvicorn(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
@@ -293,47 +292,7 @@ class BodySizeLimit:
     def _too_large(self, size: int) -> HTTPException:
         from starlette.exceptions import HTTPException
 
+        # Connection: close, as the client may still be sending: the connection closes lingering (reading the
+        # rest away) and takes no next request.
         return HTTPException(413, f"the request body ({size} bytes) exceeds the limit of {self.max_bytes} bytes "
-                                  "(--max-body-bytes)")
-
-
-def h11_protocol_with_header_timeout(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request head takes longer than `header_timeout_s`."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class H11WithHeaderTimeout(H11Protocol):
-        _head_deadline: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_head_deadline()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete:  # a head arrived whole
-                self._disarm_head_deadline()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()  # may start a pipelined request's cycle
-            if self.cycle is None or self.cycle.response_complete:
-                self._arm_head_deadline()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_head_deadline()
-            super().connection_lost(exc)
-
-        def _arm_head_deadline(self) -> None:
-            self._disarm_head_deadline()
-            self._head_deadline = self.loop.call_later(header_timeout_s, self._head_too_slow)
-
-        def _disarm_head_deadline(self) -> None:
-            if self._head_deadline is not None:
-                self._head_deadline.cancel()
-                self._head_deadline = None
-
-        def _head_too_slow(self) -> None:
-            self._head_deadline = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-    return H11WithHeaderTimeout
+                                  "(--max-body-bytes)", headers={"Connection": "close"})

@@ -83,6 +83,7 @@ class GenerationServer:
         self._health: Any = None
         self._stopped: asyncio.Event | None = None
         self._stop_lock: asyncio.Lock | None = None
+        self._grace_over: asyncio.Event | None = None  # set by end_drain_async
         self._thread: threading.Thread | None = None
 
     # ----------------------------------------------------------------------------------------- lifecycle
@@ -93,6 +94,7 @@ class GenerationServer:
         self.session.bind(self._loop)
         self._stopped = asyncio.Event()
         self._stop_lock = asyncio.Lock()
+        self._grace_over = asyncio.Event()
         try:
             await self._start_all()
         except BaseException:
@@ -138,12 +140,24 @@ class GenerationServer:
             self._drain_task = asyncio.ensure_future(self._drain(grace))
         await asyncio.shield(self._drain_task)
 
+    async def end_drain_async(self) -> None:
+        """End the drain's grace now (a second SIGTERM or Ctrl-C): requests still running end in-band, as when
+        the grace runs out, then the server stops. Starts a drain first if none is under way."""
+        assert self._grace_over is not None
+        self._grace_over.set()
+        await self.drain_async(0)
+
     async def _drain(self, grace: float | None) -> None:
+        assert self._grace_over is not None
         await self._begin_shutdown()
         log.info("draining: %d requests in flight", self.session.num_active_requests)
+        waits = [asyncio.ensure_future(self.session.wait_until_idle()), asyncio.ensure_future(self._grace_over.wait())]
         try:
-            await asyncio.wait_for(self.session.wait_until_idle(), grace)
-        except asyncio.TimeoutError:
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if self.session.num_active_requests:
             log.warning("drain grace over: ending %d requests", self.session.end_all_requests())
             try:
                 await asyncio.wait_for(self.session.wait_until_idle(), STREAM_END_TIMEOUT_S)
@@ -221,6 +235,11 @@ class GenerationServer:
     def drain(self, grace: float | None = None, timeout: float | None = None) -> None:
         """Blocking drain (the SIGTERM path) from another thread; returns once stopped."""
         self._call(self.drain_async(grace), timeout)
+        self._join(timeout)
+
+    def end_drain(self, timeout: float | None = None) -> None:
+        """Blocking `end_drain_async` (the second signal's path) from another thread; returns once stopped."""
+        self._call(self.end_drain_async(), timeout)
         self._join(timeout)
 
     def stop(self, grace: float | None = None, timeout: float | None = None) -> None:

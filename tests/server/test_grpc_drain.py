@@ -11,7 +11,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -137,43 +136,82 @@ def test_after_the_drain_grace_every_request_ends_in_band(llama_engine):
     assert not errors, [r.getMessage() for r in errors]
 
 
+
+def test_ending_the_drain_now_ends_every_request_in_band(llama_engine):
+    """`end_drain` (the second signal's path) during a drain without a grace limit: the requests still running
+    end in-band at once, as after the grace, and nothing is logged at ERROR or with a traceback."""
+    engine, config = llama_engine
+    server = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0).start_in_thread()
+    logged = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio", "grpc", "")]
+    for logger in loggers:
+        logger.addHandler(logged)
+    try:
+        server.pause_engine()  # nothing finishes by itself
+        body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True, "stream": True}
+        with grpc.insecure_channel(server.target) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                httpx2.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json=body) as http_stream:
+            stream = pb_grpc.GenerationStub(channel).Generate(make_request([5, 6, 7], max_tokens=50, ignore_eos=True),
+                                                              timeout=60)
+            wait_until(lambda: server.num_active_requests == 2, what="two requests in flight")
+            drain = pool.submit(server.drain, None, 60)  # no grace limit: it would wait for ever
+            wait_until(lambda: server.draining, what="draining")
+            assert not drain.done()
+            server.end_drain(timeout=60)
+            drain.result(timeout=30)
+            [last] = list(stream)
+            assert last.finished and finish_reason_name(last.finish_reason) == "abort"
+            lines = [line for line in http_stream.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][6:])
+        assert server.num_active_requests == 0 and not server.worker.alive
+    finally:
+        server.resume_engine()
+        server.stop(grace=0, timeout=30)
+        for logger in loggers:
+            logger.removeHandler(logged)
+    errors = [r for r in logged.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+
 LONG_MAX_TOKENS = 1000
 
 
-def _read_lines(stream, out: queue.Queue) -> None:
-    for line in stream:
-        out.put(line)
-    out.put(None)
-
-
-def test_sigterm_drains_then_exits(hf_checkpoint):
-    """gRPC and the HTTP API (`--http-port`) drain together: both refuse new requests, both finish their stream."""
-    model_dir = hf_checkpoint("llama")
+def _launch(model_dir) -> tuple[subprocess.Popen, list[str], str, str]:
+    """`python -m server` over the test checkpoint, gRPC and HTTP on free ports: (process, its output lines so far
+    and to come, gRPC target, HTTP base URL), once both listen."""
     cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
            "--metrics-port", "0", "--http-port", "0", "--token-budget", str(ENGINE_KW["token_budget"]),
            "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]), "--num-blocks", str(ENGINE_KW["num_blocks"]),
            "--max-model-len", "1024", "--scheduler", "sarathi", "--dtype", "float32",
            "--attention-backend", "xla", "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
     log: list[str] = []
-    try:
-        target = url = None
-        deadline = time.monotonic() + 120
-        while (target is None or url is None) and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
+
+    def read() -> None:
+        for line in proc.stdout:
             log.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    target = url = None
+    deadline = time.monotonic() + 120
+    while (target is None or url is None) and time.monotonic() < deadline and proc.poll() is None:
+        for line in list(log):
             if "listening on" in line:
                 target = line.split("listening on", 1)[1].split()[0]
             if "HTTP API on" in line:
                 url = line.split("HTTP API on", 1)[1].split()[0].removesuffix("/v1")
-        assert target and url, "server did not start:\n" + "".join(log)
+        time.sleep(0.1)
+    if not (target and url):
+        proc.kill()
+        proc.wait(timeout=30)
+        pytest.fail("server did not start:\n" + "".join(log))
+    return proc, log, target, url
+
+
+def test_sigterm_drains_then_exits(hf_checkpoint):
+    """gRPC and the HTTP API (`--http-port`) drain together: both refuse new requests, both finish their stream."""
+    proc, _, target, url = _launch(hf_checkpoint("llama"))
+    try:
         assert _health(target) == health_pb2.HealthCheckResponse.SERVING
 
         body = {"prompt": [5, 6, 8], "max_tokens": LONG_MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
@@ -209,6 +247,39 @@ def test_sigterm_drains_then_exits(hf_checkpoint):
             proc.kill()
             proc.wait(timeout=30)
 
+
+
+def test_a_second_sigterm_ends_streams_in_band_then_exits(hf_checkpoint):
+    """A second SIGTERM during a drain (no grace limit) ends the running streams at once, in-band: the HTTP stream
+    with an SSE error event then `data: [DONE]`, the gRPC stream with a last FINISH_REASON_ABORT message; nothing
+    is logged at ERROR, no traceback, and the process exits 0."""
+    proc, log, target, url = _launch(hf_checkpoint("llama"))
+    try:
+        body = {"prompt": [5, 6, 8], "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, "stream": True}
+        with grpc.insecure_channel(target) as channel, httpx2.Client(base_url=url, timeout=120) as http, \
+                http.stream("POST", "/v1/completions", json=body) as http_stream:
+            lines = http_stream.iter_lines()
+            assert http_stream.status_code == 200 and next(lines).startswith("data: ")
+            call = pb_grpc.GenerationStub(channel).Generate(
+                make_request([5, 6, 7], max_tokens=LONG_MAX_TOKENS, ignore_eos=True), timeout=120)
+            next(call)
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: _health(target) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=30,
+                       what="NOT_SERVING after SIGTERM")
+            proc.send_signal(signal.SIGTERM)
+            *_, last = call  # no RpcError: the stream ends with a message
+            assert last.finished and finish_reason_name(last.finish_reason) == "abort" and last.error
+            events = [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["error"]["code"] == "unavailable"
+            assert len(events) < LONG_MAX_TOKENS  # ended early, not run to the end
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    output = "".join(log)
+    assert "Traceback" not in output and " ERROR " not in output, output
 
 def _server_cmd(*flags: str) -> list[str]:
     return [sys.executable, "-m", "server", "--model", "tiny-llama", "--host", "127.0.0.1", "--token-budget", "64",
