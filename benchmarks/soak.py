@@ -3,7 +3,7 @@ leaked and that memory stayed flat.
 
     python -m benchmarks.soak --duration 600                  # starts its own server on tiny-llama
     python -m benchmarks.soak --model DIR --server-args "--max-num-seqs 16"
-    python -m benchmarks.soak --grpc 127.0.0.1:50051 --http http://127.0.0.1:8000 --burst-size 2048
+    python -m benchmarks.soak --grpc 127.0.0.1:8033 --http http://127.0.0.1:8000 --burst-size 2048
 
 Traffic (seeded, Poisson arrivals at `--rate` per second) goes over gRPC (`Generate` streamed, `Complete`) and
 HTTP (`/v1/completions`, `/v1/chat/completions` when the model has a chat template; streamed or not), as token
@@ -39,9 +39,10 @@ import grpc
 
 from sarathi_jax.utils.percentiles import percentiles
 from sarathi_jax.request.sampling_params import SamplingParams
-from sarathi_jax.bench.load_client import (ClientBehaviour, ClientRequestResult, http_pool_limits, new_result, send_grpc,
-                                send_http)
+from sarathi_jax.bench.load_client import (ClientBehaviour, ClientRequestResult, http_client, http_pool_limits,
+                                           new_result, send_grpc, send_http)
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+from server.security import API_KEY_ENV, ClientSecurity, api_key_from, grpc_aio_channel
 from benchmarks.soak_server import LocalServer, ServerProbe, ServerSnapshot, ServerTraits, read_traits
 
 OUTCOMES = ("completed", "cancelled", "refused", "errored")
@@ -260,18 +261,17 @@ async def _settle(probe: ServerProbe, timeout_s: float) -> ServerSnapshot:
 
 
 async def run_soak(config: SoakConfig, grpc_target: str | None, http_target: str | None, metrics_url: str | None,
-                   report_targets: dict[str, str | None]) -> SoakReport:
+                   report_targets: dict[str, str | None], security: ClientSecurity = ClientSecurity()) -> SoakReport:
     """Drive the traffic against a running server (a gRPC "HOST:PORT" and/or an HTTP "http://HOST:PORT"), read the
-    server through `metrics_url` (its /metrics) and GetStats; the report has no checks yet (`judge`)."""
-    import httpx2
-
+    server through `metrics_url` (its /metrics) and GetStats, sending `security`'s API key; the report has no
+    checks yet (`judge`)."""
     t_wall = time.monotonic()
     routes = tuple(r for r, t in (("grpc", grpc_target), ("http", http_target)) if t)
     rng = random.Random(config.seed)
-    probe = ServerProbe(grpc_target, metrics_url)
-    http = (httpx2.AsyncClient(base_url=http_target, timeout=config.request_timeout_s, limits=http_pool_limits())
+    probe = ServerProbe(grpc_target, metrics_url, security)
+    http = (http_client(http_target, security, timeout=config.request_timeout_s, limits=http_pool_limits())
             if http_target else None)
-    channel = grpc.aio.insecure_channel(grpc_target) if grpc_target else None
+    channel = grpc_aio_channel(grpc_target, security) if grpc_target else None
     stub = pb_grpc.GenerationStub(channel) if channel is not None else None
     rss_peak = 0
     try:
@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=help_ or "(default %(default)s)",
                        metavar="SECONDS" if name.endswith("_s") else "N")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--api-key", default=None, help="the API key: sent to a running server; the server it starts "
+                                                   f"requires it (default: ${API_KEY_ENV}, else none)")
     return p
 
 
@@ -343,19 +345,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit status 0 when every check passed, 1 when one failed, 2 when the soak could not run."""
     args = build_parser().parse_args(argv)
     config = SoakConfig(**{k: getattr(args, k) for k in SoakConfig.__dataclass_fields__})
+    security = ClientSecurity(api_key=api_key_from(args.api_key))
     try:
         if args.grpc or args.http:
             metrics = args.metrics or (f"{args.http}/metrics" if args.http else None)
             targets = {"grpc": args.grpc, "http": args.http}
-            report = asyncio.run(run_soak(config, args.grpc, args.http, metrics, targets))
+            report = asyncio.run(run_soak(config, args.grpc, args.http, metrics, targets, security))
         else:
             log = Path(args.server_log or tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
             server_args = ["--max-waiting-requests", str(args.max_waiting_requests), *shlex.split(args.server_args)]
             print(f"starting python -m server --model {args.model} (log: {log})", file=sys.stderr, flush=True)
-            with LocalServer(args.model, server_args, log) as server:
+            with LocalServer(args.model, server_args, log, api_key=security.api_key) as server:
                 targets = {"model": args.model, "grpc": server.grpc_target, "http": server.http_target}
                 report = asyncio.run(run_soak(config, server.grpc_target, server.http_target,
-                                              f"{server.http_target}/metrics", targets))
+                                              f"{server.http_target}/metrics", targets, security))
             report.server_exit_status = server.exit_status
     except (OSError, RuntimeError, grpc.RpcError) as exc:
         print(f"soak could not run: {exc}", file=sys.stderr)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+from server.security import API_KEY_ENV, ClientSecurity, grpc_aio_channel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _GRPC_LINE = re.compile(r"sarathi server listening on (\S+):(\d+)")
@@ -83,12 +83,13 @@ class ServerProbe:
     """Reads a running server's state: gRPC `GetStats` at `grpc_target` (None: the /metrics gauges) and
     /metrics at `metrics_url` (None: no memory figure)."""
 
-    def __init__(self, grpc_target: str | None, metrics_url: str | None) -> None:
+    def __init__(self, grpc_target: str | None, metrics_url: str | None,
+                 security: ClientSecurity = ClientSecurity()) -> None:
         import httpx2
 
         self.metrics_url = metrics_url
         self._http = httpx2.AsyncClient(timeout=30)
-        self._channel = grpc.aio.insecure_channel(grpc_target) if grpc_target is not None else None
+        self._channel = grpc_aio_channel(grpc_target, security) if grpc_target is not None else None
         self._stub = pb_grpc.GenerationStub(self._channel) if self._channel is not None else None
 
     async def close(self) -> None:
@@ -128,11 +129,13 @@ class LocalServer:
     to `log_path`. A context manager: entered once it serves; on exit it gets SIGTERM and drains
     (`exit_status`: its exit status, None if it had to be killed)."""
 
-    def __init__(self, model: str, server_args: Sequence[str], log_path: Path, start_timeout_s: float = 900.0) -> None:
+    def __init__(self, model: str, server_args: Sequence[str], log_path: Path, start_timeout_s: float = 900.0,
+                 api_key: str | None = None) -> None:
         self.command = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1", "--port", "0",
                         "--http-port", "0", "--no-background-compile", *server_args]
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
+        self.api_key = api_key  # handed over in the environment, not on the command line (`ps` shows that)
         self.grpc_target = ""
         self.http_target = ""
         self.exit_status: int | None = None
@@ -145,6 +148,9 @@ class LocalServer:
     def __enter__(self) -> LocalServer:
         path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}  # the child serves this checkout's code
+        env.pop(API_KEY_ENV, None)
+        if self.api_key is not None:
+            env[API_KEY_ENV] = self.api_key
         with open(self.log_path, "w") as log:  # the child keeps its own handle
             self._proc = subprocess.Popen(self.command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL)

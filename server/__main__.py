@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from sarathi_jax.config.engine_config import EngineConfig  # plain Python: --help stays fast
 from sarathi_jax.config.flags import ConfigFlags
+from server.client import DEFAULT_GRPC_PORT
 from server.http_limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -27,6 +28,7 @@ from server.http_limits import (
     DEFAULT_MAX_CONNECTIONS,
     HttpLimits,
 )
+from server.security import API_KEY_ENV, ServerSecurity, api_key_from
 from server.service import GenerationServer
 from server.session import (
     DEFAULT_MAX_REQUEST_ID_LENGTH,
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    p.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port (0 picks a free one)")
     p.add_argument("--no-grpc", action="store_true", help="serve no gRPC (HTTP only: give --http-port)")
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible HTTP API port (off when unset; 0 picks a free one)")
@@ -67,20 +69,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-grace", type=float, default=None,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them (default: no limit)")
     p.add_argument("--log-level", default="INFO")
+    add_security_flags(p.add_argument_group("security", "the API key and TLS of the gRPC and HTTP APIs (TLS: "
+                                                        "the metrics endpoint too); docs/serving.md, Security"))
     ENGINE_FLAGS.add_to(p.add_argument_group(
         "engine", "EngineConfig's fields (sarathi_jax/config/engine_config.py); a flag left out takes EngineConfig's default"))
     return p
+
+
+def add_security_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--api-key", default=None,
+                       help=f"clients must send `Authorization: Bearer KEY` (HTTP header, gRPC metadata); /health, "
+                            f"/metrics and gRPC health checking stay open (default: ${API_KEY_ENV}, else no key)")
+    group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM), with --ssl-certfile")
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM), with --ssl-keyfile")
+    group.add_argument("--ssl-ca-certs", default=None,
+                       help="CA certificates (PEM): clients must present a certificate they signed (mutual TLS)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**ENGINE_FLAGS.given(args))
 
 
+def security_from_args(args: argparse.Namespace) -> ServerSecurity:
+    """The flags' ServerSecurity; raises ValueError for a bad combination or a file that does not exist."""
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')}: no such file: {path}")
+    return ServerSecurity(api_key=api_key_from(args.api_key), ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
+
+
 class _StartupInterrupted(Exception):
     """SIGTERM or Ctrl-C before the server was serving: nothing to drain."""
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, config: EngineConfig, security: ServerSecurity) -> None:
     from sarathi_jax.factory import build_engine
     from sarathi_jax.engine.llm_engine import format_startup
     from sarathi_jax.engine.gc_heap import freeze_startup_heap
@@ -107,7 +131,6 @@ async def _serve(args: argparse.Namespace) -> None:
     # Installed first: a SIGTERM at any moment, start-up included, ends the process cleanly (exit 0).
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    config = engine_config_from_args(args)
     log.info("building engine: %s", config)
     # Engine construction compiles and warms up: keep the loop responsive meanwhile (nothing is served yet). Its
     # own thread, not the loop's default executor, which asyncio.run would wait for after a start-up SIGTERM.
@@ -128,7 +151,8 @@ async def _serve(args: argparse.Namespace) -> None:
                                   http_limits=HttpLimits(max_body_bytes=args.max_body_bytes,
                                                          header_timeout_s=args.header_timeout,
                                                          body_timeout_s=args.body_timeout,
-                                                         max_connections=args.max_connections))
+                                                         max_connections=args.max_connections),
+                                  security=security)
         await server.start()  # on failure (a port in use) it stops what it started, then raises
     except asyncio.CancelledError:
         raise _StartupInterrupted from None
@@ -139,7 +163,8 @@ async def _serve(args: argparse.Namespace) -> None:
         print(f"sarathi server listening on {server.host}:{server.port}"
               + (f" (metrics on :{server.metrics_port})" if server.metrics_port is not None else ""), flush=True)
     if server.http_port is not None:
-        print(f"sarathi HTTP API on http://{server.http_host}:{server.http_port}/v1", flush=True)
+        scheme = "https" if security.tls else "http"
+        print(f"sarathi HTTP API on {scheme}://{server.http_host}:{server.http_port}/v1", flush=True)
     if signals["n"]:  # a signal while the last port was binding
         asyncio.ensure_future(server.drain_async(args.drain_grace))
     await server.wait_stopped()
@@ -162,9 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.no_grpc and args.http_port is None:
         parser.error("--no-grpc needs --http-port (nothing would be served)")
+    try:  # a contradictory or invalid setting: one line, before anything starts
+        config = engine_config_from_args(args)
+        security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, config, security))
     except _StartupInterrupted:
         _exit_now(0)  # the engine may still be building in its thread, which nothing can interrupt
     except OSError as exc:  # a port in use, an address that does not resolve: one line, not a traceback

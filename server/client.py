@@ -1,8 +1,9 @@
 """Client helpers and the CLI `python -m server.client "prompt" [--max-tokens N --temperature T --target H:P]`.
 
     python -m server.client "Hello, my name is" --max-tokens 32 --temperature 0
-    python -m server.client --token-ids 1,2,3 --max-tokens 8 --target 127.0.0.1:50051
+    python -m server.client --token-ids 1,2,3 --max-tokens 8 --target 127.0.0.1:8033
     python -m server.client --chat "What is the capital of France?" --max-tokens 64 --temperature 0
+    python -m server.client "Hello" --tls --ssl-ca-certs cert.pem --api-key KEY   # (or $SARATHI_API_KEY)
 
 Streams the generated text to stdout as it arrives (token ids, space separated, when the model has no
 tokenizer), then the finish reason, usage and timings to stderr.
@@ -23,8 +24,11 @@ from sarathi_jax.request.sampling_params import SamplingParams
 from sarathi_jax.request.structured_outputs import StructuredOutputs
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+from server.security import add_client_flags, client_security_from_args, grpc_channel
 
 SAMPLING_FLAGS = ConfigFlags(SamplingParams)
+# python -m server's gRPC port: below Linux's ephemeral port range (32768-60999), which outgoing connections use.
+DEFAULT_GRPC_PORT = 8033
 
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -84,11 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", default=None, metavar="TEXT",
                    help="a user message, sent as a conversation rendered with the model's chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message before it")
-    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
+    p.add_argument("--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="server host:port")
     SAMPLING_FLAGS.add_to(p.add_argument_group("sampling", "SamplingParams' fields; a flag left out is not "
                                                            "sent (the server applies SamplingParams' default)"))
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_client_flags(p.add_argument_group("security", "the server's API key and TLS (docs/serving.md, Security)"))
     args = p.parse_args(argv)
+    try:
+        security = client_security_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
     if sum(x is not None for x in (args.prompt, args.token_ids, args.chat)) != 1:
         p.error("give exactly one of a text prompt, --token-ids or --chat")
     if args.system is not None and args.chat is None:
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompt = args.prompt
     req = make_request(prompt, **SAMPLING_FLAGS.given(args))
-    with grpc.insecure_channel(args.target) as channel:
+    with grpc_channel(args.target, security) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 30)

@@ -32,6 +32,7 @@ from sarathi_jax.request.sampling_params import SamplingParams
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
 from server.request_state import SHUTDOWN_ABORT_MESSAGE, ActiveRequest, RequestError
+from server.security import ApiKeyInterceptor, ServerSecurity, grpc_server_credentials
 from server.session import RequestSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "sarathi.v1.Generation"
@@ -145,11 +146,13 @@ def stream_response(request_id: str, arrival_time: float, out: Any, send_timings
 # ----------------------------------------------------------------------------------------- the service
 
 
-async def build_grpc_server(session: RequestSession, host: str, port: int
+async def build_grpc_server(session: RequestSession, host: str, port: int, security: ServerSecurity = ServerSecurity()
                             ) -> tuple[grpc.aio.Server, grpc_health.aio.HealthServicer, int]:
     """The gRPC server (not started) with the generation, health (NOT_SERVING for now) and reflection
-    services, bound to `host:port`; returns it, its health servicer and the bound port."""
-    grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    services, bound to `host:port` (TLS and the API key as `security` says); returns it, its health servicer and
+    the bound port."""
+    interceptors = [ApiKeyInterceptor(security.api_key)] if security.api_key is not None else None
+    grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     _add_generation_service(GenerationServicer(session), grpc_server)
     health = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
@@ -159,7 +162,9 @@ async def build_grpc_server(session: RequestSession, host: str, port: int
         grpc_server,
     )
     try:
-        bound = grpc_server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = (grpc_server.add_secure_port(address, grpc_server_credentials(security)) if security.tls
+                 else grpc_server.add_insecure_port(address))
     except RuntimeError:  # grpc's "Failed to bind": as any other start-up failure to bind, an OSError
         bound = 0
     if bound == 0:

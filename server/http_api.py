@@ -41,6 +41,7 @@ from server.http_connection import h11_protocol_with_limits
 from server.http_limits import HttpLimits
 from server.openai_schema import ChatCompletionRequest, CompletionRequest, Renderer, sse_event, usage_of
 from server.request_state import ActiveRequest, RequestError
+from server.security import ApiKeyMiddleware, ServerSecurity
 from server.session import RequestSession
 
 if TYPE_CHECKING:
@@ -165,10 +166,12 @@ async def _until_disconnect(work: Any, request: Request) -> Any:
     return task.result()
 
 
-def build_app(session: RequestSession, limits: HttpLimits = HttpLimits()) -> FastAPI:
+def build_app(session: RequestSession, limits: HttpLimits = HttpLimits(), api_key: str | None = None) -> FastAPI:
     api = _Api(session)
     app = FastAPI(title="sarathi-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if api_key is not None:  # added last: the outermost, a request without the key is refused before anything
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -223,9 +226,11 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class HttpFrontEnd:
     """The app on uvicorn, in the running event loop."""
 
-    def __init__(self, session: RequestSession, limits: HttpLimits = HttpLimits()) -> None:
-        self.app = build_app(session, limits)
+    def __init__(self, session: RequestSession, limits: HttpLimits = HttpLimits(),
+                 security: ServerSecurity = ServerSecurity()) -> None:
+        self.app = build_app(session, limits, security.api_key)
         self.limits = limits
+        self.security = security
         self._uvicorn: _EmbeddedUvicorn | None = None
         self._task: asyncio.Future | None = None
 
@@ -241,7 +246,8 @@ class HttpFrontEnd:
             raise OSError(exc.errno, f"could not bind HTTP to {host}:{port}: {exc.strerror}") from None
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
                                 http=h11_protocol_with_limits(self.limits),
-                                h11_max_incomplete_event_size=self.limits.max_header_bytes)
+                                h11_max_incomplete_event_size=self.limits.max_header_bytes,
+                                **self.security.uvicorn_ssl_options())
         self._uvicorn = _EmbeddedUvicorn(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:  # uvicorn sets a flag, no event: poll the loop briefly

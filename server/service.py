@@ -17,6 +17,7 @@ import grpc
 from server.engine_worker import EngineWorker, ServingEngine
 from server.grpc_service import build_grpc_server, set_health
 from server.http_limits import HttpLimits
+from server.security import ServerSecurity, is_loopback
 from server.session import ServerMetrics
 from server.session import (
     DEFAULT_MAX_REQUEST_ID_LENGTH,
@@ -37,7 +38,8 @@ class GenerationServer:
     `http_port`) the OpenAI-compatible HTTP API of server/http_api.py. Both front ends go through
     `self.session` (`RequestSession`: admission, back-pressure with `max_waiting_requests` and
     `max_waiting_prompt_tokens`, metrics). `port=None` serves HTTP only. `http_limits`: the HTTP body-size limit
-    and head deadline; `max_request_id_length`: the longest client request id.
+    and head deadline; `max_request_id_length`: the longest client request id; `security`: the API key and TLS
+    settings of all three endpoints (server/security.py).
 
     Use from asyncio (`await start()`, `await wait_stopped()`, `await drain_async()`), or from plain threads
     (`start_in_thread()`, `drain()`, `stop()`), as the tests and `python -m server` do.
@@ -59,6 +61,7 @@ class GenerationServer:
         max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
         max_request_id_length: int = DEFAULT_MAX_REQUEST_ID_LENGTH,
         http_limits: HttpLimits = HttpLimits(),
+        security: ServerSecurity = ServerSecurity(),
     ) -> None:
         self.engine = engine
         self.engine_config = engine_config if engine_config is not None else engine.config
@@ -70,6 +73,7 @@ class GenerationServer:
         self.http_port = http_port
         self.http_host = http_host or host
         self.http_limits = http_limits
+        self.security = security
         self.metrics = ServerMetrics(self.model_name)
         self.worker = EngineWorker(engine, on_stats=self.metrics.update_engine_stats)
         self.session = RequestSession(engine, self.engine_config, self.model_name, self.worker, self.metrics,
@@ -110,10 +114,12 @@ class GenerationServer:
         if self.http_port is not None:
             from server.http_api import HttpFrontEnd  # FastAPI and uvicorn load only when HTTP is served
 
-            self._http = HttpFrontEnd(self.session, self.http_limits)
+            self._http = HttpFrontEnd(self.session, self.http_limits, self.security)
             self.http_port = await self._http.start(self.http_host, self.http_port)
         if self.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
+            self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host,
+                                                   self.security.metrics_tls_options())
+        self._warn_if_open()
         # The engine compiles and warms up in its constructor, so it is ready as soon as its thread runs.
         if self._health is not None:
             await set_health(self._health, serving=True)
@@ -122,8 +128,19 @@ class GenerationServer:
                  f", HTTP on {self.http_host}:{self.http_port}" if self.http_port is not None else "",
                  f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "")
 
+    def _warn_if_open(self) -> None:
+        """A WARNING when an API is reachable beyond this machine and needs no key."""
+        if self.security.api_key is not None:
+            return
+        hosts = [h for h, p in ((self.host, self.port), (self.http_host, self.http_port)) if p is not None]
+        exposed = sorted({h for h in hosts if not is_loopback(h)})
+        if exposed:
+            log.warning("serving on %s without an API key: anyone who can reach it may generate (give --api-key "
+                        "or SARATHI_API_KEY, or bind --host 127.0.0.1)", ", ".join(exposed))
+
     async def _start_grpc(self) -> None:
-        self._grpc, self._health, self.port = await build_grpc_server(self.session, self.host, self.port)
+        self._grpc, self._health, self.port = await build_grpc_server(self.session, self.host, self.port,
+                                                                      self.security)
 
     async def wait_stopped(self) -> None:
         assert self._stopped is not None

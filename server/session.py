@@ -46,7 +46,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -369,9 +369,10 @@ class ServerMetrics:
                 counter.inc(total - last)
             self._last_totals[key] = max(total, last)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Start the HTTP /metrics endpoint in a daemon thread; returns the bound port (port 0 picks one)."""
-        httpd, _thread = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0", tls: Mapping[str, Any] | None = None) -> int:
+        """Start the HTTP /metrics endpoint in a daemon thread; returns the bound port (port 0 picks one). `tls`:
+        start_http_server's TLS keywords (`ServerSecurity.metrics_tls_options()`)."""
+        httpd, _thread = start_http_server(port, addr=addr, registry=self.registry, **(tls or {}))
         self._http = httpd
         return httpd.server_port
 

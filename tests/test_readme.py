@@ -110,17 +110,17 @@ SUBSTITUTIONS: tuple[Substitution, ...] = (
                                 "2 probes: the same code, seconds instead of minutes"),
     Substitution(r"^python -m sarathi_jax\.bench --endpoint \S+", lambda m, ctx: m.group(0) + " --num-requests 4",
                  "4 requests to the server instead of 24"),
-    Substitution(r"\b50051\b", lambda m, ctx: str(ctx["grpc_port"]), "free ports: fixed ones may be taken"),
+    Substitution(r"\b8033\b", lambda m, ctx: str(ctx["grpc_port"]), "free ports: fixed ones may be taken"),
     Substitution(r"\b9090\b", lambda m, ctx: str(ctx["metrics_port"]), "free ports: fixed ones may be taken"),
     Substitution(r"\b8000\b", lambda m, ctx: str(ctx["http_port"]), "free ports: fixed ones may be taken"),
     Substitution(r"^python -m server\.client (?!.*--target )(.*)$",
                  lambda m, ctx: f"python -m server.client --target 127.0.0.1:{ctx['grpc_port']} {m.group(1)}",
-                 "a client without --target talks to the default 127.0.0.1:50051: the free port instead"),
+                 "a client without --target talks to the default 127.0.0.1:8033: the free port instead"),
     Substitution(r"^curl ", lambda m, ctx: "curl --fail-with-body ",
                  "curl exits 0 on an HTTP error status unless told to fail"),
     Substitution(r"^python -m server (?!.*--port )(.*)$",
                  lambda m, ctx: f"python -m server --port {ctx['grpc_port']} {m.group(1)}",
-                 "a server without --port takes the default 50051: a free port instead"),
+                 "a server without --port takes the default 8033: a free port instead"),
 )
 
 

@@ -26,6 +26,7 @@ import grpc
 
 from sarathi_jax.request.outputs import elapsed, token_gaps
 from server.client import finish_reason_name, make_request
+from server.security import ClientSecurity
 
 # How each protocol says "over capacity, retry later" (the server's back-pressure, server/session.py).
 REFUSAL_PREFIXES = ("RESOURCE_EXHAUSTED:", "HTTP 429:")
@@ -111,6 +112,15 @@ def http_pool_limits() -> Any:
 
     return httpx2.Limits(max_connections=None, max_keepalive_connections=None,
                          keepalive_expiry=HTTP_KEEPALIVE_EXPIRY_S)
+
+
+def http_client(base_url: str, security: ClientSecurity = ClientSecurity(), **kwargs: Any) -> Any:
+    """An `httpx2.AsyncClient` on `base_url` (http:// or https://) sending `security`'s key, checking the server's
+    certificate against its CA file."""
+    import httpx2
+
+    return httpx2.AsyncClient(base_url=base_url, headers=security.http_headers(), verify=security.httpx_verify(),
+                              **kwargs)
 
 
 def new_result(index: int, request_id: str, arrival: float, t0: float) -> ClientRequestResult:

@@ -1,7 +1,7 @@
 """Client-side load driver: replay (arrival_time, prompt, SamplingParams) requests against a server in real time.
 
     from sarathi_jax.bench.loadgen import run_load
-    results = run_load("127.0.0.1:50051", [(0.0, [1, 2, 3], SamplingParams(max_tokens=16)), (0.05, ...), ...])
+    results = run_load("127.0.0.1:8033", [(0.0, [1, 2, 3], SamplingParams(max_tokens=16)), (0.05, ...), ...])
     for r in results:        # same order as the input
         r.ttft, r.tbts, r.num_tokens, r.finish_reason, r.error
 
@@ -25,8 +25,23 @@ from typing import Any, Sequence
 
 import grpc
 
-from sarathi_jax.bench.load_client import ClientRequestResult, http_pool_limits, is_http, new_result, send_grpc, send_http
+from sarathi_jax.bench.load_client import (
+    ClientRequestResult,
+    http_client,
+    http_pool_limits,
+    is_http,
+    new_result,
+    send_grpc,
+    send_http,
+)
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+from server.security import (
+    ClientSecurity,
+    add_client_flags,
+    client_security_from_args,
+    grpc_aio_channel,
+    grpc_channel,
+)
 
 LoadRequest = tuple  # (arrival_time: float, prompt: list[int] | str, params: SamplingParams)
 
@@ -56,10 +71,8 @@ async def _one_http(client: Any, index: int, arrival: float, prompt: Any, params
 
 
 async def _run_load_http(target: str, requests: Sequence[LoadRequest], request_timeout: float | None,
-                         prefix: str) -> list[ClientRequestResult]:
-    import httpx2
-
-    async with httpx2.AsyncClient(base_url=target, timeout=request_timeout, limits=http_pool_limits()) as client:
+                         prefix: str, security: ClientSecurity) -> list[ClientRequestResult]:
+    async with http_client(target, security, timeout=request_timeout, limits=http_pool_limits()) as client:
         t0 = time.monotonic()
         return list(await asyncio.gather(*(
             _one_http(client, i, float(arrival), prompt, params, t0, prefix)
@@ -68,15 +81,17 @@ async def _run_load_http(target: str, requests: Sequence[LoadRequest], request_t
 
 async def run_load_async(target: str, requests: Sequence[LoadRequest], *, request_timeout: float | None = None,
                          channel_options: Sequence[tuple[str, Any]] | None = None,
-                         request_id_prefix: str | None = None) -> list[ClientRequestResult]:
+                         request_id_prefix: str | None = None,
+                         security: ClientSecurity = ClientSecurity()) -> list[ClientRequestResult]:
     """Send `requests` = [(arrival_time_s, prompt_token_ids_or_text, SamplingParams), ...] to `target`
     ("host:port") concurrently, each at its arrival time; return one ClientRequestResult per request, in input
-    order. `request_timeout` is each RPC's deadline in seconds (None: none). A target `http://HOST:PORT` is
-    driven over the OpenAI-compatible HTTP API instead (channel_options do not apply)."""
+    order. `request_timeout` is each RPC's deadline in seconds (None: none). A target `http://HOST:PORT` (or
+    `https://`) is driven over the OpenAI-compatible HTTP API instead (channel_options do not apply). `security`:
+    the API key to send and the TLS settings (server/security.py)."""
     prefix = request_id_prefix or f"load-{uuid.uuid4().hex[:8]}"
     if is_http(target):
-        return await _run_load_http(target, requests, request_timeout, prefix)
-    async with grpc.aio.insecure_channel(target, options=list(channel_options or [])) as channel:
+        return await _run_load_http(target, requests, request_timeout, prefix, security)
+    async with grpc_aio_channel(target, security, options=list(channel_options or [])) as channel:
         await channel.channel_ready()
         stub = pb_grpc.GenerationStub(channel)
         t0 = time.monotonic()
@@ -97,7 +112,7 @@ def run_load(target: str, requests: Sequence[LoadRequest], **kwargs: Any) -> lis
 
 
 # ------------------------------------------------------------------------------------ bench harness hook
-def _server_info(target: str) -> tuple[Any, Any]:
+def _server_info(target: str, security: ClientSecurity) -> tuple[Any, Any]:
     """(model info, stats) with the fields the bench reads: GetModelInfo / GetStats over gRPC; over HTTP the
     /v1/models card's `sarathi` info and /metrics (no block count there: num_total_blocks is 0)."""
     from server.proto.sarathi.v1 import generation_pb2 as pb
@@ -106,14 +121,15 @@ def _server_info(target: str) -> tuple[Any, Any]:
         import httpx2
         from prometheus_client.parser import text_string_to_metric_families
 
-        with httpx2.Client(base_url=target, timeout=30) as client:
+        with httpx2.Client(base_url=target, timeout=30, headers=security.http_headers(),
+                           verify=security.httpx_verify()) as client:
             card = client.get("/v1/models").raise_for_status().json()["data"][0]
             metrics = client.get("/metrics").raise_for_status().text
         preemptions = sum(s.value for family in text_string_to_metric_families(metrics)
                           for s in family.samples if s.name == "sarathi:num_preemptions_total")
         return pb.ModelInfo(**card["sarathi"]), pb.Stats(num_preemptions=int(preemptions))
 
-    with grpc.insecure_channel(target) as channel:
+    with grpc_channel(target, security) as channel:
         grpc.channel_ready_future(channel).result(timeout=30)
         stub = pb_grpc.GenerationStub(channel)
         return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30), stub.GetStats(pb.GetStatsRequest(),
@@ -141,7 +157,8 @@ def load_records(workload: Any, results: Sequence[ClientRequestResult]) -> list:
 
 
 def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[int]], *, temperature: float = 0.0,
-                       progress: bool = False, request_timeout: float | None = None) -> Any:
+                       progress: bool = False, request_timeout: float | None = None,
+                       security: ClientSecurity = ClientSecurity()) -> Any:
     """`python -m sarathi_jax.bench --endpoint HOST:PORT` (gRPC) or `--endpoint http://HOST:PORT` (the
     OpenAI-compatible HTTP API): replay a bench Workload against a running server.
 
@@ -154,7 +171,7 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
     """
     from sarathi_jax.bench.driver import RunResult, workload_requests
 
-    info, before = _server_info(target)
+    info, before = _server_info(target, security)
     notes: list[str] = []
     vocab = int(info.vocab_size) or None
     prompts = [list(map(int, p)) for p in prompts]
@@ -163,9 +180,9 @@ def run_bench_workload(target: str, workload: Any, prompts: Sequence[Sequence[in
         notes.append(f"prompt token ids folded into the server model's vocabulary ({vocab})")
     requests = workload_requests(workload, prompts, temperature)
     t_wall = time.monotonic()
-    results = run_load(target, requests, request_timeout=request_timeout)
+    results = run_load(target, requests, request_timeout=request_timeout, security=security)
     wall = time.monotonic() - t_wall
-    _, after = _server_info(target)
+    _, after = _server_info(target, security)
     records = load_records(workload, results)
     config = {
         "endpoint": target,
@@ -198,10 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sarathi_jax.bench.loadgen", description=main.__doc__.split(":")[0])
     parser.add_argument("--bench-job", required=True, help="the requests (sarathi_jax.bench.endpoint.bench_job)")
     parser.add_argument("--bench-result", required=True, help="where to write the run (RunResult.to_json)")
+    add_client_flags(parser)
     args = parser.parse_args(args_given)
     job = json.loads(Path(args.bench_job).read_text())
     try:
-        run = run_bench_workload(job["endpoint"], job_workload(job), job["prompts"], temperature=job["temperature"])
+        security = client_security_from_args(args)
+        run = run_bench_workload(job["endpoint"], job_workload(job), job["prompts"], temperature=job["temperature"],
+                                 security=security)
     except Exception as e:  # noqa: BLE001 - connection failures etc.: one clear line for the bench
         print(f"{type(e).__name__}: {e or 'no details'}", file=sys.stderr)
         return 1

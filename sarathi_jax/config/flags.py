@@ -3,8 +3,8 @@
 One flag per field, `--field-name`: its type from the annotation (bool: `--x` / `--no-x`; int, float, str; a
 tuple of strings: a repeatable flag; a tuple of ints: comma-separated), its choices from the field's
 `metadata["choices"]`, its help from the class docstring's `name: text` entry; a field of another type names
-its argparse keywords in `metadata["cli"]` (SamplingParams.structured_outputs: JSON text). A flag left out is None and
-the dataclass's own default applies, so a field added to the dataclass appears on every front end at once,
+its argparse keywords in `metadata["cli"]` (SamplingParams.structured_outputs: JSON text). An Optional field whose
+default is not None also takes `none`, for None. A flag left out is None and the dataclass's own default applies, so a field added to the dataclass appears on every front end at once,
 documented where it is defined.
 
 Plain Python (no JAX): the server's and the bench's `--help` stay fast.
@@ -18,7 +18,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _DOC_ENTRY = re.compile(r"^(\w+(?: / \w+)*): (.*)$")  # "name: text", or "a / b: text" for two fields
@@ -65,6 +65,32 @@ def _argparse_kind(annotation: Any) -> dict[str, Any]:
     raise TypeError(f"no command-line form for a field of type {annotation!r}")
 
 
+class _NoneGiven:
+    """The value of an Optional field's flag given as `none`: the field set to None (a flag left out is None too,
+    and takes the field's default)."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+NONE_GIVEN = _NoneGiven()
+
+
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, with `none` (any case) for None."""
+
+    def parse_or_none(text: str) -> Any:
+        return NONE_GIVEN if text.lower() == "none" else parse(text)
+
+    parse_or_none.__name__ = getattr(parse, "__name__", "value")  # argparse names the type in its errors
+    return parse_or_none
+
+
+def _is_optional(annotation: Any) -> bool:
+    union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    return union and type(None) in typing.get_args(annotation)
+
+
 @dataclasses.dataclass(frozen=True)
 class ConfigFlags:
     """The flags of dataclass `cls`'s fields on one command line: every field but those in `skip` (a front end
@@ -102,11 +128,16 @@ class ConfigFlags:
             if name not in docs:
                 raise ValueError(f"{self.cls.__name__}.{name} has no `{name}: ...` entry in its docstring")
             text = f"{self.cls.__name__}.{name}: {docs[name]}"
-            if f.default is not dataclasses.MISSING and f.default not in (None, ()):
-                text += f" (default: {f.default})"
             kind = dict(f.metadata["cli"]) if "cli" in f.metadata else _argparse_kind(hints[name])
             if "choices" in f.metadata:
                 kind["choices"] = f.metadata["choices"]
+            if _is_optional(hints[name]) and f.default not in (None, dataclasses.MISSING) and "type" in kind:
+                kind["type"] = _or_none(kind["type"])  # None, not the default, must be expressible too
+                if "choices" in kind:
+                    kind["choices"] = (*kind["choices"], NONE_GIVEN)
+                text += " (`none` gives None)"
+            if f.default is not dataclasses.MISSING and f.default not in (None, ()):
+                text += f" (default: {f.default})"
             parser.add_argument(self.flag(name), dest=self.dest(name), default=None, help=text.replace("%", "%%"),
                                 **kind)
 
@@ -115,7 +146,9 @@ class ConfigFlags:
         values = {}
         for name in self.names():
             value = getattr(args, self.dest(name))
-            if value is not None:
+            if value is NONE_GIVEN:
+                values[name] = None
+            elif value is not None:
                 values[name] = tuple(value) if isinstance(value, list) else value
         return values
 

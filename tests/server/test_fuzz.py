@@ -4,7 +4,8 @@ surrogates, NUL, huge and negative numbers, NaN/inf, wrong types, deep nesting, 
 unknown fields). Each must get a 2xx or a 4xx in the protocol's own shape, never a 5xx, an UNKNOWN/INTERNAL or a
 hang; afterwards the server still serves and holds no running request and no KV block.
 
-Deterministic (derandomize) and bounded: a fixed number of examples per test, one server for the module."""
+Deterministic (derandomize) and bounded: a fixed number of examples per test, one server for the module, run
+once without an API key and once with one (the clients sending it)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from grpc_test_utils import PLAIN_CHAT_TEMPLATE, all_blocks_free, serving, wait_
 from server.http_limits import HttpLimits
 from server.proto.sarathi.v1 import generation_pb2 as pb
 from server.proto.sarathi.v1 import generation_pb2_grpc as pb_grpc
+from server.security import ClientSecurity, ServerSecurity, grpc_channel
 
 REQUEST_TIMEOUT_S = 30.0  # a hang fails the example instead of stalling the suite
 MAX_BODY_BYTES = 64 << 10
@@ -32,24 +34,37 @@ OK_GRPC_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
                  grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
 
 
+@pytest.fixture(scope="module", params=[None, "sk-fuzz"], ids=["open", "keyed"])
+def client_security(request) -> ClientSecurity:
+    """The module runs twice: against a server without an API key, then one with (the clients send it)."""
+    return ClientSecurity(api_key=request.param)
+
+
 @pytest.fixture(scope="module")
-def server(llama_engine):
+def server(llama_engine, client_security):
     with serving(llama_engine, PLAIN_CHAT_TEMPLATE, http_port=0,
                  max_request_id_length=MAX_REQUEST_ID_LENGTH,
-                 http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES, header_timeout_s=5.0)) as srv:
+                 http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES, header_timeout_s=5.0),
+                 security=ServerSecurity(api_key=client_security.api_key)) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx2.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=REQUEST_TIMEOUT_S) as client:
+def http(server, client_security):
+    with httpx2.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=REQUEST_TIMEOUT_S,
+                       headers=client_security.http_headers()) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.GenerationStub(channel)
+def channel(server, client_security):
+    with grpc_channel(server.target, client_security) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.GenerationStub(channel)
 
 
 def assert_healthy_and_idle(server, http, stub) -> None:
@@ -268,12 +283,11 @@ def check_grpc(channel: grpc.Channel, method: str, payload: bytes) -> None:
 
 
 @pytest.mark.parametrize("method", ["Generate", "Complete"])
-def test_grpc_fuzz_never_internal_nor_hangs(server, http, stub, method):
-    with grpc.insecure_channel(server.target) as channel:
-        @FUZZ
-        @given(payload=grpc_payloads())
-        def one_request(payload: bytes) -> None:
-            check_grpc(channel, method, payload)
+def test_grpc_fuzz_never_internal_nor_hangs(server, http, stub, channel, method):
+    @FUZZ
+    @given(payload=grpc_payloads())
+    def one_request(payload: bytes) -> None:
+        check_grpc(channel, method, payload)
 
-        one_request()
+    one_request()
     assert_healthy_and_idle(server, http, stub)

@@ -162,3 +162,20 @@ def test_flag_forms_and_mistakes():
 
     with pytest.raises(ValueError, match="Undocumented.size has no"):
         ConfigFlags(Undocumented).add_to(argparse.ArgumentParser())
+
+
+def test_none_sets_an_optional_field_whose_default_is_not_none():
+    parser = server_main.build_parser()
+    given = server_main.ENGINE_FLAGS.given
+    assert EngineConfig().priority_max_wait_s is not None
+    for text in ("none", "None", "NONE"):
+        args = parser.parse_args(["--scheduling-policy", "priority", "--priority-max-wait-s", text])
+        assert given(args) == {"scheduling_policy": "priority", "priority_max_wait_s": None}
+        assert server_main.engine_config_from_args(args).priority_max_wait_s is None
+    assert given(parser.parse_args(["--compilation-cache-dir", "none"])) == {"compilation_cache_dir": None}
+    assert given(parser.parse_args(["--priority-max-wait-s", "5"])) == {"priority_max_wait_s": 5.0}
+    assert "priority_max_wait_s" not in given(parser.parse_args([]))  # left out: the default applies
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--priority-max-wait-s", "never"])
+    with pytest.raises(SystemExit):  # an Optional field whose default is None: left out is already None
+        parser.parse_args(["--max-token-budget", "none"])
