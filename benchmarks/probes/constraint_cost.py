@@ -33,9 +33,12 @@ AMBIGUOUS = 'start: s\ns: s s | "a" | "b" | "ab"\n'
 
 
 def schema(i: int, chars: int) -> dict:
-    n = max(1, chars // 53)
-    return {"type": "object", "properties": {f"p{i}_{j}": {"type": "string", "pattern": f"^[a-z]{{1,{j % 9 + 1}}}{i}$"}
-                                             for j in range(n)}}
+    """A distinct schema of about `chars` characters: up to 100 properties, each a long alternation pattern."""
+    n = max(1, min(100, chars // 300))
+    words = max(1, (chars // n - 40) // 13)
+    return {"type": "object", "properties": {
+        f"p{j}": {"type": "string", "pattern": "^(" + "|".join(f"w{i}x{j}y{k}" for k in range(words)) + ")$"}
+        for j in range(n)}}
 
 
 def ambiguous(compiler: GrammarCompiler, max_tokens: int) -> dict:
@@ -77,8 +80,11 @@ async def loop_gap(admission: Admission, concurrent: int, chars: int) -> dict:
     tick = asyncio.ensure_future(ticker())
     start = time.perf_counter()
     view = admission.deferring_grammars()
-    requests = [view.admit([1, 2], SamplingParams(max_tokens=1, structured_outputs={"json": schema(10_000 + i, chars)}))
-                for i in range(concurrent)]  # parsed on the loop, as the servers do
+    requests = []
+    for i in range(concurrent):  # parsed on the loop, one request at a time, as the servers do
+        requests.append(view.admit([1, 2], SamplingParams(
+            max_tokens=1, structured_outputs={"json": schema(10_000 + i, chars)})))
+        await asyncio.sleep(0)
     await asyncio.gather(*(pool.with_grammar(admission, r) for r in requests))
     done = True
     await tick
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemas", type=int, default=256)
     parser.add_argument("--schema-chars", type=int, default=30_000)
     parser.add_argument("--concurrent", type=int, default=16)
-    parser.add_argument("--concurrent-chars", type=int, default=64_000)
+    parser.add_argument("--concurrent-chars", type=int, default=62_000)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = load_tokenizer(tokenizer_folder(args, Path(scratch)))
