@@ -226,7 +226,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         await _refuse_undecodable(request, context)
         try:
-            return self._session.admit(admission_from_proto(request), request_id_of(request))
+            return await self._session.admit(admission_from_proto(request), request_id_of(request))
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 

@@ -47,10 +47,15 @@ from server.session import RequestSession
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-def _finish_reason(out: RequestOutput) -> str | None:
+def _finish_reason(out: RequestOutput, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The output's finish reason; RequestError for "error": INVALID_ARGUMENT naming the body field for the
+    request's own fault (its constraint), INTERNAL for the engine's."""
     if not out.finished:
         return None
     if out.finish_reason == "error":
+        if out.error_param is not None:
+            named = body.named(AdmissionError(out.error_param, ""))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, out.error or out.error_param, named.param)
         raise RequestError(grpc.StatusCode.INTERNAL, out.error or "the engine could not serve this request")
     return out.finish_reason
 
@@ -97,7 +102,7 @@ class _Api:
             except AdmissionError as e:  # a refused constraint names the body field that set it
                 raise body.named(e) from None
 
-        state = self.session.admit(admit)  # RequestError -> the exception handler
+        state = await self.session.admit(admit, name=body.named)  # RequestError -> the exception handler
         renderer = Renderer(body, self.session.model_name, self.session.engine.admission.tokenizer)
         if body.stream:
             return StreamingResponse(self._stream(state, renderer), media_type="text/event-stream",
@@ -117,7 +122,8 @@ class _Api:
             token_ids.extend(out.new_token_ids)
             logprobs.extend(out.new_logprobs)
             if out.finished:
-                choice = r.choice(out.text, tuple(token_ids), tuple(logprobs), _finish_reason(out), stream=False)
+                choice = r.choice(out.text, tuple(token_ids), tuple(logprobs), _finish_reason(out, r.body),
+                                  stream=False)
                 return {**r.envelope([choice], stream=False), "usage": usage_of(out)}
 
     async def _stream(self, state: ActiveRequest, r: Renderer) -> AsyncIterator[str]:
@@ -128,7 +134,7 @@ class _Api:
             while True:
                 try:
                     out = await self.session.next_output(state)
-                    finish = _finish_reason(out)
+                    finish = _finish_reason(out, r.body)
                 except RequestError as exc:  # the status line is sent: report it in-band, as vLLM does
                     yield sse_event(error_json(exc))
                     break

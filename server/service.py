@@ -198,6 +198,7 @@ class GenerationServer:
                 stops.append(self._http.stop(grace))
             await asyncio.gather(*stops)
             await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+            self.session.compiles.close()
             self.metrics.close()
             self._stopped.set()
             log.info("server stopped")

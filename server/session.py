@@ -54,6 +54,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from sarathi_jax.core.admission import Admission, AdmissionError, AdmittedRequest
 from sarathi_jax.request.outputs import RequestOutput
+from server.compile_pool import CompilePool, FieldNamer, same_name
 from server.engine_worker import EngineError, EngineWorker, ServingEngine
 from server.request_state import SHUTDOWN_ABORT_MESSAGE, ActiveRequest, RequestError
 
@@ -73,13 +74,15 @@ class RequestSession:
     waiting means admitted but without its first output yet. A lone request is always admitted whatever its
     prompt length (the engine bounds that with max_model_len). Once `stop_admitting` is called every new
     request is refused with UNAVAILABLE. A client request id longer than `max_request_id_length` characters is
-    refused with INVALID_ARGUMENT.
+    refused with INVALID_ARGUMENT. A constrained request's grammar compiles in `compiles` (off the loop) once
+    those checks pass, its id and back-pressure share held meanwhile.
     """
 
     def __init__(self, engine: ServingEngine, engine_config: Any, model_name: str, worker: EngineWorker,
                  metrics: ServerMetrics, *, max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
                  max_waiting_prompt_tokens: int | None = DEFAULT_MAX_WAITING_PROMPT_TOKENS,
-                 max_request_id_length: int = DEFAULT_MAX_REQUEST_ID_LENGTH) -> None:
+                 max_request_id_length: int = DEFAULT_MAX_REQUEST_ID_LENGTH,
+                 compiles: CompilePool | None = None) -> None:
         self.engine = engine
         self.engine_config = engine_config
         self.model_name = model_name
@@ -88,6 +91,7 @@ class RequestSession:
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
         self.max_request_id_length = max_request_id_length
+        self.compiles = compiles or CompilePool()
         self._active: dict[str, ActiveRequest] = {}
         self._pending_requests = 0
         self._pending_tokens = 0
@@ -157,9 +161,11 @@ class RequestSession:
                 f"server overloaded: {self._pending_tokens} prompt tokens waiting, this request adds {num_tokens} "
                 f"(limit max_waiting_prompt_tokens={self.max_waiting_prompt_tokens}); retry later")
 
-    def admit(self, build: Callable[[Admission], AdmittedRequest], request_id: str | None = None) -> ActiveRequest:
+    async def admit(self, build: Callable[[Admission], AdmittedRequest], request_id: str | None = None,
+                    name: FieldNamer = same_name) -> ActiveRequest:
         """Validate (`build` calls the engine's admission: tokenisation and chat rendering happen there, once),
-        apply back-pressure and hand the request to the engine thread. Raises RequestError."""
+        apply back-pressure, compile a constraint (a refusal's field as `name` gives it) and hand the request to
+        the engine thread. Raises RequestError."""
         arrival = time.monotonic()
         try:
             if self._draining:
@@ -167,7 +173,7 @@ class RequestSession:
             if not self.worker.alive:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
             try:
-                admitted = build(self.engine.admission)
+                admitted = build(self.engine.admission.deferring_grammars())
             except ValueError as exc:  # AdmissionError names its field; any other ValueError is bad input too
                 param = exc.param if isinstance(exc, AdmissionError) else None
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param) from None
@@ -175,10 +181,7 @@ class RequestSession:
             num_tokens = len(admitted.prompt_token_ids)
             self._check_capacity(num_tokens)
         except RequestError as exc:
-            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                self.metrics.request_rejected("invalid_argument")
-            elif exc.code == grpc.StatusCode.UNAVAILABLE:
-                self.metrics.request_rejected("shutting_down")
+            self._count_refusal(exc)
             raise
         loop = self._loop
         assert loop is not None and self._idle is not None, "session not bound to a loop"
@@ -188,12 +191,26 @@ class RequestSession:
         self._idle.clear()
         self._pending_requests += 1
         self._pending_tokens += num_tokens
+        try:
+            admitted = await self.compiles.with_grammar(self.engine.admission, admitted, name)
+        except BaseException as exc:
+            state.finished = True  # never reached the engine: nothing to abort
+            self.release(state)
+            if isinstance(exc, RequestError):
+                self._count_refusal(exc)
+            raise
 
         def sink(item: Any, _put=q.put_nowait) -> None:  # engine thread
             loop.call_soon_threadsafe(_put, item)
 
         self.worker.submit(rid, admitted, arrival, sink)
         return state
+
+    def _count_refusal(self, exc: RequestError) -> None:
+        if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+            self.metrics.request_rejected("invalid_argument")
+        elif exc.code == grpc.StatusCode.UNAVAILABLE:
+            self.metrics.request_rejected("shutting_down")
 
     def _unpend(self, state: ActiveRequest) -> None:
         if state.pending:

@@ -29,6 +29,8 @@ serve, the model name).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import numbers
 import threading
@@ -112,6 +114,7 @@ class Admission:
         # A string: why structured outputs are refused (`no_structured_outputs`: the engine cannot run them).
         self._grammar_compiler: GrammarCompiler | str | None = no_structured_outputs
         self._grammar_lock = threading.Lock()
+        self._defer_grammars = False  # `deferring_grammars`
 
     # ----------------------------------------------------------------------------------- prompts
 
@@ -229,16 +232,40 @@ class Admission:
             raise AdmissionError("stop_token_ids",
                                  f"with min_tokens at most {MAX_BANNED} stop and EOS ids can be suppressed")
         constraint = params.structured_outputs
-        grammar = None if constraint is None else self.grammar_matcher(constraint)
+        grammar = None
+        if constraint is not None:
+            self._check_grammar_support()
+            grammar = None if self._defer_grammars else self.grammar_matcher(constraint)
         return AdmittedRequest(tuple(prompt_ids), params, banned, priority, grammar, slo_ttft_s, slo_tbt_s)
+
+    def deferring_grammars(self) -> Admission:
+        """This admission, except that `check` leaves a constrained request's grammar unset (its cheap checks
+        still run): the servers compile it with `with_grammar` after their own checks, off their event loop."""
+        view = copy.copy(self)
+        view._defer_grammars = True
+        return view
+
+    def with_grammar(self, admitted: AdmittedRequest) -> AdmittedRequest:
+        """`admitted` with its constraint's grammar compiled (the request itself when it has one or none)."""
+        constraint = admitted.params.structured_outputs
+        if constraint is None or admitted.grammar is not None:
+            return admitted
+        return dataclasses.replace(admitted, grammar=self.grammar_matcher(constraint))
+
+    def _check_grammar_support(self) -> None:
+        if isinstance(self._grammar_compiler, str):
+            raise AdmissionError("structured_outputs", self._grammar_compiler)
+        if self.tokenizer is None:
+            raise AdmissionError("structured_outputs", "needs a tokenizer, and this model has none")
+        if not self.eos_token_ids:
+            raise AdmissionError("structured_outputs", "needs an EOS token id (the output ends with it), and this "
+                                                       "model has none")
 
     def grammar_matcher(self, constraint: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher of a constraint, compiled (or taken from the compiler's cache) now."""
         param = "structured_outputs"
-        if self.tokenizer is None:
-            raise AdmissionError(param, "needs a tokenizer, and this model has none")
-        if not self.eos_token_ids:
-            raise AdmissionError(param, "needs an EOS token id (the output ends with it), and this model has none")
+        self._check_grammar_support()
+        assert self.tokenizer is not None
         with self._grammar_lock:  # front ends admit on several threads; the compiler is built once
             if self._grammar_compiler is None:
                 try:

@@ -306,6 +306,7 @@ class EngineCore:
         if reason is None and state.grammar is not None:  # complete ("stop", its text all kept) or "error"
             reason = grammar_end = state.grammar.take(token_id, params.stop_token_ids)
             seq.error = f"structured_outputs: {state.grammar.error}" if reason == "error" else None
+            seq.error_param = "structured_outputs" if reason == "error" else None
         if reason is None and past_min_tokens:
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
                 reason = "stop"
@@ -338,7 +339,7 @@ class EngineCore:
             token_ids=tuple(output_ids), text_delta=text_delta,
             text=state.stop_checker.text if state.stop_checker is not None else "", new_logprobs=logprobs,
             finished=finished, finish_reason=seq.finish_reason if finished else None, metrics=seq.metrics,
-            error=seq.error)
+            error=seq.error, error_param=seq.error_param)
 
     def stats(self) -> dict:
         stats = self.scheduler.stats()

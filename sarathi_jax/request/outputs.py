@@ -141,6 +141,9 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     error: str | None = None
+    # With finish_reason "error": the request field at fault ("structured_outputs": its constraint failed on the
+    # way, the client's error), or None (the engine could not serve it).
+    error_param: str | None = None
 
 
 @dataclass(frozen=True)

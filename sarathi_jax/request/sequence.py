@@ -63,6 +63,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_param: str | None = None  # RequestOutput.error_param
         # The request's SLO targets live with its timestamps (outputs report whether they were met); the
         # dynamic token budget reads slo_tbt_s of running requests (scheduler/budget.py).
         self.metrics = RequestMetrics(arrival_time=arrival_time, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s)

@@ -15,7 +15,9 @@ The device side, `sampling.apply_token_bitmask`, sets the logits of disallowed t
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,8 +43,30 @@ MAX_CONSTRAINT_CHARS = 65_536
 # them. `"x-guidance": {"whitespace_flexible": true}` in a schema allows any whitespace again (pretty printing).
 JSON_DEFAULTS: dict[str, object] = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 
-# Compiled grammars kept per compiler (least recently used dropped first).
+# Compiled grammars kept per compiler (least recently used dropped first): at most this many, and at most
+# DEFAULT_CACHE_BYTES of their estimated size (`GrammarCompiler.compile`: the resident memory the compile added,
+# at least GRAMMAR_BYTES_PER_CHAR per character of the llguidance grammar).
 DEFAULT_CACHE_SIZE = 256
+DEFAULT_CACHE_BYTES = 512 << 20
+GRAMMAR_BYTES_PER_CHAR = 64
+
+# A compile walks a copy of the new grammar this many tokens (the lowest allowed id each step) and refuses the
+# constraint if llguidance gives up on the way (a row past its item limits, a grammar with no finite string, a
+# lexer blow-up): such constraints fail at the first tokens of every output.
+PROBE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class MaskBudget:
+    """The host time one request's masks may take: `base_s` plus `per_token_s` for each token it has taken.
+    A request past it ends with finish reason "error" naming its constraint, so a grammar whose mask cost grows
+    (an ambiguous one) cannot hold up other requests' tokens on the engine thread."""
+
+    base_s: float = 0.25
+    per_token_s: float = 0.001
+
+    def allows(self, spent_s: float, num_tokens: int) -> bool:
+        return spent_s <= self.base_s + self.per_token_s * num_tokens
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -151,16 +175,24 @@ class GrammarMatcher:
         self._compiler = self.compiler = compiler
         self._stopped_by: int | None = None  # the stop id that ended the output, once one has
         self._refused_after_stop = False
+        self.mask_seconds = 0.0  # host time its masks took (`MaskBudget`)
+        self._num_tokens = 0
+        self._over_budget: str | None = None
 
     @property
     def error(self) -> str | None:
+        if self._over_budget is not None:
+            return self._over_budget
         if self._matcher.is_error():
             return _library_error(self._matcher.get_error())
         return "a token after the output ended" if self._refused_after_stop else None
 
+    def _failed(self) -> bool:
+        return self._over_budget is not None or self._matcher.is_error()
+
     def may_stop(self) -> bool:
         """Whether EOS / a stop id may be emitted now: only where the grammar may end."""
-        return self._matcher.is_accepting() and not self._matcher.is_error()
+        return self._matcher.is_accepting() and not self._failed()
 
     def is_finished(self) -> bool:
         """The output is complete: a stop id was taken, or the grammar allows nothing but stopping."""
@@ -169,9 +201,16 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: np.ndarray, row: int, stop_token_ids: Iterable[int] = ()) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 [rows, ceil(V/32)], C-contiguous).
         `stop_token_ids`: the request's own stop ids beyond the compiler's, allowed where the grammar may end."""
-        if not self._matcher.is_error():
+        if not self._failed():
+            start = time.perf_counter()
             llguidance_numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
-        if self._matcher.is_error():  # already, or the step just now ran out of its limits
+            self.mask_seconds += time.perf_counter() - start
+            budget = self._compiler.mask_budget
+            if not budget.allows(self.mask_seconds, self._num_tokens):
+                self._over_budget = (f"masks took {self.mask_seconds:.3f} s of host time over {self._num_tokens} "
+                                     f"tokens, past the budget of {budget.base_s} s + {budget.per_token_s} s "
+                                     f"per token (this grammar is too costly to follow)")
+        if self._failed():  # already, or the step just now ran out of its limits or its budget
             bitmask[row] = 0
             _set_bits(bitmask[row], self._compiler.stop_token_ids)
         elif self.may_stop():
@@ -180,9 +219,10 @@ class GrammarMatcher:
     def advance(self, token: int, stop_token_ids: Iterable[int] = ()) -> bool:
         """Take one emitted token; False (and `error` set) if the grammar refuses it. A stop id (the
         compiler's or `stop_token_ids`) is taken where the grammar may end and finishes the output."""
-        if self._stopped_by is not None or self._matcher.is_error():
+        if self._stopped_by is not None or self._failed():
             self._refused_after_stop = self._stopped_by is not None
             return False
+        self._num_tokens += 1
         if token in self._compiler.stop_token_ids or token in stop_token_ids:
             if self.may_stop():
                 self._stopped_by = token
@@ -192,7 +232,7 @@ class GrammarMatcher:
     def take(self, token: int, stop_token_ids: Iterable[int] = ()) -> str | None:
         """`advance`, and the finish reason it gives the request: None (go on), "stop" (the output is
         complete) or "error" (a token the grammar refuses, or its limits exceeded: `error` says why)."""
-        if not self.advance(token, stop_token_ids) or self._matcher.is_error():
+        if not self.advance(token, stop_token_ids) or self._failed():
             return "error"
         return "stop" if self.is_finished() else None
 
@@ -201,6 +241,7 @@ class GrammarMatcher:
         A stop id taken counts as one token. Not out of an error state."""
         if num_tokens <= 0:
             return
+        self._num_tokens = max(0, self._num_tokens - num_tokens)
         if self._stopped_by is not None:
             self._stopped_by, num_tokens = None, num_tokens - 1
         if num_tokens and not self._matcher.rollback(num_tokens):
@@ -227,19 +268,24 @@ class GrammarCompiler:
 
     `tokenizer_json`: the tokenizer.json text (`tokenizers.Tokenizer.to_str()`); `vocab_size`: the model's
     vocabulary (logits width, may be padded past the tokenizer's: ids past it are never allowed);
-    `stop_token_ids`: EOS and the model's stop ids, allowed exactly where a grammar may end. Thread-safe:
-    the API edge compiles off the engine's hot path while the engine makes matchers."""
+    `stop_token_ids`: EOS and the model's stop ids, allowed exactly where a grammar may end. The cache keeps at
+    most `cache_size` grammars and `cache_bytes` of their estimated size; `mask_budget` bounds each request's
+    mask time. Thread-safe: the API edge compiles off the engine's hot path while the engine makes matchers."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids: Sequence[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 mask_budget: MaskBudget = MaskBudget()) -> None:
         if not stop_token_ids:
             raise ValueError("a grammar compiler needs at least one stop id (EOS)")
         self.vocab_size = vocab_size
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                  eos_token=list(self.stop_token_ids))
-        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[llguidance.LLMatcher, int]] = OrderedDict()
         self._cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.cached_bytes = 0  # the cached grammars' estimated size
+        self.mask_budget = mask_budget
         self._lock = threading.Lock()
 
     @property
@@ -250,34 +296,78 @@ class GrammarCompiler:
         """An all-ones (unconstrained) int32 bitmask [rows, ceil(V/32)]."""
         return np.full((rows, self.bitmask_width), -1, dtype=np.int32)
 
+    def __len__(self) -> int:
+        return len(self._cache)
+
     def compile(self, constraint: StructuredOutputs) -> llguidance.LLMatcher:
         """The pristine matcher of a constraint, built once and cached; ValueError if it does not compile for
-        this tokenizer. Call it where a request arrives, so `matcher` later only copies."""
+        this tokenizer or fails on the way of its probe walk (`PROBE_TOKENS`). Call it where a request arrives,
+        so `matcher` later only copies."""
         key = (constraint.kind, constraint.text)
         with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-                return template
-        template = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0)
+                return entry[0]
+        grammar = constraint.grammar
+        rss = _resident_bytes()
+        template = self._build(constraint, grammar)
+        size = max(_resident_bytes() - rss, GRAMMAR_BYTES_PER_CHAR * len(grammar))
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = (template, size)
+                self.cached_bytes += size
+            while len(self._cache) > 1 and (len(self._cache) > self._cache_size
+                                            or self.cached_bytes > self.cache_bytes):
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self.cached_bytes -= dropped
+        return template
+
+    def _build(self, constraint: StructuredOutputs, grammar: str) -> llguidance.LLMatcher:
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"structured_outputs: invalid {constraint.kind}: {_library_error(template.get_error())}")
         # The first mask builds the lexer's start states; copies made afterwards share them. It also finds a
         # constraint no output can start (text this tokenizer cannot write): refused here, not at the first step.
-        llguidance_numpy.fill_next_token_bitmask(template, self.allocate_bitmask(1), 0)
+        bitmask = self.allocate_bitmask(1)
+        llguidance_numpy.fill_next_token_bitmask(template, bitmask, 0)
         if template.is_error():
             raise ValueError(f"structured_outputs: the {constraint.kind} cannot be generated with this model's "
                              f"tokenizer: {_library_error(template.get_error())}")
-        with self._lock:
-            self._cache[key] = template
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        error = self._probe_walk(template.deep_copy(), bitmask)
+        if error:
+            raise ValueError(f"structured_outputs: the {constraint.kind} exceeds the grammar engine's limits "
+                             f"within its first {PROBE_TOKENS} tokens: {_library_error(error)}")
         return template
+
+    def _probe_walk(self, walker: llguidance.LLMatcher, bitmask: np.ndarray) -> str | None:
+        """Take the lowest allowed non-stop id up to PROBE_TOKENS times; llguidance's error on the way, if any."""
+        stops = np.array(self.stop_token_ids)
+        for _ in range(PROBE_TOKENS):
+            llguidance_numpy.fill_next_token_bitmask(walker, bitmask, 0)
+            if walker.is_error():
+                return walker.get_error()
+            allowed = np.flatnonzero(np.unpackbits(bitmask[0].view(np.uint8), bitorder="little"))
+            allowed = allowed[~np.isin(allowed, stops)]
+            if allowed.size == 0:
+                return None
+            walker.consume_token(int(allowed[0]))
+            if walker.is_error():
+                return walker.get_error()
+        return None
 
     def matcher(self, constraint: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher for one request (a copy of the compiled grammar's pristine state)."""
         return GrammarMatcher(self.compile(constraint).deep_copy(), self)
 
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere, where the per-character floor sizes grammars)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def step_bitmask(rows: Sequence[tuple[GrammarMatcher | None, Sequence[int]] | None]) -> np.ndarray | None:
