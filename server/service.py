@@ -100,6 +100,8 @@ class GenerationServer:
         self._stop_lock = asyncio.Lock()
         self._grace_over = asyncio.Event()
         try:
+            # Before serving: building the grammar compiler holds the GIL (docs/design/structured-outputs.md).
+            await self._loop.run_in_executor(None, self.engine.admission.warm_grammars)
             await self._start_all()
         except BaseException:
             await self.stop_async(grace=0)

@@ -163,20 +163,19 @@ class RequestSession:
 
     async def admit(self, build: Callable[[Admission], AdmittedRequest], request_id: str | None = None,
                     name: FieldNamer = same_name) -> ActiveRequest:
-        """Validate (`build` calls the engine's admission: tokenisation and chat rendering happen there, once),
+        """Validate (`build`, in a thread, calls the engine's admission: tokenisation and chat rendering happen
+        there, once),
         apply back-pressure, compile a constraint (a refusal's field as `name` gives it) and hand the request to
         the engine thread. Raises RequestError."""
         arrival = time.monotonic()
         try:
-            if self._draining:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-            if not self.worker.alive:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
-            try:
-                admitted = build(self.engine.admission.deferring_grammars())
+            self._check_open()
+            try:  # in a thread: a long prompt's tokenisation or a large constraint's validation holds no stream
+                admitted = await self.compiles.check(build, self.engine.admission.deferring_grammars())
             except ValueError as exc:  # AdmissionError names its field; any other ValueError is bad input too
                 param = exc.param if isinstance(exc, AdmissionError) else None
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param) from None
+            self._check_open()  # again: a drain may have begun meanwhile
             rid = self._request_id(request_id)
             num_tokens = len(admitted.prompt_token_ids)
             self._check_capacity(num_tokens)
@@ -205,6 +204,12 @@ class RequestSession:
 
         self.worker.submit(rid, admitted, arrival, sink)
         return state
+
+    def _check_open(self) -> None:
+        if self._draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if not self.worker.alive:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine stopped")
 
     def _count_refusal(self, exc: RequestError) -> None:
         if exc.code == grpc.StatusCode.INVALID_ARGUMENT:

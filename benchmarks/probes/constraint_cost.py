@@ -7,8 +7,9 @@ With a tokenizer (`--model DIR` holding tokenizer.json, or `--gguf FILE`):
              (the time it could take from other requests on the engine thread)
   cache      the resident memory after compiling `--schemas` distinct JSON schemas of about `--schema-chars`
              characters each, and what the compiler's cache holds (count, estimated bytes) under its bounds
-  loop       an asyncio loop ticking every 1 ms while `--concurrent` distinct schemas compile through the
-             servers' `CompilePool`: the worst gap between ticks (how long /health or a stream would wait)
+  loop       an asyncio loop ticking every 1 ms while `--concurrent` distinct schemas of `--concurrent-chars`
+             characters are admitted as `RequestSession.admit` does (checks, then compile, in the servers'
+             `CompilePool`): the worst gap between ticks (how long /health or a stream would wait)
 
 The bystander-stream figure (a stream's time alone and beside the ambiguous grammar) needs a served model; it is
 not measured here.
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.probes.grammar_cost import tokenizer_folder
-from sarathi_jax.core.admission import Admission
+from sarathi_jax.core.admission import Admission, AdmittedRequest
 from sarathi_jax.request.sampling_params import SamplingParams
 from sarathi_jax.request.structured_outputs import GrammarCompiler, StructuredOutputs, _resident_bytes
 from sarathi_jax.request.tokenizer import load_tokenizer
@@ -80,12 +81,15 @@ async def loop_gap(admission: Admission, concurrent: int, chars: int) -> dict:
     tick = asyncio.ensure_future(ticker())
     start = time.perf_counter()
     view = admission.deferring_grammars()
-    requests = []
-    for i in range(concurrent):  # parsed on the loop, one request at a time, as the servers do
-        requests.append(view.admit([1, 2], SamplingParams(
-            max_tokens=1, structured_outputs={"json": schema(10_000 + i, chars)})))
-        await asyncio.sleep(0)
-    await asyncio.gather(*(pool.with_grammar(admission, r) for r in requests))
+
+    async def admit(i: int) -> None:  # as RequestSession.admit: its checks, then the compile
+        def build(adm: Admission) -> AdmittedRequest:
+            params = SamplingParams(max_tokens=1, structured_outputs={"json": schema(10_000 + i, chars)})
+            return adm.admit([1, 2], params)
+
+        await pool.with_grammar(admission, await pool.check(build, view))
+
+    await asyncio.gather(*(admit(i) for i in range(concurrent)))
     done = True
     await tick
     pool.close()
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     assert tokenizer is not None
     admission = Admission(vocab_size=tokenizer.vocab_size, max_model_len=4096, tokenizer=tokenizer,
                           eos_token_ids=tokenizer.eos_token_ids)
+    admission.warm_grammars()  # as the servers do before they serve
     loop = asyncio.run(loop_gap(admission, args.concurrent, args.concurrent_chars))
     compiler = GrammarCompiler(tokenizer.backend.to_str(), tokenizer.vocab_size, tokenizer.eos_token_ids)
     figures = {"ambiguous": ambiguous(compiler, args.max_tokens), "loop": loop,

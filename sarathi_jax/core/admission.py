@@ -261,10 +261,18 @@ class Admission:
             raise AdmissionError("structured_outputs", "needs an EOS token id (the output ends with it), and this "
                                                        "model has none")
 
-    def grammar_matcher(self, constraint: StructuredOutputs) -> GrammarMatcher:
-        """A fresh matcher of a constraint, compiled (or taken from the compiler's cache) now."""
-        param = "structured_outputs"
-        self._check_grammar_support()
+    def warm_grammars(self) -> None:
+        """Build the grammar compiler now, where the model supports structured outputs (it reads the tokenizer's
+        whole vocabulary: up to about a second, holding the GIL), so no constrained request pays for it. Servers
+        call it before they serve."""
+        try:
+            self._check_grammar_support()
+        except AdmissionError:
+            return
+        self._compiler()
+
+    def _compiler(self) -> GrammarCompiler | str:
+        """The grammar compiler, built once; or why this tokenizer has none."""
         assert self.tokenizer is not None
         with self._grammar_lock:  # front ends admit on several threads; the compiler is built once
             if self._grammar_compiler is None:
@@ -273,7 +281,13 @@ class Admission:
                                                              self.eos_token_ids)
                 except ValueError as e:  # llguidance cannot read this tokenizer (e.g. its decoder type)
                     self._grammar_compiler = f"not available with this model's tokenizer: {e}"
-        compiler = self._grammar_compiler
+            return self._grammar_compiler
+
+    def grammar_matcher(self, constraint: StructuredOutputs) -> GrammarMatcher:
+        """A fresh matcher of a constraint, compiled (or taken from the compiler's cache) now."""
+        param = "structured_outputs"
+        self._check_grammar_support()
+        compiler = self._compiler()
         if isinstance(compiler, str):
             raise AdmissionError(param, compiler)
         try:
