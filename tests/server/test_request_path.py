@@ -1,5 +1,5 @@
 """How many hand-written files one request runs code in (the budget of docs/design/README.md, "The request path"):
-`LLM.generate` at most 10, a gRPC `Complete` and an HTTP `/v1/completions` at most 14 each.
+`LLM.generate` at most 10, a gRPC `Complete` at most 14 and an HTTP `/v1/completions` at most 15.
 
 Counted as docs/design/README.md says: Python's profiler over the second of two identical requests (the first builds
 what is cached), every thread, the compiled step excluded (it runs no Python); a file counts once, where it
@@ -105,7 +105,7 @@ def test_grpc_complete_runs_code_in_at_most_14_files(profiled_server):
     assert len(entered) <= 14, entered
 
 
-def test_http_completion_runs_code_in_at_most_14_files(profiled_server):
+def test_http_completion_runs_code_in_at_most_15_files(profiled_server):
     srv, state, profile = profiled_server
     body = json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0}).encode()
 
@@ -117,4 +117,4 @@ def test_http_completion_runs_code_in_at_most_14_files(profiled_server):
 
     entered = _count(state, profile, post)
     assert "server/http_api.py" in entered and "sarathi_jax/core/engine_core.py" in entered, entered
-    assert len(entered) <= 14, entered
+    assert len(entered) <= 15, entered
