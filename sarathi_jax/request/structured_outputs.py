@@ -341,12 +341,14 @@ class GrammarCompiler:
         return template
 
     def _probe_walk(self, walker: llguidance.LLMatcher, bitmask: np.ndarray) -> str | None:
-        """Take the lowest allowed non-stop id up to PROBE_TOKENS times; llguidance's error on the way, if any."""
+        """Take the lowest allowed non-stop id up to PROBE_TOKENS times; llguidance's error on the way, if any. A
+        dead end (no token continues the path walked) ends the walk without one: another path may go on."""
         stops = np.array(self.stop_token_ids)
         for _ in range(PROBE_TOKENS):
             llguidance_numpy.fill_next_token_bitmask(walker, bitmask, 0)
             if walker.is_error():
-                return walker.get_error()
+                error = walker.get_error()
+                return None if error.split("\n<state>", 1)[0].strip() == "NoExtensionBias" else error
             allowed = np.flatnonzero(np.unpackbits(bitmask[0].view(np.uint8), bitorder="little"))
             allowed = allowed[~np.isin(allowed, stops)]
             if allowed.size == 0:

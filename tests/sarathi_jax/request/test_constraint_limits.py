@@ -88,3 +88,14 @@ def test_the_cache_is_bounded_in_bytes(tokenizer_json: str, monkeypatch: pytest.
     assert builds == []  # cached
     tight.compile(regexes[0])
     assert builds == [1] and len(tight) == 1  # dropped, so compiled again
+
+
+def test_a_dead_end_on_the_walked_path_is_not_a_refusal(tokenizer_json: str) -> None:
+    """This tokenizer cannot write "é": the walk's lowest first token, "a", leads to a dead end, yet "b" is a whole
+    output, so the constraint compiles (a dead end is the output's, mid-generation, as the engine reports it)."""
+    comp = compiler(tokenizer_json)
+    matcher = comp.matcher(StructuredOutputs.parse({"regex": "aé|b"}))
+    bitmask = comp.allocate_bitmask(1)
+    matcher.fill_bitmask(bitmask, 0)
+    allowed = np.flatnonzero(np.unpackbits(bitmask[0].view(np.uint8), bitorder="little"))
+    assert matcher.error is None and len(allowed) >= 2  # "a" and "b" may both start it
