@@ -11,7 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sarathi_jax.request.structured_outputs import GrammarCompiler, MaskBudget, StructuredOutputs
 
-# Each passes StructuredOutputs' own validation and used to fail only at the first tokens of an output.
+# Each passes StructuredOutputs' own validation and, uncompiled, would fail only at the first tokens of an output.
 HOSTILE = {
     "choice of 2001": {"choice": [f"opt{i}" for i in range(2001)]},
     "2500 rules": {"grammar": "start: r0\n" + "\n".join(f'r{i}: "x{i}" | r{i + 1}' for i in range(2500))
