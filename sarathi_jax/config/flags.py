@@ -4,8 +4,8 @@ One flag per field, `--field-name`: its type from the annotation (bool: `--x` / 
 tuple of strings: a repeatable flag; a tuple of ints: comma-separated), its choices from the field's
 `metadata["choices"]`, its help from the class docstring's `name: text` entry; a field of another type names
 its argparse keywords in `metadata["cli"]` (SamplingParams.structured_outputs: JSON text). An Optional field whose
-default is not None also takes `none`, for None. A flag left out is None and the dataclass's own default applies, so a field added to the dataclass appears on every front end at once,
-documented where it is defined.
+default is not None also takes `none`, for None. A flag left out is None and the dataclass's own default applies,
+so a field added to the dataclass appears on every front end at once, documented where it is defined.
 
 Plain Python (no JAX): the server's and the bench's `--help` stay fast.
 """

@@ -86,12 +86,30 @@ def test_drain_lets_in_flight_streams_complete(llama_engine):
 
 
 class _Records(logging.Handler):
+    """The records of the server's loggers (uvicorn's do not propagate to the root) between `attach` and
+    `detach`."""
+
+    LOGGERS = ("uvicorn.error", "asyncio", "grpc", "")
+
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+    def attach(self) -> _Records:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def detach(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+
+    def errors(self) -> list[str]:
+        """The messages logged at ERROR or with a traceback."""
+        return [r.getMessage() for r in self.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 def test_after_the_drain_grace_every_request_ends_in_band(llama_engine):
@@ -102,10 +120,7 @@ def test_after_the_drain_grace_every_request_ends_in_band(llama_engine):
     engine, config = llama_engine
     server = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0).start_in_thread()
     body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
-    logged = _Records()
-    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio", "grpc", "")]
-    for logger in loggers:  # uvicorn's loggers do not propagate to the root
-        logger.addHandler(logged)
+    logged = _Records().attach()
     try:
         server.pause_engine()  # nothing finishes: every request is still running when the grace ends
         with grpc.insecure_channel(server.target) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool, \
@@ -130,10 +145,8 @@ def test_after_the_drain_grace_every_request_ends_in_band(llama_engine):
     finally:
         server.resume_engine()
         server.stop(grace=0, timeout=30)
-        for logger in loggers:
-            logger.removeHandler(logged)
-    errors = [r for r in logged.records if r.levelno >= logging.ERROR or r.exc_info]
-    assert not errors, [r.getMessage() for r in errors]
+        logged.detach()
+    assert not logged.errors(), logged.errors()
 
 
 
@@ -142,10 +155,7 @@ def test_ending_the_drain_now_ends_every_request_in_band(llama_engine):
     end in-band at once, as after the grace, and nothing is logged at ERROR or with a traceback."""
     engine, config = llama_engine
     server = GenerationServer(engine, engine_config=config, host="127.0.0.1", port=0, http_port=0).start_in_thread()
-    logged = _Records()
-    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "asyncio", "grpc", "")]
-    for logger in loggers:
-        logger.addHandler(logged)
+    logged = _Records().attach()
     try:
         server.pause_engine()  # nothing finishes by itself
         body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True, "stream": True}
@@ -168,10 +178,8 @@ def test_ending_the_drain_now_ends_every_request_in_band(llama_engine):
     finally:
         server.resume_engine()
         server.stop(grace=0, timeout=30)
-        for logger in loggers:
-            logger.removeHandler(logged)
-    errors = [r for r in logged.records if r.levelno >= logging.ERROR or r.exc_info]
-    assert not errors, [r.getMessage() for r in errors]
+        logged.detach()
+    assert not logged.errors(), logged.errors()
 
 LONG_MAX_TOKENS = 1000
 
