@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sarathi_jax.config.disaggregation import DisaggregationSplit
+from sarathi_jax.models.config import QUANTIZATIONS, check_quantization
 from sarathi_jax.models.presets import PRESETS
 from sarathi_jax.utils.paths import absolute_path
 from sarathi_jax.scheduler.config import check_scheduling_policy
@@ -173,6 +174,11 @@ class EngineConfig:
         `DisaggregatedEngine` (one process; `LLM` and the server build it; partial,
         docs/design/disaggregation.md) and in the simulator (`python -m sarathi_jax.bench --simulate
         --disaggregation P:D`); LLMEngine refuses it.
+    quantization: the decoder layers' projection weights stored 8-bit with a float32 scale per output channel,
+        activations in `dtype` (W8A16; sarathi_jax/models/quantization.py): None (the model dtype), "int8"
+        (every device) or "fp8" (float8_e4m3fn, GPUs with FP8 matmul: compute capability 8.9+). Float weights
+        are quantized as they load; a folder converted with `checkpoints_convert --quantization int8` holds them
+        quantized and serves its own quantization when None is given. A separate draft model is quantized alike.
     """
 
     model: str = "tiny-llama"
@@ -208,6 +214,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | Mapping[str, object] | None = field(
         default=None, metadata={"cli": {"type": json.loads, "metavar": "JSON"}})  # parsed in __post_init__
     disaggregation: str | None = None
+    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATIONS})
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -216,6 +223,7 @@ class EngineConfig:
             object.__setattr__(self, "model", absolute_path(self.model))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_quantization(self.quantization)
         self._check_budget_mode()
         self._resolve_batch_limits()
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):

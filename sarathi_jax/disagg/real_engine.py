@@ -76,7 +76,7 @@ class DisaggregatedEngine(DisaggregationFlow):
         t_start = time.time()
         devices = list(jax.devices() if devices is None else devices)
         self.split = split = DisaggregationSplit.parse(config.disaggregation)
-        model = load_model_config(config.model)
+        model = load_model_config(config.model, config.quantization)
         split.check(len(devices), model.num_attention_heads, model.num_key_value_heads)
         prefill_devices, decode_devices = place_instances(split, devices)
         self.devices = [d for group in prefill_devices + decode_devices for d in group]

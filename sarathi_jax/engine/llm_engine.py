@@ -39,6 +39,7 @@ from sarathi_jax.core.engine_core import CoreFrontEnd, EngineCore, LoopConfig
 from sarathi_jax.runner.executable_cache import ExecutableCache
 from sarathi_jax.runner.model_runner import ModelRunner
 from sarathi_jax.models import load_model
+from sarathi_jax.models.quantization import check_supported
 from sarathi_jax.models.layers import unstack_layer_params
 from sarathi_jax.scheduler import make_scheduler
 from sarathi_jax.scheduler.speculation import Speculation
@@ -75,7 +76,10 @@ class LLMEngine(CoreFrontEnd):
         with record_compiles() as compiles:
             timer = PhaseTimer(compiles)
             with timer.phase("load"):
+                check_supported(config.quantization, self.devices)  # fp8 off FP8 GPUs: refused before loading
                 params, draft, draft_plan = self._load(config)
+                # A converted folder's quantization, when none was asked.
+                config = dataclasses.replace(config, quantization=self.model_config.quantization)
             with timer.phase("init"):
                 jax.block_until_ready((params, draft))  # the weights (the draft's too) count in memory in use
                 kv = self._kv_sizing(config, platform, draft[0] if draft else None)
@@ -107,17 +111,19 @@ class LLMEngine(CoreFrontEnd):
 
             self.parallel_plan, self.model_config, params = load_parallel_model(
                 config.model, dtype, config.seed, config.tensor_parallel_size,
-                config.pipeline_parallel_size, devices=self.devices,
+                config.pipeline_parallel_size, devices=self.devices, quantization=config.quantization,
             )
         else:
-            self.model_config, params = load_model(config.model, dtype, seed=config.seed)
+            self.model_config, params = load_model(config.model, dtype, seed=config.seed,
+                                                   quantization=config.quantization)
             if not config.scan_layers:  # unrolled: per-layer arrays now, so the stacked copy is gone before
                 params = unstack_layer_params(params)  # the KV cache is sized from the free memory
         self.tokenizer: Tokenizer | None = load_tokenizer(config.model) if Path(config.model).is_dir() else None
         spec = config.speculative_config
         if spec is None or spec.model is None:
             return params, None, None
-        draft, draft_plan = _load_draft(spec.model, dtype, config, self.parallel_plan, self.devices)
+        draft, draft_plan = _load_draft(spec.model, dtype, dataclasses.replace(
+            config, quantization=self.model_config.quantization), self.parallel_plan, self.devices)
         return params, draft, draft_plan
 
     def _kv_sizing(self, config: EngineConfig, platform: str, draft_config: Any) -> _KVSizing:
@@ -233,6 +239,8 @@ class LLMEngine(CoreFrontEnd):
             "attention_backend_setting": requested.attention_backend,
             "dtype": config.dtype,
             "dtype_setting": requested.dtype,
+            "quantization": config.quantization,
+            "weight_bytes": _device_bytes([stage.params for stage in self.runner.stages]),
             "num_kv_blocks": num_blocks,
             "kv_cache_bytes": num_blocks * kv.target_block,
             # A draft model's share of the memory: its parameters and its KV cache (num_kv_blocks blocks).
@@ -322,7 +330,9 @@ class LLMEngine(CoreFrontEnd):
         with warmup=False, in which case buckets compile on first use), `total_s`. The first three exclude
         the compile time inside them, so the four add up to about the total. Also `platform`, `device`,
         `num_devices`, `attention_backend` (resolved) and `attention_backend_setting` (as given),
-        `scan_layers` (resolved), `dtype` (resolved) and `dtype_setting` (as given), `num_kv_blocks` and
+        `scan_layers` (resolved), `dtype` (resolved) and `dtype_setting` (as given), `quantization` (the
+        weights', resolved: a converted folder's own), `weight_bytes` (the model's parameters as held in device
+        memory, all devices together: a replicated array counts once per device), `num_kv_blocks` and
         `kv_cache_bytes` (the cache allocated), `gpu_memory_utilization` (None: a fixed budget or num_blocks),
         `activation_bytes_estimate` (set aside per device under memory-fraction sizing, else 0),
         `kv_unfragmented_bytes` (per device, what the memory fraction allowed when the largest free block of
@@ -371,11 +381,11 @@ def _load_draft(name: str, dtype: Any, config: EngineConfig, plan: Any, devices:
     is refused as the target would be). Errors name the draft."""
     try:
         if plan is None:
-            return load_model(name, dtype, seed=config.seed), None
+            return load_model(name, dtype, seed=config.seed, quantization=config.quantization), None
         from sarathi_jax.parallel import load_parallel_model
 
         draft_plan, *draft = load_parallel_model(name, dtype, config.seed, config.tensor_parallel_size, 1,
-                                                 devices=devices)
+                                                 devices=devices, quantization=config.quantization)
         return (draft[0], draft[1]), draft_plan
     except ValueError as error:
         raise ValueError(f"speculative_config.model {name!r}: {error}") from error
@@ -408,7 +418,9 @@ def format_startup(stats: dict) -> str:
             f"compile {s['compile_s']:.1f} s, {warm}; {cache}) on {s['platform']} "
             f"[{s['device']} x{s['num_devices']}], {backend} attention, "
             f"{'scanned' if s.get('scan_layers', True) else 'unrolled'} layers, "
-            f"{s['dtype']}{' (auto)' if s['dtype_setting'] == 'auto' else ''}, {_kv_words(s)}"
+            f"{s['dtype']}{' (auto)' if s['dtype_setting'] == 'auto' else ''}"
+            f"{' ' + s['quantization'] + ' weights' if s.get('quantization') else ''}"
+            f" ({s['weight_bytes'] / 2**20:.0f} MiB), {_kv_words(s)}"
             + (f"; {s['token_budget_words']}" if s.get("token_budget_words") else ""))
 
 
@@ -429,3 +441,9 @@ def _kv_words(s: dict) -> str:
 
 def _nbytes(tree: Any) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes the arrays of `tree` hold in device memory, all devices together (a replicated array once per
+    device; this process's devices)."""
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards)

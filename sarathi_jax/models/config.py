@@ -27,6 +27,14 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = LLAMA_ARCHITECTURES + FALCON_ARCHITEC
 # Falcon's `activation` values that the Falcon module implements: exact (erf) GELU and its tanh approximations.
 FALCON_ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+# `quantization` values: the decoder layers' projections stored 8-bit (`quantization.py` says how).
+QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8")
+
+
+def check_quantization(quantization: str | None) -> None:
+    """ValueError unless `quantization` is None or one of `QUANTIZATIONS`."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,11 @@ class ModelConfig:
     # Falcon's fused query_key_value layout: True = grouped [kv_heads, q_per_kv + 2, head_dim] (40B/180B);
     # False = [heads + 2, head_dim] when multi-query (7B), else interleaved [heads, 3, head_dim].
     new_decoder_architecture: bool = False
+    # ---- how the weights are held ----
+    # The decoder layers' projections stored 8-bit with per-output-channel scales: None (the model dtype), "int8"
+    # or "fp8" (`quantization.py`). Not read from config.json: the engine sets it (`EngineConfig.quantization`) or
+    # a converted folder's marker does.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -105,6 +118,7 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported hidden_act {self.hidden_act!r} for {self.architecture}; supported: {', '.join(allowed_acts)}"
             )
+        check_quantization(self.quantization)
         if self.num_ln_in_parallel_attn not in (1, 2):
             raise ValueError(f"num_ln_in_parallel_attn must be 1 or 2, got {self.num_ln_in_parallel_attn}")
         if not is_falcon and (self.parallel_attn or self.new_decoder_architecture or self.mlp_bias):
@@ -127,6 +141,14 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         architecture = architectures[0]
+        quantized = hf_config.get("quantization_config")
+        if quantized is not None:
+            method = quantized.get("quant_method", "unnamed") if isinstance(quantized, Mapping) else quantized
+            raise ValueError(
+                f"this checkpoint is already quantized ({method!r} quantization_config in config.json), a format "
+                "this engine does not read; load its float (unquantized) weights, with quantization='int8' or "
+                "'fp8' to quantize them here"
+            )
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

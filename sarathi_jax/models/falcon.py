@@ -87,10 +87,12 @@ class FalconMLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         h = Projection((c.hidden_size, c.intermediate_size), ("embed", "mlp"), use_bias=c.mlp_bias,
-                       dtype=self.dtype, layout=self.projection_layout, name="dense_h_to_4h")(x)
+                       dtype=self.dtype, layout=self.projection_layout, quantization=c.quantization,
+                       name="dense_h_to_4h")(x)
         h = gelu(h, c.hidden_act)
         return Projection((c.intermediate_size, c.hidden_size), ("mlp", "embed"), use_bias=c.mlp_bias,
-                          dtype=self.dtype, layout=self.projection_layout, name="dense_4h_to_h")(h)
+                          dtype=self.dtype, layout=self.projection_layout, quantization=c.quantization,
+                          name="dense_4h_to_h")(h)
 
 
 class FalconDecoderLayer(PagedDecoderLayer):

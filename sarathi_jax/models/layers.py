@@ -21,6 +21,7 @@ from pallas_kernels import ragged_paged_attention_xla
 from sarathi_jax.models.attention import AttentionMetadata, KVCache, layer_view, write_kv
 from sarathi_jax.models.config import ModelConfig, RopeScaling
 from sarathi_jax.models.fusion import split_qkv
+from sarathi_jax.models.quantization import KERNEL_SCALE, storage_dtype
 from sarathi_jax.models.out_major import IN_MAJOR, OUT_MAJOR, PANELS, out_major_product, panel_product, panel_shape
 
 # Same signature as `ragged_paged_attention_xla` (the attention contract: docs/design/kernels.md).
@@ -33,6 +34,12 @@ INIT_STD = 0.02
 def weight_init(axes: tuple[str, ...]) -> Callable[..., Any]:
     """Normal(`INIT_STD`) initializer of a matrix whose axes have the logical names `axes`."""
     return nn.with_logical_partitioning(nn.initializers.normal(stddev=INIT_STD), axes)
+
+
+def quantized_init(axes: tuple[str, ...]) -> Callable[..., Any]:
+    """Zeros initializer of an 8-bit kernel with logical axes `axes` (its shapes and axes are what `init`
+    describes; quantized values come from the loaders, `quantization.py`)."""
+    return nn.with_logical_partitioning(nn.initializers.zeros, axes)
 
 
 def matmul_precision(dtype: Any) -> jax.lax.Precision:
@@ -107,8 +114,12 @@ class Projection(nn.Module):
 
     `kernel_shape` and `kernel_axes` are `[in..., out...]`. `layout` (`out_major.py` says why and when) stores the
     parameter that way (`IN_MAJOR`), `[out..., in...]` (`OUT_MAJOR`, HF's own layout; the product is
-    `out_major_product`) or packed into column panels `[ceil(out / 64), in, 64]` (`PANELS`, float32; the product
-    is the C++ `panel_product`): the same sums in another order."""
+    `out_major_product`) or packed into column panels `[ceil(out / 64), in, 64]` (`PANELS`, float32 or int8; the
+    product is the C++ `panel_product`): the same sums in another order.
+
+    `quantization` (`quantization.py`): the kernel is stored int8 or float8_e4m3fn with a float32 `kernel_scale
+    [out...]` beside it (logical axes: the output axes), and the product is `(x . q) * kernel_scale`, q widened to
+    the activation dtype and the sum kept in float32."""
 
     kernel_shape: tuple[int, ...]
     kernel_axes: tuple[str, ...]
@@ -116,26 +127,44 @@ class Projection(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     layout: str = IN_MAJOR
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        nc = self.num_contracting
+        nc, quantized = self.num_contracting, self.quantization is not None
         in_shape, out_shape = self.kernel_shape[:nc], self.kernel_shape[nc:]
+        stored = storage_dtype(self.quantization, self.dtype)
+        init = weight_init if not quantized else quantized_init
         if self.layout == PANELS:
-            panels = self.param("kernel", weight_init((None, None, None)), panel_shape(out_shape, in_shape), self.dtype)
-            y = panel_product(x.astype(self.dtype), panels, out_shape, nc)
-        elif self.layout == OUT_MAJOR:
-            kernel = self.param("kernel", weight_init(self.kernel_axes[nc:] + self.kernel_axes[:nc]),
-                                out_shape + in_shape, self.dtype)
-            y = out_major_product(x.astype(self.dtype), kernel, nc, matmul_precision(self.dtype))
+            panels = self.param("kernel", init((None, None, None)), panel_shape(out_shape, in_shape), stored)
+            y = panel_product(x, panels, out_shape, nc, self._scale(out_shape) if quantized else None)
+            return self._bias(y.astype(self.dtype), out_shape)
+        if self.layout == OUT_MAJOR:
+            kernel = self.param("kernel", init(self.kernel_axes[nc:] + self.kernel_axes[:nc]), out_shape + in_shape,
+                                stored)
+            y = out_major_product(x.astype(self.dtype), kernel.astype(self.dtype), nc, matmul_precision(self.dtype),
+                                  jnp.float32 if quantized else None)
         else:
-            kernel = self.param("kernel", weight_init(self.kernel_axes), self.kernel_shape, self.dtype)
-            y = jnp.tensordot(x.astype(self.dtype), kernel, axes=nc, precision=matmul_precision(self.dtype))
-        if self.use_bias:
-            out_axes = self.kernel_axes[self.num_contracting :]
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_axes), out_shape, self.dtype)
-            y = y + bias
-        return y
+            kernel = self.param("kernel", init(self.kernel_axes), self.kernel_shape, stored)
+            y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=nc,
+                              precision=matmul_precision(self.dtype),
+                              preferred_element_type=jnp.float32 if quantized else None)
+        if quantized:
+            y = (y * self._scale(out_shape)).astype(self.dtype)
+        return self._bias(y, out_shape)
+
+    def _scale(self, out_shape: tuple[int, ...]) -> jax.Array:
+        """The float32 per-output-channel scales `[out...]` of a quantized kernel."""
+        axes = self.kernel_axes[self.num_contracting :]
+        return self.param(KERNEL_SCALE, nn.with_logical_partitioning(nn.initializers.ones, axes), out_shape,
+                          jnp.float32)
+
+    def _bias(self, y: jax.Array, out_shape: tuple[int, ...]) -> jax.Array:
+        if not self.use_bias:
+            return y
+        out_axes = self.kernel_axes[self.num_contracting :]
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_axes), out_shape, self.dtype)
+        return y + bias
 
 
 class PagedSelfAttention(nn.Module):
@@ -162,7 +191,8 @@ class PagedSelfAttention(nn.Module):
         # One matmul for q, k and v: [T, kv_heads, q_per_kv + 2, head_dim], each KV head's query heads beside it.
         slots = heads // kv_heads + 2
         qkv = Projection((embed, kv_heads, slots, head_dim), ("embed", "kv_heads", "qkv", "head_dim"),
-                         use_bias=c.attention_bias, dtype=self.dtype, layout=self.projection_layout, name="qkv_proj")(x)
+                         use_bias=c.attention_bias, dtype=self.dtype, layout=self.projection_layout,
+                         quantization=c.quantization, name="qkv_proj")(x)
         q, k, v = split_qkv(qkv)  # [T, heads, head_dim], [T, kv_heads, head_dim] twice
         if c.qk_norm:
             q = RMSNorm(head_dim, c.rms_norm_eps, "head_dim", dtype=self.dtype, name="q_norm")(q)
@@ -174,7 +204,7 @@ class PagedSelfAttention(nn.Module):
         out = paged_attention(self.attention_fn, q, k_pages, v_pages, layer, metadata)
         out = Projection((heads, head_dim, embed), ("heads", "head_dim", "embed"), num_contracting=2,
                          use_bias=c.attention_out_bias, dtype=self.dtype, layout=self.projection_layout,
-                         name=self.out_proj_name)(out)
+                         quantization=c.quantization, name=self.out_proj_name)(out)
         return out, (k_pages, v_pages)
 
 

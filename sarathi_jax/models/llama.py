@@ -63,11 +63,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         embed, mlp = self.config.hidden_size, self.config.intermediate_size
+        quantization = self.config.quantization
         gate_up = Projection((embed, 2, mlp), ("embed", "gate_up", "mlp"), dtype=self.dtype,
-                             layout=self.projection_layout, name="gate_up_proj")(x)
+                             layout=self.projection_layout, quantization=quantization, name="gate_up_proj")(x)
         gate, up = split_gate_up(gate_up)  # [T, 2, mlp] -> [T, mlp] twice
         return Projection((mlp, embed), ("mlp", "embed"), dtype=self.dtype, layout=self.projection_layout,
-                          name="down_proj")(nn.silu(gate) * up)
+                          quantization=quantization, name="down_proj")(nn.silu(gate) * up)
 
 
 class DecoderLayer(PagedDecoderLayer):

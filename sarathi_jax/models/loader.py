@@ -20,6 +20,7 @@ shardings.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -30,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.families import checkpoint_param_shapes, param_plan
+from sarathi_jax.models.config import ModelConfig, check_quantization
+from sarathi_jax.models.families import checkpoint_param_logical_axes, checkpoint_param_shapes, param_plan
 from sarathi_jax.models.fusion import fuse_projections
 from sarathi_jax.models.param_source import ParamPath, ParamSource
 from sarathi_jax.models.presets import PRESETS
+from sarathi_jax.models.quantization import KERNEL_SCALE, contracting_axes, quantize_kernel, quantize_tree
 from sarathi_jax.models.random_init import init_random_params
 
 # Returns the named tensor, raises KeyError if the checkpoint has no such tensor.
@@ -128,38 +130,65 @@ def load_hf_params(
     config: ModelConfig, path: str | os.PathLike[str], dtype: Any = jnp.float32, shardings: Any = None
 ) -> Any:
     """Load the params of `config` from the safetensors checkpoint in folder `path`, as `dtype` arrays, in the
-    checkpoint layout (`checkpoint_param_shapes`).
+    checkpoint layout (`checkpoint_param_shapes`). With `config.quantization` each projection kernel is
+    quantized on the host as it is read (`quantization.quantize_kernel`, from its float32 values), so host
+    memory stays about one tensor and only the 8-bit weights and their scales reach the devices.
 
     `shardings`: optional tree (same structure as the params) of `jax.sharding.Sharding`, one per leaf;
     default: the default device.
     """
     dtype = jnp.dtype(dtype)
     expected = checkpoint_param_shapes(config, dtype)
-    shape_of = {tuple(k.key for k in p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    leaf_of = {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    axes_of = _logical_axes_lookup(config)
     sharding_of = _sharding_lookup(shardings)
     params: dict[str, Any] = {}
     with open_safetensors(path) as get_tensor:
         for source, array in hf_to_params_items(config, get_tensor):
-            param_path = source.param_path
+            path_ = source.param_path
             node = params
-            for key in param_path[:-1]:
+            for key in path_[:-1]:
                 node = node.setdefault(key, {})
-            # Cast on the host (ml_dtypes handles bfloat16) so only `dtype` bytes reach the device.
-            value = np.asarray(array, dtype=dtype)
-            if source.layer is None:
-                node[param_path[-1]] = jax.device_put(value, sharding_of(param_path))
-                continue
-            # A stacked layer parameter: one device buffer, filled layer by layer in place, so the host
-            # holds one layer's tensor at a time and no stacked copy is ever made.
-            if param_path[-1] not in node:
-                node[param_path[-1]] = _zeros(shape_of[param_path], dtype, sharding_of(param_path))
-            node[param_path[-1]] = _set_layer(node[param_path[-1]], jax.device_put(value, _layer_sharding(
-                node[param_path[-1]])), source.layer)
+            scale_path = path_[:-1] + (KERNEL_SCALE,)
+            if path_[-1] == "kernel" and scale_path in leaf_of:
+                kernel_axes, scale_axes = axes_of(path_), axes_of(scale_path)
+                if source.layer is not None:  # one layer's slice: the stacked leaf without its leading axis
+                    kernel_axes, scale_axes = kernel_axes[1:], scale_axes[1:]
+                q, scale = quantize_kernel(np.asarray(array, np.float32), contracting_axes(kernel_axes, scale_axes),
+                                           config.quantization)
+                _place(node, KERNEL_SCALE, scale, source.layer, leaf_of[scale_path], sharding_of(scale_path))
+                value = q
+            else:
+                # Cast on the host (ml_dtypes handles bfloat16) so only `dtype` bytes reach the device.
+                value = np.asarray(array, dtype=leaf_of[path_].dtype)
+            _place(node, path_[-1], value, source.layer, leaf_of[path_], sharding_of(path_))
     # Guards the mapping itself: the loaded tree must be exactly the model's.
     got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
     want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     _check_tree(got, want, "loaded params")
     return params
+
+
+def _place(node: dict[str, Any], name: str, value: np.ndarray, layer: int | None, leaf: jax.ShapeDtypeStruct,
+           sharding: Any) -> None:
+    """`node[name] = value` on the devices: a whole parameter (`layer` None), or layer `layer` of a stacked one,
+    written into one device buffer in place (created on first use), so the host holds one layer's tensor at a
+    time and no stacked copy is ever made."""
+    if layer is None:
+        node[name] = jax.device_put(value, sharding)
+        return
+    if name not in node:
+        node[name] = _zeros(tuple(leaf.shape), leaf.dtype, sharding)
+    node[name] = _set_layer(node[name], jax.device_put(value, _layer_sharding(node[name])), layer)
+
+
+def _logical_axes_lookup(config: ModelConfig) -> Callable[[ParamPath], tuple[str | None, ...]]:
+    """`param_path -> logical axis names` of `config`'s checkpoint layout."""
+    specs = checkpoint_param_logical_axes(config)
+    flat = {tuple(str(getattr(k, "key", k)) for k in path): tuple(spec)
+            for path, spec in jax.tree_util.tree_leaves_with_path(
+                specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
+    return lambda path: flat[tuple(path)]
 
 
 @functools.cache
@@ -275,7 +304,9 @@ def load_orbax_params(
             f"{os.fspath(path)!r}: marker says architecture {marker.get('architecture')!r}, "
             f"config.json says {config.architecture!r}"
         )
-    expected = checkpoint_param_shapes(config, dtype)
+    stored = checkpoint_quantization(path, config.quantization, marker)
+    source = dataclasses.replace(config, quantization=stored)  # what the folder holds
+    expected = checkpoint_param_shapes(source, dtype)
     want = {param_path_str(tuple(k.key for k in p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     got = {name: tuple(info["shape"]) for name, info in marker.get("params", {}).items()}
     _check_tree(got, want, f"params of {os.fspath(path)!r}")
@@ -286,7 +317,7 @@ def load_orbax_params(
     def restore_args(key_path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> Any:
         param_path = tuple(k.key for k in key_path)
         return ocp.ArrayRestoreArgs(
-            sharding=sharding_of(param_path) or default, global_shape=tuple(leaf.shape), dtype=dtype
+            sharding=sharding_of(param_path) or default, global_shape=tuple(leaf.shape), dtype=leaf.dtype
         )
 
     pytree_dir = os.path.join(os.path.abspath(path), marker["pytree_dir"])
@@ -301,7 +332,23 @@ def load_orbax_params(
     got = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
     want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     _check_tree(got, want, f"restored params of {os.fspath(path)!r}")
+    if config.quantization is not None and stored is None:  # float weights: quantized here, leaf by leaf
+        quantize_tree(params, checkpoint_param_logical_axes(config), config.quantization)
     return params
+
+
+def checkpoint_quantization(path: str | os.PathLike[str], requested: str | None,
+                            marker: dict[str, Any] | None = None) -> str | None:
+    """The quantization a converted folder's weights are stored in (its marker's; None: float), checked against
+    the `requested` one: a quantized folder serves its own quantization (also when None is requested), and a
+    float folder any. CheckpointError for a folder quantized otherwise than requested."""
+    stored = (marker or read_checkpoint_marker(path)).get("quantization")
+    if stored is not None and requested not in (None, stored):
+        raise CheckpointError(
+            f"{os.fspath(path)!r} holds {stored} weights (converted with --quantization {stored}); it cannot serve "
+            f"quantization={requested!r}: serve it as {stored}, or convert the float checkpoint again"
+        )
+    return stored
 
 
 # ---------------------------------------------------------------------------------------------- any model
@@ -318,7 +365,7 @@ def check_not_ambiguous(name: str) -> None:
 
 def load_model(
     name_or_path: str | os.PathLike[str], dtype: Any = jnp.float32, seed: int = 0, shardings: Any = None,
-    kv_replication: int = 1,
+    kv_replication: int = 1, quantization: str | None = None,
 ) -> tuple[ModelConfig, Any]:
     """`(config, params)` for a preset name (seeded random weights), a Hugging Face checkpoint folder, or a
     folder converted by `python -m checkpoints_convert` (Orbax params, restored directly). The params are in
@@ -329,18 +376,33 @@ def load_model(
     `nn.logical_to_mesh_sharding(checkpoint_param_logical_axes(config), mesh, rules)`); default: the default
     device. Converted checkpoints are restored into it shard by shard; each fused leaf takes the sharding of its
     first part (q, gate) with an unsharded fused axis.
+
+    `quantization` ("int8", "fp8"; `quantization.py`): the decoder layers' projections are quantized as they are
+    read, or come quantized from a folder converted with `--quantization`; a converted folder's quantization is
+    served when None is asked (`load_model_config`). The returned config says which (`config.quantization`).
     """
+    config = load_model_config(name_or_path, quantization)
+    name = os.fspath(name_or_path)
+    if name in PRESETS:  # each device draws its own shards
+        return config, init_random_params(config, dtype, seed, shardings, kv_replication)
+    if is_orbax_checkpoint(name):
+        return config, fuse_projections(load_orbax_params(config, name, dtype, shardings), kv_replication)
+    return config, fuse_projections(load_hf_params(config, name, dtype, shardings=shardings), kv_replication)
+
+
+def load_model_config(name_or_path: str | os.PathLike[str], quantization: str | None = None) -> ModelConfig:
+    """The `ModelConfig` of a preset, HF folder or converted (Orbax) folder, without reading weights, with the
+    quantization its weights will be served in: `quantization`, or a converted folder's own
+    (`checkpoint_quantization`). ValueError (CheckpointError) for a name that is neither, an interrupted
+    conversion, an unknown quantization or one the folder cannot serve."""
     name = os.fspath(name_or_path)
     check_not_ambiguous(name)
+    check_quantization(quantization)
     if name in PRESETS:
-        config = PRESETS[name]
-        # Each device draws its own shards.
-        return config, init_random_params(config, dtype, seed, shardings, kv_replication)
-    if os.path.isdir(name):
-        if is_orbax_checkpoint(name):
-            read_checkpoint_marker(name)  # an interrupted conversion fails here, before anything is parsed
-            config = ModelConfig.from_pretrained(name)
-            return config, fuse_projections(load_orbax_params(config, name, dtype, shardings), kv_replication)
-        config = ModelConfig.from_pretrained(name)
-        return config, fuse_projections(load_hf_params(config, name, dtype, shardings=shardings), kv_replication)
-    raise ValueError(f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")
+        return dataclasses.replace(PRESETS[name], quantization=quantization)
+    if not os.path.isdir(name):
+        raise ValueError(f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")
+    if is_orbax_checkpoint(name):
+        # An interrupted conversion fails here, before anything is parsed.
+        quantization = checkpoint_quantization(name, quantization, read_checkpoint_marker(name))
+    return dataclasses.replace(ModelConfig.from_pretrained(name), quantization=quantization)

@@ -31,7 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.panel_matmul_cpu import PANEL, engine_uses_kernel, num_panels, panel_matmul_cpu
+from pallas_kernels.panel_matmul_cpu import (
+    PANEL, engine_uses_int8_kernel, engine_uses_kernel, num_panels, panel_matmul_cpu, panel_matmul_int8_cpu,
+)
 
 IN_MAJOR, OUT_MAJOR, PANELS = "in_major", "out_major", "panels"
 PROJECTION_LAYOUTS = (IN_MAJOR, OUT_MAJOR, PANELS)
@@ -42,19 +44,21 @@ PROJECTION_LAYOUTS = (IN_MAJOR, OUT_MAJOR, PANELS)
 LEFT_MAX_ROWS = 64
 
 
-def out_major_product(x: jax.Array, kernel: jax.Array, num_contracting: int, precision: Any) -> jax.Array:
+def out_major_product(x: jax.Array, kernel: jax.Array, num_contracting: int, precision: Any,
+                      preferred_element_type: Any = None) -> jax.Array:
     """`tensordot(x, kernel_in_major, num_contracting)` of `x [T, in...]` and an out-major `kernel [out...,
-    in...]`: `[T, out...]`."""
+    in...]`: `[T, out...]` (in `preferred_element_type` when given)."""
     out_shape = kernel.shape[: kernel.ndim - num_contracting]
     rows = x.shape[0]
     x2 = x.reshape(rows, -1)
     w2 = kernel.reshape(-1, x2.shape[1])  # [out, in]: a free reshape of a row-major array
     contract_in = (((1,), (1,)), ((), ()))
     if rows <= LEFT_MAX_ROWS:
-        yt = jax.lax.dot_general(w2, x2, contract_in, precision=precision)  # [out, T], the weight on the left
+        yt = jax.lax.dot_general(w2, x2, contract_in, precision=precision,  # [out, T], the weight on the left
+                                 preferred_element_type=preferred_element_type)
         y = jax.lax.optimization_barrier(yt).T
     else:
-        y = jax.lax.dot_general(x2, w2, contract_in, precision=precision)
+        y = jax.lax.dot_general(x2, w2, contract_in, precision=precision, preferred_element_type=preferred_element_type)
     return y.reshape(rows, *out_shape)
 
 
@@ -63,11 +67,17 @@ def panel_shape(out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> tuple[
     return num_panels(math.prod(out_shape)), math.prod(in_shape), PANEL
 
 
-def panel_product(x: jax.Array, panels: jax.Array, out_shape: tuple[int, ...], num_contracting: int) -> jax.Array:
-    """`tensordot(x, kernel_in_major, num_contracting)` of float32 `x [T, in...]` and `panels` packed from that
-    kernel (`panel_shape`): `[T, out...]`, by the C++ panel kernel."""
-    rows = x.shape[0]
-    y = panel_matmul_cpu(x.reshape(rows, -1), panels, math.prod(out_shape))
+def panel_product(x: jax.Array, panels: jax.Array, out_shape: tuple[int, ...], num_contracting: int,
+                  scale: jax.Array | None = None) -> jax.Array:
+    """`tensordot(x, kernel_in_major, num_contracting)` of `x [T, in...]` and `panels` packed from that kernel
+    (`panel_shape`): float32 `[T, out...]`, by the C++ panel kernel; x is taken in float32. Float32 panels, or int8
+    panels with their per-output-channel `scale [out...]` (`(x . q) * scale`, the int8 kernel)."""
+    rows, n = x.shape[0], math.prod(out_shape)
+    x2 = x.reshape(rows, -1).astype(jnp.float32)
+    if scale is None:
+        y = panel_matmul_cpu(x2, panels, n)
+    else:
+        y = panel_matmul_int8_cpu(x2, panels, scale.reshape(n), n)
     return y.reshape(rows, *out_shape)
 
 
@@ -76,9 +86,13 @@ def use_out_major(platform: str) -> bool:
     return platform == "cpu"
 
 
-def projection_layout(platform: str, *, single_device: bool, dtype: Any) -> str:
+def projection_layout(platform: str, *, single_device: bool, dtype: Any, quantization: str | None = None) -> str:
     """A runner's projection layout: in-major on accelerators and meshes; on one CPU device, panels for float32
-    where the panel kernel is built for AVX-512 (`panel_matmul_cpu.engine_uses_kernel`), else out-major."""
+    where the panel kernel is built for AVX-512 (`panel_matmul_cpu.engine_uses_kernel`) and for int8 weights
+    wherever the int8 kernel is built (AVX2 too: XLA's dot would widen a float copy of each weight first), else
+    out-major."""
     if not single_device or not use_out_major(platform):
         return IN_MAJOR
+    if quantization is not None:
+        return PANELS if quantization == "int8" and engine_uses_int8_kernel() else OUT_MAJOR
     return PANELS if jnp.dtype(dtype) == jnp.float32 and engine_uses_kernel() else OUT_MAJOR

@@ -41,6 +41,7 @@ their sharded draws are not shard-local (every device materialises the whole arr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -55,9 +56,10 @@ from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.families import checkpoint_param_shapes
+from sarathi_jax.models.families import checkpoint_param_logical_axes, checkpoint_param_shapes
 from sarathi_jax.models.fusion import fuse_projections
 from sarathi_jax.models.layers import INIT_STD
+from sarathi_jax.models.quantization import quantize_tree
 
 PRNG_IMPL = "threefry2x32"
 CHUNK = 1 << 20  # elements per chunk of the host method (a power of two: a chunk never straddles 2**32)
@@ -293,6 +295,16 @@ def init_random_params(
     `seed` and the checkpoint's param paths only, see the module docstring), then fused
     (`fusion.fuse_projections`, with `kv_replication`). `shardings`: optional tree of one `Sharding` per leaf of
     the checkpoint layout, e.g. `nn.logical_to_mesh_sharding(checkpoint_param_logical_axes(config), mesh, rules)`;
-    each device then draws only its own shards, and a fused leaf follows its first part's sharding."""
-    drawn = init_random_tree(checkpoint_param_shapes(config, jnp.dtype(dtype)), seed, shardings)
+    each device then draws only its own shards, and a fused leaf follows its first part's sharding. With
+    `config.quantization` the same float weights are drawn, then quantized (`quantization.quantize_tree`)."""
+    if config.quantization is None:
+        return fuse_projections(init_random_tree(checkpoint_param_shapes(config, jnp.dtype(dtype)), seed, shardings),
+                                kv_replication)
+    # Quantized: the float weights are drawn (the same values as the float model's), then quantized.
+    float_config = dataclasses.replace(config, quantization=None)
+    float_shapes = checkpoint_param_shapes(float_config, jnp.dtype(dtype))
+    if shardings is not None:  # without the scales' entries
+        shardings = jax.tree.map(lambda _, s: s, float_shapes, shardings)
+    drawn = quantize_tree(init_random_tree(float_shapes, seed, shardings), checkpoint_param_logical_axes(config),
+                          config.quantization)
     return fuse_projections(drawn, kv_replication)

@@ -17,23 +17,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from sarathi_jax.models import PRESETS, ModelConfig, check_not_ambiguous, load_model
-from sarathi_jax.models.loader import is_orbax_checkpoint
-
-
-def load_model_config(name_or_path: str | os.PathLike[str]) -> ModelConfig:
-    """The `ModelConfig` of a preset, HF folder or converted (Orbax) folder, without reading weights."""
-    name = os.fspath(name_or_path)
-    check_not_ambiguous(name)
-    if name in PRESETS:
-        return PRESETS[name]
-    if os.path.isdir(name):
-        if is_orbax_checkpoint(name):
-            from sarathi_jax.models.loader import read_checkpoint_marker
-
-            read_checkpoint_marker(name)  # an interrupted conversion fails here, as in load_model
-        return ModelConfig.from_pretrained(name)
-    raise ValueError(f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")
+from sarathi_jax.models import ModelConfig, load_model
+from sarathi_jax.models.loader import load_model_config
 
 
 def load_parallel_model(
@@ -43,21 +28,23 @@ def load_parallel_model(
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
     devices: Sequence[Any] | None = None,
+    quantization: str | None = None,
 ) -> tuple[Any, ModelConfig, Any]:
     """`(plan, model_config, params)` for a parallel engine: start multi-host JAX if the SARATHI_* variables
     ask for it, read the config, check the split (ValueError before any weight is read), then restore the
     weights straight into their shards and fuse them. `params` are those of `plan.model_config` (replicated KV
     heads already expanded in the fused q/k/v kernel); `place_params` splits them over the stages. `devices`: the
-    mesh's (default: the first tp x pp of `jax.devices()`)."""
+    mesh's (default: the first tp x pp of `jax.devices()`). `quantization`: as `load_model`'s (the scales are
+    sharded with their output channels)."""
     from sarathi_jax.parallel.distributed import initialize_distributed_from_env
     from sarathi_jax.parallel.plan import make_plan
 
     initialize_distributed_from_env()
-    config = load_model_config(name_or_path)
+    config = load_model_config(name_or_path, quantization)
     plan = make_plan(config, tensor_parallel_size, pipeline_parallel_size, devices)
     loaded_config, params = load_model(
         name_or_path, dtype, seed=seed, shardings=plan.param_shardings(for_loading=True),
-        kv_replication=plan.kv_replication,
+        kv_replication=plan.kv_replication, quantization=config.quantization,
     )
     assert loaded_config == config
     return plan, config, params

@@ -126,7 +126,8 @@ class ModelRunner:
         self.timeline = None
         self.stages = runner_stages(self.plan, model_config, params, dtype, attention_fn, num_blocks, block_size,
                                     scan_layers=scan_layers,
-                                    layout=projection_layout(platform, single_device=self.plan is None, dtype=dtype))
+                                    layout=projection_layout(platform, single_device=self.plan is None, dtype=dtype,
+                                                            quantization=model_config.quantization))
         if self.plan is None:
             self.model = self.stages[0].model
         elif len(self.stages) > 1:
