@@ -30,6 +30,7 @@ def hf_generate(model_dir, prompts, max_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # else generate() fills the None below from it
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                               bos_token_id=None)
     with torch.no_grad():
