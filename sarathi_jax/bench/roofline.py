@@ -46,6 +46,9 @@ class ModelShape:
     gated_mlp: bool = True  # SwiGLU (3 matrices) vs a plain 2-matrix MLP
     tied_embeddings: bool = False
     itemsize: int = 4
+    # Bytes per layer matmul weight: `itemsize`, or 1 for 8-bit (quantized) weights, whose per-channel scales
+    # are left out as the norms' are not (a few KB).
+    layer_itemsize: int | None = None
 
     @classmethod
     def from_model_config(cls, mc: Any, dtype: str = "float32") -> "ModelShape":
@@ -60,6 +63,7 @@ class ModelShape:
             gated_mlp=getattr(mc, "hidden_act", "silu") == "silu",
             tied_embeddings=bool(mc.tie_word_embeddings),
             itemsize=DTYPE_BYTES[dtype],
+            layer_itemsize=1 if getattr(mc, "quantization", None) else None,
         )
 
     @property
@@ -79,7 +83,8 @@ class ModelShape:
         """Every weight read once: layers, LM head, the norms (the embedding table too when it is untied it is
         only gathered, see `work`)."""
         norms = (2 * self.num_layers + 1) * self.hidden_size
-        return (self.layer_matmul_params + self.head_params + norms) * self.itemsize
+        layer_itemsize = self.itemsize if self.layer_itemsize is None else self.layer_itemsize
+        return self.layer_matmul_params * layer_itemsize + (self.head_params + norms) * self.itemsize
 
     @property
     def kv_bytes_per_token(self) -> int:
