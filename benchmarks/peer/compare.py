@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: --token-budget)")
     m.add_argument("--max-token-budget", type=int, default=None,
                    help="this engine's largest budget under --token-budget auto/dynamic (EngineConfig's)")
+    m.add_argument("--quantization", default=None, choices=("int8",),
+                   help="this engine's layer weights in int8 (vLLM keeps float32: its CPU int8 needs a "
+                        "pre-quantized checkpoint)")
     m.add_argument("--max-num-seqs", type=int, default=64)
     m.add_argument("--max-model-len", type=int, default=2048, help="longer requests are scaled down to fit")
     m.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size, whole GiB (VLLM_CPU_KVCACHE_SPACE)")

@@ -158,7 +158,7 @@ def config_from_args(args: argparse.Namespace, *, notes: list[str]) -> PeerConfi
                               vllm_token_budget=_vllm_token_budget(args), max_num_seqs=args.max_num_seqs,
                               max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
                               slo_tbt_s=args.slo_tbt if isinstance(args.token_budget, str) else None,
-                              max_token_budget=args.max_token_budget)
+                              max_token_budget=args.max_token_budget, quantization=args.quantization)
     return PeerConfig(
         settings=settings,
         engines=tuple(ENGINE_CHOICES[e] for e in engines if e == "sarathi" or vllm_python),

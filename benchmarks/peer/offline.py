@@ -69,7 +69,7 @@ def sarathi_engine_config(s: EngineSettings):
     return EngineConfig(model=s.model, scheduler="sarathi", dtype="float32", token_budget=s.token_budget,
                         slo_tbt_s=s.slo_tbt_s, max_token_budget=s.max_token_budget, max_num_seqs=s.max_num_seqs,
                         max_model_len=s.max_model_len, kv_cache_bytes=s.kv_cache_bytes, enable_prefix_caching=False,
-                        seed=s.seed)
+                        seed=s.seed, quantization=s.quantization)
 
 
 class SarathiOffline:

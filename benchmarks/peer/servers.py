@@ -56,6 +56,9 @@ class EngineSettings:
     max_model_len: int = 2048
     kv_cache_gib: int = 1  # vLLM: VLLM_CPU_KVCACHE_SPACE (whole GiB); this engine: kv_cache_bytes
     seed: int = 0
+    # This engine's 8-bit layer weights (EngineConfig.quantization); vLLM's CPU int8 needs a checkpoint quantized
+    # beforehand (compressed-tensors W8A8), so vLLM keeps float32 and the report says which side ran what.
+    quantization: str | None = None
 
     @property
     def vllm_max_num_batched_tokens(self) -> int | None:
@@ -93,6 +96,8 @@ def sarathi_server_command(s: EngineSettings, port: int, python: str = sys.execu
         argv += ("--slo-tbt-s", str(s.slo_tbt_s))
     if s.max_token_budget is not None:
         argv += ("--max-token-budget", str(s.max_token_budget))
+    if s.quantization is not None:
+        argv += ("--quantization", s.quantization)
     return ServerCommand("sarathi-jax", argv)
 
 

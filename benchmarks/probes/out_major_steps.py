@@ -1,9 +1,11 @@
 """Model steps of two engine variants, timed alternately in one process: `python -m
-benchmarks.probes.out_major_steps [--compare out-major|panels|scan-layers]`.
+benchmarks.probes.out_major_steps [--compare out-major|panels|scan-layers|int8]`.
 
 `out-major` (the default): the projection weights in-major against out-major (`sarathi_jax.models.out_major`).
 `panels`: out-major (XLA's dot) against packed into panels (the C++ panel matmul; float32, where it is built).
 `scan-layers`: the decoder layers scanned against unrolled (`EngineConfig.scan_layers`).
+`int8`: the weights in `--dtype` against int8 layer weights (`EngineConfig.quantization`), each in the layout the
+engine picks for it.
 
 Both engines are `step_cost`'s (same flags: `--model`, `--dtype`, `--token-budget`, `--max-num-seqs`, ...). Every
 repeat times each composition on one engine, then on the other, so that load from other processes falls on
@@ -12,6 +14,8 @@ step of each, and their ratio.
 
     python -m benchmarks.probes.out_major_steps --model /tmp/peer-60m --dtype float32 --mode decode \\
         --batch-sizes 1,4,16,32 --context 512 --token-budget 512 --max-num-seqs 64 --max-model-len 2048
+    python -m benchmarks.probes.out_major_steps --compare int8 --model llama-1k8 --mode decode --batch-sizes 16 \
+        --context 512 --repeats 20
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from sarathi_jax.bench.step_timer import StepTimer, build_engine, compositions, 
 from sarathi_jax.bench.step_cost import parse_args
 from sarathi_jax.models.out_major import IN_MAJOR, OUT_MAJOR, PANELS
 
-COMPARISONS = ("out-major", "panels", "scan-layers")
+COMPARISONS = ("out-major", "panels", "scan-layers", "int8")
 
 
 def _engines(compare: str, args, needs) -> dict:
@@ -38,12 +42,21 @@ def _engines(compare: str, args, needs) -> dict:
                 engines[layout.replace("_", "-")] = engine = build_engine(args, needs)
             assert engine.runner.model.projection_layout == layout
         return engines
+    if compare == "int8":
+        return {name: build_engine(copy.copy(args) if q is None else _with(args, quantization=q), needs)
+                for name, q in ((args.dtype, None), ("int8", "int8"))}
     engines = {}
     for name, scan in (("scanned", True), ("unrolled", False)):
         variant = copy.copy(args)
         variant.scan_layers = scan
         engines[name] = build_engine(variant, needs)
     return engines
+
+
+def _with(args, **changes):
+    variant = copy.copy(args)
+    variant.__dict__.update(changes)
+    return variant
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from sarathi_jax.bench.args import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from sarathi_jax.bench.step_timer import DEFAULT_TOKEN_BUDGET, MODES, measure
 from sarathi_jax.utils.paths import cli_path
 from sarathi_jax.config.sizing import DTYPE_BYTES, token_buckets
+from sarathi_jax.models.config import QUANTIZATIONS
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="decode,prefill", help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPE_BYTES))
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="8-bit layer weights (EngineConfig)")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas", "cpu"))
     p.add_argument("--scan-layers", default=None, action=argparse.BooleanOptionalAction,
                    help="EngineConfig.scan_layers (default: the platform's)")

@@ -221,7 +221,7 @@ def build_engine(args: argparse.Namespace, needs: dict) -> Any:
     kw = dict(model=args.model, dtype=args.dtype, token_budget=budget, max_num_seqs=max_seqs,
               max_model_len=max_len, scheduler="sarathi", attention_backend=args.attention_backend,
               block_size=args.block_size, seed=args.engine_seed, scan_layers=args.scan_layers,
-              enable_prefix_caching=False)  # fake sequences fill the blocks; nothing is looked up
+              quantization=args.quantization, enable_prefix_caching=False)  # fake sequences fill the blocks; nothing is looked up
     if args.num_blocks:
         kw["num_blocks"] = args.num_blocks
     if args.kv_cache_bytes:

@@ -304,7 +304,8 @@ def load_orbax_params(
             f"{os.fspath(path)!r}: marker says architecture {marker.get('architecture')!r}, "
             f"config.json says {config.architecture!r}"
         )
-    stored = checkpoint_quantization(path, config.quantization, marker)
+    checkpoint_quantization(path, config.quantization, marker)
+    stored = marker.get("quantization")
     source = dataclasses.replace(config, quantization=stored)  # what the folder holds
     expected = checkpoint_param_shapes(source, dtype)
     want = {param_path_str(tuple(k.key for k in p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
@@ -339,11 +340,13 @@ def load_orbax_params(
 
 def checkpoint_quantization(path: str | os.PathLike[str], requested: str | None,
                             marker: dict[str, Any] | None = None) -> str | None:
-    """The quantization a converted folder's weights are stored in (its marker's; None: float), checked against
-    the `requested` one: a quantized folder serves its own quantization (also when None is requested), and a
-    float folder any. CheckpointError for a folder quantized otherwise than requested."""
+    """The quantization a converted folder serves with `requested`: a folder of quantized weights (its marker
+    says which) its own, also when None is requested; a float folder `requested`. CheckpointError for a folder
+    quantized otherwise than requested."""
     stored = (marker or read_checkpoint_marker(path)).get("quantization")
-    if stored is not None and requested not in (None, stored):
+    if stored is None:
+        return requested
+    if requested not in (None, stored):
         raise CheckpointError(
             f"{os.fspath(path)!r} holds {stored} weights (converted with --quantization {stored}); it cannot serve "
             f"quantization={requested!r}: serve it as {stored}, or convert the float checkpoint again"

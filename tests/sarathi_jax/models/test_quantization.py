@@ -208,3 +208,19 @@ def test_checkpoint_quantized_elsewhere_is_refused_by_name(hf_checkpoint, tmp_pa
         load_model(folder, "float32")
     with pytest.raises(ValueError, match="'gptq'"):
         ModelConfig.from_pretrained(folder)
+
+
+def test_float_converted_folder_is_quantized_as_it_is_restored(hf_checkpoint, tmp_path):
+    from checkpoints_convert import convert
+
+    folder = hf_checkpoint("llama")
+    convert(folder, tmp_path / "orbax", "float32", log=lambda message: None)
+    config, restored = load_model(tmp_path / "orbax", "float32", quantization="int8")
+    _, read = load_model(folder, "float32", quantization="int8")
+    assert config.quantization == "int8"
+    for (block, proj), _ in LLAMA_PROJECTIONS.items():
+        got, want = restored["layers"][block][proj], read["layers"][block][proj]
+        assert got["kernel"].dtype == jnp.int8
+        assert_quantized_alike(got["kernel"], got[KERNEL_SCALE], want["kernel"], want[KERNEL_SCALE])
+    # Asked for nothing, the float folder serves float weights.
+    assert load_model_config(tmp_path / "orbax").quantization is None
