@@ -238,10 +238,54 @@ def part_loop(cfg: ReportConfig, res: Result, rates: dict | None, **_: Any) -> N
                "FLOP floor ms", "x floor", "async / sync", "compiles while timed"], rows)
 
 
+# ----------------------------------------------------------------------------------------------- 7. quantized weights
+
+
+def part_quantized(cfg: ReportConfig, res: Result, rates: dict | None, **_: Any) -> None:
+    """Decode steps of the large model with its layer weights in `cfg.dtype`, int8 and fp8 (each its own engine,
+    timed in alternation by `benchmarks.probes.out_major_steps.alternate`); fp8 where the GPU has FP8 matmul,
+    else its refusal is recorded."""
+    import statistics
+
+    from benchmarks.probes.out_major_steps import _with, alternate
+    from sarathi_jax.bench.roofline import ModelShape, work
+    from sarathi_jax.bench.step_cost import parse_args
+    from sarathi_jax.bench.step_timer import build_engine, compositions, engine_needs
+
+    rates = get_rates(cfg, rates, res)
+    b, ctx = cfg.profile_batch, cfg.profile_context
+    blocks = b * (-(-(ctx + 1) // 16)) + 16  # the fake sequences' blocks, and no more: three engines share the device
+    args = parse_args(["--model", cfg.large_model, "--dtype", cfg.dtype, "--mode", "decode", "--batch-sizes", str(b),
+                       "--context", str(ctx), "--repeats", str(cfg.quant_repeats), "--num-blocks", str(blocks)])
+    comps = compositions("decode", args)
+    needs = engine_needs(comps)
+    engines = {}
+    for quantization in (None, "int8", "fp8"):
+        try:
+            engines[quantization or cfg.dtype] = build_engine(_with(args, quantization=quantization), needs)
+        except ValueError as e:  # fp8 off FP8 GPUs
+            res.doc["info"][f"{quantization} refused"] = str(e)
+            print(f"{quantization}: {e}", flush=True)
+    times = alternate(engines, comps, args)
+    base = statistics.median(times[(cfg.dtype, 0)])
+    rows = []
+    for name, engine in engines.items():
+        step = statistics.median(times[(name, 0)])
+        w = work(ModelShape.from_model_config(engine.model_config, cfg.dtype), comps[0].steps[0])
+        floor, basis, _, _ = floor_of(w.flops, w.bytes, rates)
+        res.figure(f"{name} weights: decode x{b} at ctx {ctx}, step", step, "s", floor, basis)
+        res.figure(f"{name} weights: step / {cfg.dtype} step", step / base, "ratio")
+        rows.append([name, engine.startup_stats()["weight_bytes"] / 2**30, step * 1e3, min(times[(name, 0)]) * 1e3,
+                     floor * 1e3, step / floor, step / base])
+        res.save()
+    res.table(f"{cfg.large_model} decode x{b} at ctx {ctx}, median and best of {cfg.quant_repeats} alternated repeats",
+              ["weights", "weight GiB", "median ms", "best ms", "floor ms", "x floor", f"/ {cfg.dtype}"], rows)
+
+
 PARTS: dict[str, Callable[..., None]] = {
     "machine": part_machine, "tune": part_tune, "attention": part_attention, "profile_large": part_profile_large,
     "profile_small": part_profile_small, "startup_small": part_startup_small, "startup_large": part_startup_large,
-    "loop": part_loop,
+    "loop": part_loop, "quantized": part_quantized,
 }
 
 

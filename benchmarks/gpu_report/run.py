@@ -19,7 +19,10 @@ and a part's timeout is cut to the time left, so that the whole run ends within 
    `benchmarks.probes.trace_summary`), against the floor of the steps dispatched meanwhile (`bench.roofline.work`);
 5. `loop`: the synchronous and the overlapped engine loop at 1, 32 and 128 decodes (`benchmarks.probes.loop_cost`): wall
    and device time per step, the device busy fraction;
-6. `startup_small`, `startup_large`: start-up, cold and warm (`benchmarks.probes.startup`). Last: it already has GPU figures.
+6. `quantized`: the large model's decode steps with bf16, int8 and fp8 layer weights, alternated
+   (`benchmarks.probes.out_major_steps.alternate`), against their byte floors; fp8's refusal where the GPU has no
+   FP8 matmul;
+7. `startup_small`, `startup_large`: start-up, cold and warm (`benchmarks.probes.startup`). Last: it already has GPU figures.
 
 Each part runs in a process of its own (`python -m benchmarks.gpu_report.parts PART`) with a timeout, so
 a part that crashes or hangs (XLA, the driver, out of memory) is recorded as `failed` or `timeout`, with its
@@ -96,6 +99,8 @@ class ReportConfig:
     loop_token_budget: int = 256
     loop_steps: int = 8
     loop_rounds: int = 3
+    # quantized weights: the large model's decode (profile_batch x profile_context) with each kind of weights
+    quant_repeats: int = 10
 
 
 SMOKE = ReportConfig(
@@ -105,7 +110,7 @@ SMOKE = ReportConfig(
     attention_scale=32, attention_iters=1, attention_repeats=1, profile_batch=4, profile_context=32,
     profile_steps=3, mixed_steps=2, token_budget=32, startup_token_budget=16, startup_max_num_seqs=2,
     startup_num_blocks=32,
-    loop_batches=(1, 2, 4), loop_context=16, loop_token_budget=16, loop_steps=2, loop_rounds=1,
+    loop_batches=(1, 2, 4), loop_context=16, loop_token_budget=16, loop_steps=2, loop_rounds=1, quant_repeats=2,
 )
 
 
@@ -128,12 +133,15 @@ class Part:
             "startup_large": f"Start-up, cold and warm: {c.large_model}",
             "loop": f"Engine loop busy fraction: {c.small_model} at "
                     f"{', '.join(map(str, c.loop_batches))} decodes",
+            "quantized": f"Quantized weights: {c.large_model} decode x{c.profile_batch} at ctx {c.profile_context}, "
+                         f"{c.dtype} against int8 and fp8",
         }[self.name]
 
 
 PARTS = (  # the order above: start-up, which already has GPU figures, last
     Part("machine", 60), Part("tune", 110), Part("attention", 90), Part("profile_large", 120),
-    Part("profile_small", 75), Part("loop", 100), Part("startup_small", 70), Part("startup_large", 90),
+    Part("profile_small", 75), Part("loop", 100), Part("quantized", 120), Part("startup_small", 70),
+    Part("startup_large", 90),
 )
 PART_NAMES = tuple(p.name for p in PARTS)
 

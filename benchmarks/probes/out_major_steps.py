@@ -53,6 +53,24 @@ def _engines(compare: str, args, needs) -> dict:
     return engines
 
 
+def alternate(engines: dict, comps: Sequence, args) -> dict[tuple[str, int], list[float]]:
+    """Seconds of each composition on each engine, `args.repeats` times, the engines' turns alternated every
+    repeat (A B, then B A) after `args.warmup` untimed runs: `{(engine name, composition index): [s, ...]}`."""
+    timers = {name: StepTimer(engine, args.seed) for name, engine in engines.items()}
+    prepared = {name: [t.prepare(c.steps) for c in comps] for name, t in timers.items()}
+    for name, timer in timers.items():
+        for p in prepared[name]:
+            for _ in range(max(1, args.warmup)):
+                timer.run(p)
+    times: dict[tuple[str, int], list[float]] = {(name, i): [] for name in timers for i in range(len(comps))}
+    for r in range(args.repeats):
+        order = list(timers) if r % 2 == 0 else list(reversed(timers))
+        for i in range(len(comps)):
+            for name in order:
+                times[(name, i)].append(timers[name].run(prepared[name][i]))
+    return times
+
+
 def _with(args, **changes):
     variant = copy.copy(args)
     variant.__dict__.update(changes)
@@ -72,19 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     comps = [c for m in args.modes for c in compositions(m, args)]
     needs = engine_needs(comps)
     engines = _engines(compare, args, needs)
-    timers = {name: StepTimer(engine, args.seed) for name, engine in engines.items()}
-    prepared = {name: [t.prepare(c.steps) for c in comps] for name, t in timers.items()}
-    for name, timer in timers.items():
-        for p in prepared[name]:
-            for _ in range(max(1, args.warmup)):
-                timer.run(p)
-    times = {(name, i): [] for name in timers for i in range(len(comps))}
-    for r in range(args.repeats):
-        order = list(timers) if r % 2 == 0 else list(reversed(timers))  # A B, then B A
-        for i in range(len(comps)):
-            for name in order:
-                times[(name, i)].append(timers[name].run(prepared[name][i]))
-    base, other = timers
+    times = alternate(engines, comps, args)
+    base, other = engines
     print(f"{args.model} {args.dtype}, median / best of {args.repeats} alternated repeats, ms per composition")
     print(f"{'composition':<28} {base:>16} {other:>16} {'median ratio':>14}")
     for i, c in enumerate(comps):
