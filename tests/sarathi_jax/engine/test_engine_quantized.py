@@ -171,3 +171,12 @@ def test_int8_bfloat16_engine_runs_close_to_float32(oracle):
     finished = run_staggered(engine, prompts, GREEDY)
     # bfloat16 activations: not the float32 oracle's rounding, but the first tokens agree.
     assert sum(finished[f"r{i}"][0] == want[0] for i, want in enumerate(expected)) >= len(expected) - 1
+
+
+def test_int8_draft_model_is_quantized_alike(oracle):
+    folder, prompts, expected = oracle("llama")
+    # The target as its own draft: every proposal is the target's continuation, and both hold int8 weights.
+    engine = make_engine(folder, speculative_config={"model": str(folder), "num_speculative_tokens": 3})
+    draft_params = engine.draft_runner.stage.params
+    assert any(x.dtype == np.int8 for x in jax.tree.leaves(draft_params))
+    check(engine, prompts, expected)
