@@ -258,3 +258,15 @@ def test_smollm2_outputs_satisfy_their_constraints(smollm2: LLM) -> None:
     assert isinstance(json.loads(outs[2].text), dict)
     assert re.fullmatch(regex, outs[3].text)
     assert outs[4].text in choices
+
+
+def test_int8_weights_under_constraints(ascii_llama: Path) -> None:
+    """Constraints act on the logits whatever the weights hold: an int8 engine's greedy text, then constrained to
+    itself, comes back token for token."""
+    llm = LLM(str(ascii_llama), quantization="int8", token_budget=64, max_num_seqs=8, num_blocks=128,
+              max_model_len=256, warmup=False)
+    refs = llm.generate(PROMPTS, GREEDY)
+    outs = llm.generate(PROMPTS, [GREEDY.replace(structured_outputs={"choice": [ref.text, "zzz"]}) for ref in refs])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    [out] = llm.generate(PROMPTS[0], GREEDY.replace(max_tokens=48, structured_outputs={"regex": "[a-z]{3} [0-9]{2}"}))
+    assert re.fullmatch("[a-z]{3} [0-9]{2}", out.text)
