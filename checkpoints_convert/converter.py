@@ -10,7 +10,8 @@ Output folder layout (what `sarathi_jax.models.load_model` recognizes):
     OUT/params/...                 Orbax PyTree checkpoint of the params (OCDBT), written with
                                    `orbax.checkpoint.experimental.v1.partial.save` + `partial.finalize`
     OUT/config.json, generation_config.json, tokenizer.json, ...   copied from the HF folder
-    OUT/sarathi_checkpoint.json    completion marker, written last: format, dtype, every param's shape
+    OUT/sarathi_checkpoint.json    completion marker, written last: format, dtype, quantization (null or
+                                   "int8"), every param's shape and stored dtype
 
 Memory: the plan (`sarathi_jax.models.param_plan`) says, per parameter (per layer for the decoder layers,
 whose parameters are stacked on a leading layers axis), which HF tensor rows it takes and whether it is
@@ -22,6 +23,9 @@ one `partial.save` per batch, with Orbax's defensive host copy switched off (`de
 and, unless `compress=True`, without zstd compression (its per-thread buffers were most of the peak).
 Peak host memory above the import baseline is therefore about one batch (<= the largest parameter, or
 `min_batch_bytes` for small models) plus one read chunk plus Orbax/TensorStore's own working set.
+With `quantization="int8"` (`--quantization int8`) each projection is assembled int8 with its float32 scales,
+one layer at a time through a float32 scratch of one layer (`orbax_writer`), within the same bound; fp8 is
+refused (`check_conversion_quantization`: it is chosen at load, on FP8 GPUs).
 (Batching small parameters keeps the number of partial saves low: each partial save re-reads the metadata of
 the earlier ones, so their cost grows quadratically with their count.)
 
@@ -32,6 +36,7 @@ the marker is the last file written before the rename. An interrupted run leaves
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +59,8 @@ from sarathi_jax.models.loader import is_orbax_checkpoint
 from sarathi_jax.utils.paths import absolute_path
 
 DTYPES = ("bfloat16", "float32")
+# `--quantization` values a conversion writes; fp8 is refused (`check_conversion_quantization` says why).
+QUANTIZATIONS = ("int8",)
 
 
 class ConversionError(ValueError):
@@ -71,6 +78,19 @@ def resolve_dtype(config: ModelConfig, dtype: str | None) -> str:
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return dtype
+
+
+def check_conversion_quantization(quantization: str | None) -> None:
+    """ConversionError unless `quantization` is None or one a converted folder can hold (`QUANTIZATIONS`)."""
+    if quantization == "fp8":
+        raise ConversionError(
+            "--quantization fp8 is not written by the converter: fp8 weights run only on GPUs with FP8 matmul "
+            "(compute capability 8.9+), so fp8 is chosen at load on such GPUs (quantization='fp8' on the float "
+            "folder: the same values, quantized as they are restored); convert with --quantization int8, or "
+            "without --quantization"
+        )
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConversionError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
@@ -100,6 +120,7 @@ class ConvertOptions(TypedDict, total=False):
     chunk_bytes: int  # the largest read of one tensor's rows
     min_batch_bytes: int  # parameters handed to Orbax per partial save, at the least
     compress: bool  # zstd-compress the stored arrays
+    quantization: str | None  # "int8": the decoder layers' projections stored int8 + float32 scales
 
 
 @dataclass(frozen=True)
@@ -130,14 +151,17 @@ def run_conversion(
     chunk_bytes: int = CHUNK_BYTES,
     min_batch_bytes: int = MIN_BATCH_BYTES,
     compress: bool = False,
+    quantization: str | None = None,
 ) -> ConversionResult:
     """The entry points' common frame: time the whole run, make both paths absolute (Orbax's atomic save
-    refuses relative destinations), let `open_source` check and open the input, then write the checkpoint."""
+    refuses relative destinations), let `open_source` check and open the input, then write the checkpoint
+    (with `quantization`, its projections quantized: `orbax_writer`)."""
     start_time = time.monotonic()
+    check_conversion_quantization(quantization)
     source, out_dir = Path(absolute_path(source)), Path(absolute_path(out_dir))
     with open_source(source, out_dir, dtype, force, log) as opened:
         return write_checkpoint(
-            opened.config, opened.checkpoint, out_dir, opened.dtype, side_dir=opened.side_dir,
+            dataclasses.replace(opened.config, quantization=quantization), opened.checkpoint, out_dir, opened.dtype, side_dir=opened.side_dir,
             source_path=str(source.resolve()), source_desc=opened.description, log=log, chunk_bytes=chunk_bytes,
             min_batch_bytes=min_batch_bytes, compress=compress, start_time=start_time,
         )
@@ -164,5 +188,6 @@ def _open_hf_folder(hf_dir: Path, out_dir: Path, dtype: str | None, force: bool,
     yield OpenedSource(config, dtype, checkpoint, hf_dir, description)
 
 
-__all__ = ["ConversionError", "ConversionResult", "ConvertOptions", "OpenedSource", "SUPPORTED_ARCHITECTURES",
-           "TensorSource", "convert", "read_param", "run_conversion", "write_checkpoint"]
+__all__ = ["ConversionError", "ConversionResult", "ConvertOptions", "OpenedSource", "QUANTIZATIONS",
+           "SUPPORTED_ARCHITECTURES", "TensorSource", "check_conversion_quantization", "convert", "read_param",
+           "run_conversion", "write_checkpoint"]

@@ -1,6 +1,6 @@
 """llama.cpp GGUF file -> the same Orbax checkpoint the safetensors path writes.
 
-`python -m checkpoints_convert --gguf FILE.gguf --out DIR [--dtype float32|bfloat16]`
+`python -m checkpoints_convert --gguf FILE.gguf --out DIR [--dtype float32|bfloat16] [--quantization int8]`
 
 The file is read with the `gguf` package (llama.cpp's own reader, `gguf.GGUFReader`, which memory-maps it)
 and every tensor is dequantized with `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
@@ -9,6 +9,9 @@ HF shapes with the `info(name)` / `read_rows(info, r0, r1)` interface of `Safete
 parameter plan and the Orbax writer (`orbax_writer.write_checkpoint`) are the ones the safetensors path uses.
 Tensors are dequantized in the row chunks the writer asks for (quant blocks never span rows); only the Q/K
 matrices, whose rows llama.cpp permutes within each head, are dequantized whole (one cached at a time).
+With `--quantization int8` the writer quantizes the dequantized projections again, per output channel (one
+float32 scale per row, not the file's per-block scales): the values the float conversion would hold, quantized
+as `quantization="int8"` would at load.
 
 Metadata -> side files, written next to the params (gguf_metadata.py):
 - `config.json` (`LlamaForCausalLM`) from the `llama.*` keys; the vocabulary size from the token list; tied

@@ -1,6 +1,11 @@
 """The one Orbax writer behind every input format (see converter.py's module doc for the layout, the memory
 bound and the atomic rename): planned parameters -> batches of `partial.save`, side files, the completion
-marker, then the rename into place."""
+marker, then the rename into place.
+
+With `config.quantization` ("int8") every decoder-layer projection kernel is read as float32, one layer at a
+time, and quantized on the host (`loader.quantized_in_axes` + `quantization.quantize_kernel`, exactly what
+`load_hf_params` does at load): its `kernel` leaf is written int8 and a float32 `kernel_scale` leaf beside it;
+every other parameter is written in `dtype`. The marker records the quantization and each leaf's real dtype."""
 
 from __future__ import annotations
 
@@ -15,11 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from checkpoints_convert.param_reader import CHUNK_BYTES, TensorSource, check_plan, group_layers, read_param, stacked_shape
 from sarathi_jax.models.config import ModelConfig
-from sarathi_jax.models.families import param_plan
+from sarathi_jax.models.families import checkpoint_param_shapes, param_plan
 from sarathi_jax.models.loader import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_FORMAT_VERSION,
@@ -27,7 +33,9 @@ from sarathi_jax.models.loader import (
     ORBAX_PARAMS_DIR,
     CheckpointError,
     param_path_str,
+    quantized_in_axes,
 )
+from sarathi_jax.models.quantization import KERNEL_SCALE, quantize_kernel
 
 # Copied next to the params when present: model config and everything `tokenizers` / HF tokenizers read.
 COPIED_FILES = (
@@ -51,10 +59,10 @@ Log = Callable[[str], None]
 @dataclasses.dataclass
 class ConversionResult:
     out_dir: Path
-    config: ModelConfig
+    config: ModelConfig  # `config.quantization`: the projections' storage ("int8"), or None (all in `dtype`)
     dtype: str
-    num_params: int  # parameter count (elements)
-    num_bytes: int  # bytes written (in `dtype`)
+    num_params: int  # parameter count (elements; the scales of quantized kernels not counted)
+    num_bytes: int  # bytes written (every leaf in its stored dtype, scales included)
     largest_param_bytes: int
     num_saves: int  # Orbax partial saves
     seconds: float
@@ -123,6 +131,39 @@ def _find_pytree_dir(params_dir: Path) -> Path:
     return candidates[0].relative_to(params_dir.parent)
 
 
+def _scale_path(kernel_path: tuple[str, ...]) -> tuple[str, ...]:
+    return kernel_path[:-1] + (KERNEL_SCALE,)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """"float32", "bfloat16", "int8" (the marker's spelling, `--dtype`'s for the float ones)."""
+    return np.dtype(dtype).name
+
+
+def _read_quantized(checkpoint: TensorSource, group: list[Any], group_leaves: list[tuple[tuple[str, ...], Any]],
+                    in_axes: tuple[int, ...], quantization: str,
+                    chunk_bytes: int) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    """A projection kernel's `(path, q), (scale path, scale)`: each layer (or the whole parameter, unstacked)
+    read as float32 into one scratch array and quantized (`quantize_kernel`, as `load_hf_params` does), so
+    besides the 8-bit result only one layer's float32 values and their temporaries are held."""
+    (kernel_path, kernel_leaf), (scale_path, scale_leaf) = group_leaves
+    if group[0].layer is None:
+        q, scale = quantize_kernel(read_param(checkpoint, group[0], np.dtype(np.float32), chunk_bytes), in_axes,
+                                   quantization)
+    else:
+        q = np.empty(kernel_leaf.shape, kernel_leaf.dtype)
+        scale = np.empty(scale_leaf.shape, scale_leaf.dtype)
+        scratch = np.empty(group[0].shape, np.float32)
+        for source in group:
+            read_param(checkpoint, source, np.dtype(np.float32), chunk_bytes, out=scratch)
+            q[source.layer], scale[source.layer] = quantize_kernel(scratch, in_axes, quantization)
+        del scratch
+    if q.dtype != kernel_leaf.dtype or q.shape != tuple(kernel_leaf.shape) or scale.shape != tuple(scale_leaf.shape):
+        raise AssertionError(f"{param_path_str(kernel_path)}: quantized to {q.shape} {q.dtype} + {scale.shape}, "
+                             f"the model stores {kernel_leaf.shape} {kernel_leaf.dtype} + {scale_leaf.shape}")
+    return [(kernel_path, q), (scale_path, np.asarray(scale, np.float32))]
+
+
 def write_checkpoint(
     config: ModelConfig,
     checkpoint: TensorSource,
@@ -142,7 +183,8 @@ def write_checkpoint(
     `SafetensorsCheckpoint`'s `info(name)` / `read_rows(info, r0, r1)`, tensors named and shaped as in HF),
     write the Orbax PyTree, copy the side files (`COPIED_FILES`) found in `side_dir`, then the marker, and
     rename into place. The caller has checked the output folder (`converter.prepare_out`) and resolved `dtype`
-    (`converter.resolve_dtype`)."""
+    (`converter.resolve_dtype`). With `config.quantization` the decoder layers' projection kernels are written
+    quantized (module doc)."""
     if start_time is None:
         start_time = time.monotonic()
     np_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(__import__("ml_dtypes").bfloat16)
@@ -151,11 +193,23 @@ def write_checkpoint(
     check_plan(checkpoint, sources)
     plan = group_layers(sources)  # one entry per output parameter: its sources, one per layer when stacked
     shapes = [stacked_shape(group) for group in plan]
-    sizes = [int(np.prod(shape)) * np_dtype.itemsize for shape in shapes]
+    in_axes_of = quantized_in_axes(config)
+    quantized = [in_axes_of(group[0]) for group in plan]  # each parameter's in_axes when quantized, else None
+    # Every stored leaf (a quantized kernel is two: q and its scales), with its shape and stored dtype.
+    leaf_of = {tuple(k.key for k in p): x for p, x in
+               jax.tree_util.tree_leaves_with_path(checkpoint_param_shapes(config, np_dtype))}
+    paths = [[g[0].param_path] + ([] if a is None else [_scale_path(g[0].param_path)]) for g, a in zip(plan, quantized)]
+    leaves = [[(path, leaf_of[path]) for path in group_paths] for group_paths in paths]
+    for group, shape, group_leaves in zip(plan, shapes, leaves):
+        if tuple(group_leaves[0][1].shape) != shape:
+            raise AssertionError(f"{param_path_str(group[0].param_path)}: plan {shape}, model "
+                                 f"{group_leaves[0][1].shape}")
+    sizes = [sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for _, leaf in ls) for ls in leaves]
     total_bytes, largest = sum(sizes), max(sizes)
     batch_limit = max(largest, min_batch_bytes)
+    storage = dtype if config.quantization is None else f"{dtype}, projections {config.quantization} + float32 scales"
     log(f"converting {config.architecture} from {source_desc}: {len(plan)} params, "
-        f"{sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M values, {_fmt_bytes(total_bytes)} as {dtype} "
+        f"{sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M values, {_fmt_bytes(total_bytes)} as {storage} "
         f"(largest param {_fmt_bytes(largest)})")
 
     import orbax.checkpoint.experimental.v1 as ocp  # heavy: after the cheap checks
@@ -190,22 +244,27 @@ def write_checkpoint(
                     batch, batch_bytes = [], 0
                     release_free_memory()
 
-            for i, (group, shape, size) in enumerate(zip(plan, shapes, sizes)):
+            for i, (group, shape, size, in_axes, group_leaves) in enumerate(
+                    zip(plan, shapes, sizes, quantized, leaves)):
                 if batch_bytes + size > batch_limit:
                     flush()
-                if group[0].layer is None:
-                    array = read_param(checkpoint, group[0], np_dtype, chunk_bytes)
+                if in_axes is not None:
+                    batch.extend(_read_quantized(checkpoint, group, group_leaves, in_axes, config.quantization,
+                                                 chunk_bytes))
+                elif group[0].layer is None:
+                    batch.append((group[0].param_path, read_param(checkpoint, group[0], np_dtype, chunk_bytes)))
                 else:  # stacked decoder-layer parameter: each layer read straight into its slice
                     array = np.empty(shape, np_dtype)
                     for source in group:
                         read_param(checkpoint, source, np_dtype, chunk_bytes, out=array[source.layer])
-                batch.append((group[0].param_path, array))
-                del array
+                    batch.append((group[0].param_path, array))
+                    del array
                 batch_bytes += size
                 written += size
                 names = group[0].name if len(group) == 1 else f"{group[0].name} .. {group[-1].name}"
+                stored = "" if in_axes is None else f" {config.quantization}"
                 log(f"[{i + 1:>{len(str(len(plan)))}}/{len(plan)}] {param_path_str(group[0].param_path)} "
-                    f"{shape} <- {names}  {_fmt_bytes(written)}/{_fmt_bytes(total_bytes)} "
+                    f"{shape}{stored} <- {names}  {_fmt_bytes(written)}/{_fmt_bytes(total_bytes)} "
                     f"{time.monotonic() - start_time:.1f}s")
             flush()
             log(f"finalizing the Orbax checkpoint ({num_saves} partial saves)")
@@ -223,11 +282,13 @@ def write_checkpoint(
             "format": CHECKPOINT_FORMAT,
             "format_version": CHECKPOINT_FORMAT_VERSION,
             "architecture": config.architecture,
-            "dtype": dtype,
+            "dtype": dtype,  # every parameter's but the quantized kernels' and their scales'
+            "quantization": config.quantization,
             "pytree_dir": str(pytree_dir),
             "num_params": int(sum(int(np.prod(s)) for s in shapes)),
             "num_bytes": int(total_bytes),
-            "params": {param_path_str(g[0].param_path): {"shape": list(s), "dtype": dtype} for g, s in zip(plan, shapes)},
+            "params": {param_path_str(path): {"shape": list(leaf.shape), "dtype": _dtype_name(leaf.dtype)}
+                       for group_leaves in leaves for path, leaf in group_leaves},
             "source": source_path,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }

@@ -1,10 +1,10 @@
 """Measure the converter's peak host memory: `python -m checkpoints_convert.peak_memory --hf DIR --out DIR`.
 
-Imports JAX, Orbax and the converter first, takes `ru_maxrss` as the import baseline, converts, and prints one
-JSON line: baseline, peak and peak - baseline (MiB), the largest parameter and the total written (MiB), the
-number of Orbax partial saves and the conversion time. `--synthetic` first writes a ~232 MiB random float32
-Llama checkpoint (8 layers, hidden 1024, MLP 1024, 8 KV heads: 4 MiB per matrix, so the largest parameter
-after stacking the layers is 32 MiB; eight shards) into `--hf DIR`, with safetensors directly (no
+Imports JAX, Orbax and the converter first, takes the resident high-water mark (`peak_rss_bytes`) as the import
+baseline, converts, and prints one JSON line: baseline, peak and peak - baseline (MiB), the largest parameter and
+the total written (MiB), the number of Orbax partial saves and the conversion time. `--synthetic` first writes a
+~232 MiB random float32 Llama checkpoint (8 layers, hidden 1024, MLP 1024, 8 KV heads: 4 MiB per matrix, so the
+largest parameter after stacking the layers is 32 MiB; eight shards) into `--hf DIR`, with safetensors directly (no
 transformers needed).
 """
 
@@ -69,11 +69,25 @@ def write_synthetic_llama(folder: Path, config: dict = SYNTHETIC_CONFIG, seed: i
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark: `VmHWM` (Linux), else `ru_maxrss`. `ru_maxrss` survives
+    `exec` on Linux, so a process started by a large one (a test runner) would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoints_convert.peak_memory")
     parser.add_argument("--hf", type=cli_path, required=True)
     parser.add_argument("--out", type=cli_path, required=True)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--quantization", default=None, help="as the converter's (int8)")
     parser.add_argument("--synthetic", action="store_true", help="first write the synthetic checkpoint into --hf")
     parser.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -90,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoints_convert.converter import convert
 
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    baseline = peak_rss_bytes()
     start = time.monotonic()
-    result = convert(args.hf, args.out, args.dtype, force=True, log=lambda message: None)
+    result = convert(args.hf, args.out, args.dtype, force=True, log=lambda message: None,
+                     quantization=args.quantization)
     seconds = time.monotonic() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     mib = 1 << 20
     print(json.dumps({
         "baseline_mib": round(baseline / mib, 1),
@@ -103,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "largest_param_mib": round(result.largest_param_bytes / mib, 1),
         "total_mib": round(result.num_bytes / mib, 1),
         "dtype": result.dtype,
+        "quantization": result.config.quantization,
         "partial_saves": result.num_saves,
         "seconds": round(seconds, 2),
     }), flush=True)

@@ -6,6 +6,12 @@ importable, the same ids run through HF's float32 eager forward from the origina
 source, from transformers' own loading of the same GGUF file, which dequantizes it independently), and the max relative
 logit difference `max|ours - hf| / max|hf|` over all probe positions must stay under the threshold (1e-4 for a
 float32 checkpoint; 5e-2 for bfloat16, whose rounding alone is ~1e-2 on logits).
+
+A folder converted with `--quantization int8` (its marker says so) loads as int8, and the reference is the same
+transformers model with every decoder-layer `nn.Linear` (all but the LM head) given its int8-dequantized weight,
+computed in torch independently of this project: per output channel (row) `scale = max|w| / 127`,
+`q = round half to even(w / scale)`, `w = q * scale`. The engine computes `(x . q) * scale`, the reference
+`x . (q * scale)`: equal up to float rounding, so the same thresholds apply.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ class VerifyResult:
     token_ids: list[int]
     max_rel_diff: float | None  # None when transformers is not installed
     threshold: float
-    reference: str  # "transformers" or "none"
+    reference: str  # "transformers", "transformers-int8" (its decoder Linears int8-dequantized) or "none"
 
     @property
     def passed(self) -> bool:
@@ -85,14 +91,39 @@ def load_hf_model(source: str | os.PathLike[str]):
                                                 attn_implementation="eager", **kwargs).eval()
 
 
-def hf_logits(source: str | os.PathLike[str], token_ids: list[int]) -> np.ndarray | None:
-    """`load_hf_model(source)`'s logits `[len, vocab]`, or None when torch / transformers are not installed."""
+def dequantize_linears(model, quantization: str = "int8") -> int:
+    """Replace, in place, the weight `w [out, in]` of every `nn.Linear` of `model` but its LM head (the decoder
+    layers' projections) by its per-output-channel int8 dequantized copy, in torch: `scale = max|w| / 127` per
+    row, `q = round(w / scale)` (half to even; a row of zeros stays zeros), `w = q * scale`. Returns how many."""
+    import torch
+
+    if quantization != "int8":
+        raise ValueError(f"the transformers reference dequantizes int8 weights only, not {quantization!r}")
+    head = model.get_output_embeddings()
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module is not head:
+                w = module.weight.float()
+                scale = w.abs().amax(dim=1, keepdim=True) / 127
+                q = torch.clamp(torch.round(w / torch.where(scale == 0, torch.ones_like(scale), scale)), -127, 127)
+                module.weight.copy_(q * scale)
+                count += 1
+    return count
+
+
+def hf_logits(source: str | os.PathLike[str], token_ids: list[int],
+              quantization: str | None = None) -> np.ndarray | None:
+    """`load_hf_model(source)`'s logits `[len, vocab]` (with `quantization`, on its `dequantize_linears` weights),
+    or None when torch / transformers are not installed."""
     try:
         import torch
         import transformers  # noqa: F401
     except ImportError:
         return None
     model = load_hf_model(source)
+    if quantization is not None:
+        dequantize_linears(model, quantization)
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].double().numpy()
 
@@ -104,22 +135,29 @@ def verify(
     threshold: float | None = None,
     log: Callable[[str], None] = print,
 ) -> VerifyResult:
+    """The probe through the converted folder `out_dir` (in its stored quantization, read from its marker) and
+    through transformers from `source` (the HF folder or GGUF file it was converted from); see the module doc."""
     from sarathi_jax.models import ModelConfig
+    from sarathi_jax.models.loader import checkpoint_quantization
 
     config = ModelConfig.from_pretrained(out_dir)
+    quantization = checkpoint_quantization(out_dir, None)
     threshold = THRESHOLDS[dtype] if threshold is None else threshold
     ids = probe_ids(out_dir, config.vocab_size)
     ours = engine_logits(out_dir, ids, dtype)
     if not np.all(np.isfinite(ours)):
         raise ValueError(f"verify: the converted checkpoint gives non-finite logits for the probe {ids}")
-    ref = hf_logits(source, ids)
+    ref = hf_logits(source, ids, quantization)
     if ref is None:
         log(f"verify: {len(ids)}-token probe ran through the converted checkpoint (logits finite); transformers is "
             "not installed, so there is no reference to compare with")
         return VerifyResult(ids, None, threshold, "none")
     rel = float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
-    result = VerifyResult(ids, rel, threshold, "transformers")
-    log(f"verify: {len(ids)}-token probe, max relative logit difference vs transformers {rel:.3g} "
+    reference = "transformers" if quantization is None else f"transformers-{quantization}"
+    result = VerifyResult(ids, rel, threshold, reference)
+    against = "" if quantization is None else (
+        f" on {quantization}-dequantized weights (each decoder-layer Linear per output channel, computed in torch)")
+    log(f"verify: {len(ids)}-token probe, max relative logit difference vs transformers{against} {rel:.3g} "
         f"(threshold {threshold:g}): {'OK' if result.passed else 'FAILED'}")
     return result
 

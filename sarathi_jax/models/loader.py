@@ -140,7 +140,7 @@ def load_hf_params(
     dtype = jnp.dtype(dtype)
     expected = checkpoint_param_shapes(config, dtype)
     leaf_of = {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
-    axes_of = _logical_axes_lookup(config)
+    in_axes_of = quantized_in_axes(config)
     sharding_of = _sharding_lookup(shardings)
     params: dict[str, Any] = {}
     with open_safetensors(path) as get_tensor:
@@ -149,13 +149,10 @@ def load_hf_params(
             node = params
             for key in path_[:-1]:
                 node = node.setdefault(key, {})
-            scale_path = path_[:-1] + (KERNEL_SCALE,)
-            if path_[-1] == "kernel" and scale_path in leaf_of:
-                kernel_axes, scale_axes = axes_of(path_), axes_of(scale_path)
-                if source.layer is not None:  # one layer's slice: the stacked leaf without its leading axis
-                    kernel_axes, scale_axes = kernel_axes[1:], scale_axes[1:]
-                q, scale = quantize_kernel(np.asarray(array, np.float32), contracting_axes(kernel_axes, scale_axes),
-                                           config.quantization)
+            in_axes = in_axes_of(source)
+            if in_axes is not None:
+                scale_path = path_[:-1] + (KERNEL_SCALE,)
+                q, scale = quantize_kernel(np.asarray(array, np.float32), in_axes, config.quantization)
                 _place(node, KERNEL_SCALE, scale, source.layer, leaf_of[scale_path], sharding_of(scale_path))
                 value = q
             else:
@@ -182,13 +179,35 @@ def _place(node: dict[str, Any], name: str, value: np.ndarray, layer: int | None
     node[name] = _set_layer(node[name], jax.device_put(value, _layer_sharding(node[name])), layer)
 
 
-def _logical_axes_lookup(config: ModelConfig) -> Callable[[ParamPath], tuple[str | None, ...]]:
+def _logical_axes_of(config: ModelConfig) -> dict[ParamPath, tuple[str | None, ...]]:
     """`param_path -> logical axis names` of `config`'s checkpoint layout."""
     specs = checkpoint_param_logical_axes(config)
-    flat = {tuple(str(getattr(k, "key", k)) for k in path): tuple(spec)
+    return {tuple(str(getattr(k, "key", k)) for k in path): tuple(spec)
             for path, spec in jax.tree_util.tree_leaves_with_path(
                 specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
-    return lambda path: flat[tuple(path)]
+
+
+def quantized_in_axes(config: ModelConfig) -> Callable[[ParamSource], tuple[int, ...] | None]:
+    """`source -> in_axes`: for a planned parameter that `config` stores quantized (a projection `kernel` with a
+    `kernel_scale` beside it), the input (contracting) axes of the array `source` yields, i.e. of one layer's
+    slice for a stacked parameter (the leading layers axis stripped), to give `quantize_kernel`; None for every
+    other parameter, and for all of them when `config.quantization` is None. Shared by `load_hf_params` and
+    `checkpoints_convert --quantization`, so both quantize the same float values the same way."""
+    if config.quantization is None:
+        return lambda source: None
+    axes_of = _logical_axes_of(config)
+
+    def in_axes(source: ParamSource) -> tuple[int, ...] | None:
+        path = tuple(source.param_path)
+        scale_path = path[:-1] + (KERNEL_SCALE,)
+        if path[-1] != "kernel" or scale_path not in axes_of:
+            return None
+        kernel_axes, scale_axes = axes_of[path], axes_of[scale_path]
+        if source.layer is not None:  # one layer's slice: the stacked leaf without its leading axis
+            kernel_axes, scale_axes = kernel_axes[1:], scale_axes[1:]
+        return contracting_axes(kernel_axes, scale_axes)
+
+    return in_axes
 
 
 @functools.cache
@@ -407,5 +426,6 @@ def load_model_config(name_or_path: str | os.PathLike[str], quantization: str | 
         raise ValueError(f"{name!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor a checkpoint folder")
     if is_orbax_checkpoint(name):
         # An interrupted conversion fails here, before anything is parsed.
-        quantization = checkpoint_quantization(name, quantization, read_checkpoint_marker(name))
+        # A quantized folder serves its own quantization; a float folder the one asked for.
+        quantization = checkpoint_quantization(name, quantization, read_checkpoint_marker(name)) or quantization
     return dataclasses.replace(ModelConfig.from_pretrained(name), quantization=quantization)

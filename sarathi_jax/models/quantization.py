@@ -8,12 +8,13 @@ channel, activations in the model dtype.
     fp8    scale = max|w| / 448 (float8_e4m3fn's largest finite value), q = float8_e4m3fn(w / scale), rounded to
            nearest even; GPUs with FP8 matmul only (`check_supported`)
 
-A channel of zeros has scale 0 and q 0. Every `layers.Projection` of a decoder layer is quantized (q, k, v, o,
-gate, up, down; Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h): its `kernel` leaf holds q and a
-`kernel_scale` leaf beside it the scales, whose logical axes are the kernel's output axes, so tensor parallelism
-shards the scales with their channels. Embeddings, norms, biases and the LM head stay in the model dtype. The
-product is `(x . q) * scale` with q widened to the activation dtype: per output channel the same sum as `x .
-(q * scale)`, so a float32 engine equals a float32 forward on the dequantized weights up to float rounding.
+A channel of zeros has scale 0 and q 0. numpy (host) and jitted (devices) give the same q and scales, bit for bit.
+Every `layers.Projection` of a decoder layer is quantized (q, k, v, o, gate, up, down; Falcon's query_key_value,
+dense, dense_h_to_4h, dense_4h_to_h): its `kernel` leaf holds q and a `kernel_scale` leaf beside it the scales,
+whose logical axes are the kernel's output axes, so tensor parallelism shards the scales with their channels.
+Embeddings, norms, biases and the LM head stay in the model dtype. The product is `(x . q) * scale` with q widened
+to the activation dtype: per output channel the same sum as `x . (q * scale)`, so a float32 engine equals a float32
+forward on the dequantized weights up to float rounding.
 
 `ModelConfig.quantization` selects it; the loaders quantize the float weights of any checkpoint as they read them
 (`quantize_kernel` on the host, tensor by tensor; `quantize_tree` on the devices for drawn or restored trees, where
@@ -89,10 +90,20 @@ def quantize_kernel(w: Any, in_axes: Sequence[int], quantization: str) -> tuple[
     dtype, qmax = _STORAGE[quantization]
     w32 = w.astype(xp.float32)
     amax = xp.max(xp.abs(w32), axis=tuple(in_axes), keepdims=True)
-    scale = amax / xp.float32(qmax)
-    scaled = w32 / xp.where(scale == 0, xp.float32(1), scale)
+    scale = amax / _elementwise(xp.float32(qmax), amax)
+    scaled = w32 / _elementwise(xp.where(scale == 0, xp.float32(1), scale), w32)
     q = xp.clip(xp.round(scaled), -qmax, qmax).astype(dtype) if quantization == "int8" else scaled.astype(dtype)
     return q, xp.squeeze(scale, axis=tuple(in_axes))
+
+
+def _elementwise(divisor: Any, like: Any) -> Any:
+    """`divisor` as a divisor XLA divides by exactly, so that the host (numpy) and the devices give the same q and
+    scales (bit for bit; `checkpoints_convert --quantization` and a float folder quantized at load agree):
+    XLA rewrites `x / c` (c a constant or a broadcast) into `x * (1 / c)`, an ulp off, which moves the
+    round-half-to-even ties that grid-valued weights (dequantized GGUF blocks) are full of. `divisor + 0 * like`
+    is the same values at `like`'s shape and not a broadcast (`0 * x` is not folded for floats); it fuses into
+    the division, so nothing is materialized. numpy divides exactly as it is."""
+    return divisor if isinstance(like, np.ndarray) else divisor + like * 0
 
 
 def dequantize_kernel(q: Any, scale: Any, in_axes: Sequence[int]) -> Any:

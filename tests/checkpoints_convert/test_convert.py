@@ -191,7 +191,7 @@ def test_bfloat16_conversion_and_verify(hf_dir, tmp_path):
 def test_verify_without_transformers(converted, hf_dir, monkeypatch):
     import checkpoints_convert.verifier as verify_module
 
-    monkeypatch.setattr(verify_module, "hf_logits", lambda folder, ids: None)  # as when the import fails
+    monkeypatch.setattr(verify_module, "hf_logits", lambda folder, ids, quantization=None: None)  # as when the import fails
     messages: list[str] = []
     outcome = verify(converted("falcon-7b"), hf_dir("falcon-7b"), "float32", log=messages.append)
     assert outcome.passed and outcome.max_rel_diff is None and outcome.reference == "none"
