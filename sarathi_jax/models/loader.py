@@ -427,5 +427,5 @@ def load_model_config(name_or_path: str | os.PathLike[str], quantization: str | 
     if is_orbax_checkpoint(name):
         # An interrupted conversion fails here, before anything is parsed.
         # A quantized folder serves its own quantization; a float folder the one asked for.
-        quantization = checkpoint_quantization(name, quantization, read_checkpoint_marker(name)) or quantization
+        quantization = checkpoint_quantization(name, quantization, read_checkpoint_marker(name))
     return dataclasses.replace(ModelConfig.from_pretrained(name), quantization=quantization)

@@ -17,10 +17,9 @@ to the activation dtype: per output channel the same sum as `x . (q * scale)`, s
 forward on the dequantized weights up to float rounding.
 
 `ModelConfig.quantization` selects it; the loaders quantize the float weights of any checkpoint as they read them
-(`quantize_kernel` on the host, tensor by tensor; `quantize_tree` on the devices for drawn or restored trees, where
-XLA divides by multiplying with the reciprocal: a scale may be an ulp off the host's, and a q on a rounding
-boundary one step off), and a folder converted with `checkpoints_convert --quantization int8` holds q and the
-scales themselves.
+(`quantize_kernel` on the host, tensor by tensor; `quantize_tree` on the devices for drawn or restored trees: the
+same q and scales bit for bit), and a folder converted with `checkpoints_convert --quantization int8` holds q and
+the scales themselves.
 """
 
 from __future__ import annotations

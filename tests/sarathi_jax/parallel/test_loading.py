@@ -16,7 +16,8 @@ from sarathi_jax.parallel.distributed import ENV_COORDINATOR_ADDRESS
 
 
 def test_load_model_config_of_a_preset_and_of_an_hf_folder(tiny_checkpoint):
-    assert loading.load_model_config("tiny-llama") is PRESETS["tiny-llama"]
+    assert loading.load_model_config("tiny-llama") == PRESETS["tiny-llama"]
+    assert loading.load_model_config("tiny-llama", "int8").quantization == "int8"
     config = loading.load_model_config(tiny_checkpoint())
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads, config.vocab_size) == (64, 4, 8, 4, 256)
