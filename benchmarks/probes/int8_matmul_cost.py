@@ -13,8 +13,9 @@ is `y [M, N] = (x [M, K] . q^T) * scale` with x float32. Forms, each jitted, tim
 Each cell is the best of `--repeats` timed calls, in ms. The floors are the weight's bytes (int8 and scales;
 float32) over the read bandwidth of a jitted reduction (`pallas_kernels.machine_rates`). A model's weights do
 not stay in the cache between one layer's step and the next, so by default each form cycles through copies of
-its weights of `--cold-mbytes` MiB in all (more than a last-level cache), a fresh copy every call; `--warm`
-times one copy, cache-resident where it fits (then a form can beat its floor).
+its weights, a fresh copy every call, as many as make `--cold-mbytes` MiB of int8 weights (more than a
+last-level cache; 4x that of float32 ones); `--warm` times one copy, cache-resident where it fits (then a form
+can beat its floor).
 """
 
 from __future__ import annotations
@@ -76,14 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="1024,576", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--rows", default="1,4,16,64,256,512", help="comma-separated M")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--cold-mbytes", type=float, default=96, help="each form's weight copies, MiB in all")
+    parser.add_argument("--cold-mbytes", type=float, default=96, help="MiB of int8 weight copies to cycle through")
     parser.add_argument("--warm", action="store_true", help="one copy of each weight (cache-resident where it fits)")
     args = parser.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
     bandwidth = memory_bandwidth(256, 5).read_bytes_per_s
     print(f"device: {jax.devices()[0].device_kind}, CPU matmul library vector bits: {vector_bits()}, "
           f"read bandwidth (jitted reduction, best): {bandwidth / 1e9:.1f} GB/s, "
-          f"weights {'warm (one copy)' if args.warm else f'cold (copies of {args.cold_mbytes:g} MiB a form)'}")
+          f"weights {'warm (one copy)' if args.warm else f'cold ({args.cold_mbytes:g} MiB of int8 copies)'}")
     statuses = {"int8": int8_matmul_status(), "f32": cpu_matmul_status()}
     names = [f for f in FORMS if statuses.get(f) is None]
     for f in FORMS:
@@ -96,8 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     table = []
     for model in args.models.split(","):
         for name, (k, n) in SHAPES[model].items():
-            copies = 1 if args.warm else max(1, int(np.ceil(args.cold_mbytes * 2**20 / (k * n * 4))))
-            per_copy = [weights(rng.standard_normal((n, k), dtype=np.float32)) for _ in range(copies)]
+            # Copies of one weight in fresh buffers, as many as make the int8 ones --cold-mbytes (float32: 4x that).
+            copies = 1 if args.warm else max(1, int(np.ceil(args.cold_mbytes * 2**20 / (k * n))))
+            first = weights(rng.standard_normal((n, k), dtype=np.float32))
+            per_copy = [first] + [jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, first)
+                                  for _ in range(copies - 1)]
             calls: dict[Any, Callable[[], Any]] = {}
             for m in rows:
                 x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
