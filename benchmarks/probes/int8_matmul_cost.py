@@ -2,7 +2,8 @@
 the C++ int8 kernel and by what would serve without it, at a model's projection shapes and a step's rows.
 
 A weight `w [N, K]` quantized per output column: `q = round(w / scale)` int8, `scale [N]` float32; the product
-is `y [M, N] = (x [M, K] . q^T) * scale` with x float32. Forms, each jitted, timed round-robin in one process:
+is `y [M, N] = (x [M, K] . q^T) * scale` with x float32. Forms, each jitted, timed round-robin in one process
+(in a shuffled order each round):
 
   int8      `panel_matmul_int8_cpu(x, pack_panels(q), scale, N)`: the C++ kernel, int8 panels widened in registers
   f32       `panel_matmul_cpu(x, pack_panels(w), N)`: the float32 panel kernel on the unquantized weight
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.probes.layer_matmul_cost import format_table, timed
+from benchmarks.probes.layer_matmul_cost import format_table
 from pallas_kernels.machine_rates import memory_bandwidth
 from pallas_kernels.panel_matmul_cpu import (
     cpu_matmul_status, int8_matmul_status, pack_panels, panel_matmul_cpu, panel_matmul_int8_cpu, vector_bits,
 )
+from pallas_kernels.timing import seconds_per_call
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -70,6 +73,20 @@ def weights(w: np.ndarray) -> dict[str, tuple[Any, ...]]:
     return {"int8": (pack_panels(jnp.asarray(q)), jnp.asarray(scale), n), "f32": (pack_panels(jnp.asarray(w)), n),
             "xla f32": (jnp.asarray(np.ascontiguousarray(w.T)),),
             "xla deq": (jnp.asarray(np.ascontiguousarray(q.T)), jnp.asarray(scale))}
+
+
+def timed(calls: dict[Any, Callable[[], Any]], repeats: int, seed: int = 0) -> dict[Any, list[float]]:
+    """Each call compiled and run once, then `repeats` rounds of one timed call each, in a new random order every
+    round: no call always follows the same one (XLA's widening leaves megabytes of dirty cache lines behind)."""
+    for call in calls.values():
+        seconds_per_call(call)
+    order, shuffle = list(calls), random.Random(seed).shuffle
+    times: dict[Any, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        shuffle(order)
+        for key in order:
+            times[key].append(seconds_per_call(calls[key]))
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:
