@@ -28,7 +28,8 @@
 // (on AVX2 narrower: kQRowBlock rows x QColumns vectors, the panel's columns in a few passes); its weights are
 // widened to float32 in registers as they are loaded, once per block of rows. Widening a panel once into a
 // float32 scratch panel for every block of rows to read measured slower at every M on an AVX-512 Zen 4, where
-// the widening runs beside the multiply-adds (0.7x the speed at 8-16 rows, 0.9-0.97x at 64-256; unmeasured where it shares their ports).
+// the widening runs beside the multiply-adds (0.7x the speed at 8-16 rows, 0.9-0.97x at 64-256); unmeasured on
+// CPUs where it takes the multiply-adds' ports.
 // Sums run over k in order, in another order than XLA's dot: equal to float32 rounding (int8 weights widen
 // exactly).
 
