@@ -1,5 +1,5 @@
-"""Kernels for sarathi-jax: ragged paged attention over a fixed-shape padded token budget, a CPU matmul on packed
-weights and a CPU greedy LM head."""
+"""Kernels for sarathi-jax: ragged paged attention over a fixed-shape padded token budget, CPU matmuls on packed
+weights (float32 and int8) and a CPU greedy LM head."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_cpu import cpu_kernel_status, ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from pallas_kernels.greedy_head_cpu import greedy_head_status
-from pallas_kernels.panel_matmul_cpu import cpu_matmul_status
+from pallas_kernels.panel_matmul_cpu import cpu_matmul_status, int8_matmul_status
 
 __all__ = [
     "ragged_paged_attention_xla", "ragged_paged_attention", "ragged_paged_attention_cpu", "cpu_kernel_status",
-    "get_attention_fn", "ATTENTION_BACKENDS", "cpu_matmul_status",
+    "get_attention_fn", "ATTENTION_BACKENDS", "cpu_matmul_status", "int8_matmul_status",
     "greedy_head_status",
 ]
 

@@ -5,6 +5,7 @@ floors. Each command is `python -m benchmarks.probes.NAME --help`:
   host_cost      the host's CPU time per `engine.step()`, and where it goes
   sampler_cost   the device sampler's time per call for each sampler variant
   layer_matmul_cost  which form of a decode step's layer matmuls is fastest (weight on the right or the left)
+  int8_matmul_cost   an int8-weight projection: the C++ int8 kernel beside the float32 one and XLA's dots
   out_major_steps    model steps with in-major against out-major projection weights, two engines alternated
   grammar_cost   structured outputs' grammar engines (llguidance, xgrammar, outlines-core): host cost per mask
   matmul_vs_torch    the engine's projection matmuls beside torch's on the same shapes

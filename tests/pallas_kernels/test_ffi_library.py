@@ -12,6 +12,7 @@ import pytest
 
 STATUSES = [("pallas_kernels.ragged_paged_attention_cpu", "cpu_kernel_status"),
             ("pallas_kernels.panel_matmul_cpu", "cpu_matmul_status"),
+            ("pallas_kernels.panel_matmul_cpu", "int8_matmul_status"),
             ("pallas_kernels.greedy_head_cpu", "greedy_head_status")]
 
 
