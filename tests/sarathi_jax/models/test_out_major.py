@@ -107,3 +107,26 @@ def test_a_runner_takes_panels_for_float32_on_one_cpu_where_the_kernel_is_used(m
     for uses in (True, False):
         monkeypatch.setattr(out_major, "engine_uses_kernel", lambda uses=uses: uses)
         assert projection_layout("cpu", single_device=True, dtype=jnp.float32) == (PANELS if uses else OUT_MAJOR)
+
+
+def test_int8_weights_take_panels_on_one_cpu_wherever_the_int8_kernel_is_built(monkeypatch):
+    for uses in (True, False):
+        monkeypatch.setattr(out_major, "engine_uses_int8_kernel", lambda uses=uses: uses)
+        monkeypatch.setattr(out_major, "engine_uses_kernel", lambda: False)  # an AVX2 build: float32 stays out-major
+        for dtype in (jnp.float32, jnp.bfloat16):
+            assert projection_layout("cpu", single_device=True, dtype=dtype, quantization="int8") == (
+                PANELS if uses else OUT_MAJOR)
+        assert projection_layout("cpu", single_device=True, dtype=jnp.float32) == OUT_MAJOR
+    assert projection_layout("cpu", single_device=True, dtype=jnp.float32, quantization="fp8") == OUT_MAJOR
+    assert projection_layout("cpu", single_device=False, dtype=jnp.float32, quantization="int8") == IN_MAJOR
+    assert projection_layout("gpu", single_device=True, dtype=jnp.bfloat16, quantization="int8") == IN_MAJOR
+
+
+def test_int8_panels_pack_the_8bit_kernels_and_keep_the_scales():
+    config, params = load_model("tiny-llama", "float32", quantization="int8")
+    model = get_model(config, jnp.float32)
+    panel_model, packed = to_out_major(model, params, panels=True)
+    qkv = packed["layers"]["self_attn"]["qkv_proj"]
+    assert qkv["kernel"].dtype == jnp.int8 and qkv["kernel"].shape[-1] == 64
+    np.testing.assert_array_equal(np.asarray(qkv["kernel_scale"]),
+                                  np.asarray(params["layers"]["self_attn"]["qkv_proj"]["kernel_scale"]))
