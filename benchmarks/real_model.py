@@ -15,6 +15,11 @@ measured matmul rate and its weight bytes over the measured bandwidth (`bench.ro
 measurements), summed over the iterations; attention and KV-cache traffic are left out, so it is a lower bound.
 `--reference` is an HF folder or a GGUF file (loaded by transformers' own GGUF support); without it only this
 engine runs.
+
+`--quantization int8` runs this engine on quantized weights (W8A16, quantized at load); with
+`--compare-quantization` a second engine on the float weights runs the same chats afterwards, and the run prints
+how many of the quantized engine's greedy sequences are token-identical to the float engine's, beside both
+engines' `weight_bytes`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sarathi_jax.models.config import QUANTIZATIONS
 from sarathi_jax.utils.paths import cli_path
 
 DEFAULT_QUESTIONS = (
@@ -122,17 +128,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token-budget", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="this engine's weights quantized at load (default: the model's float weights)")
+    parser.add_argument("--compare-quantization", action="store_true",
+                        help="also run this engine on float weights and count token-identical greedy sequences")
     parser.add_argument("--json-out", type=cli_path, default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
+    if args.compare_quantization and args.quantization is None:
+        parser.error("--compare-quantization needs --quantization")
 
     from sarathi_jax import LLM
     from sarathi_jax.bench.roofline import measure_rates
     from sarathi_jax.engine.llm_engine import format_startup
 
     conversations = [[{"role": "user", "content": q}] for q in read_questions(args.prompts_file)]
-    llm = LLM(args.model, token_budget=args.token_budget, max_model_len=args.max_model_len, dtype=args.dtype,
-              background_compile=False)  # timed against HF: every bucket built before
-    print(format_startup(llm.engine.startup_stats()), flush=True)
+
+    def build(quantization):
+        return LLM(args.model, token_budget=args.token_budget, max_model_len=args.max_model_len, dtype=args.dtype,
+                   quantization=quantization, background_compile=False)  # timed against HF: every bucket built before
+
+    llm = build(args.quantization)
+    stats = llm.engine.startup_stats()
+    print(format_startup(stats), flush=True)
     prompt_ids = [llm.chat_prompt_ids(c) for c in conversations]
     ours, texts, ours_s = run_engine(llm, conversations, args.max_tokens)
     rates = measure_rates(args.dtype)
@@ -140,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours_tokens = sum(len(t) for t in ours)
     result = {
         "model": args.model, "num_prompts": len(conversations), "max_tokens": args.max_tokens,
-        "token_budget": args.token_budget, "engine_output_tokens": ours_tokens, "engine_s": ours_s,
+        "token_budget": args.token_budget, "quantization": stats["quantization"],
+        "weight_bytes": stats["weight_bytes"], "engine_output_tokens": ours_tokens, "engine_s": ours_s,
         "engine_tokens_per_s": ours_tokens / ours_s, "engine_floor_s": floor_s,
         "matmul_flops_per_s": rates.matmul_flops, "bandwidth_bytes_per_s": rates.bandwidth,
         "first_completion": texts[0],
@@ -160,6 +178,21 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(one left-padded batch)")
         print(f"ratio: sarathi-jax {result['speedup']:.2f}x HF's tokens/s; greedy sequences token-identical: "
               f"{same}/{len(ours)}")
+    if args.compare_quantization:
+        del llm  # one engine at a time
+        float_llm = build(None)
+        float_stats = float_llm.engine.startup_stats()
+        floats, _, float_s = run_engine(float_llm, conversations, args.max_tokens)
+        same = sum(a == b for a, b in zip(ours, floats))
+        float_tokens = sum(len(t) for t in floats)
+        result.update(float_weight_bytes=float_stats["weight_bytes"], float_output_tokens=float_tokens,
+                      float_s=float_s, float_tokens_per_s=float_tokens / float_s, identical_to_float=same)
+        print(f"sarathi-jax on {args.dtype} weights: {float_tokens} output tokens in {float_s:.2f} s = "
+              f"{float_tokens / float_s:.1f} tokens/s")
+        ratio = stats["weight_bytes"] / float_stats["weight_bytes"]
+        print(f"{stats['quantization']} against {args.dtype} weights: greedy sequences token-identical {same}/"
+              f"{len(ours)}; weight_bytes {stats['weight_bytes'] / 1e6:.1f} MB against "
+              f"{float_stats['weight_bytes'] / 1e6:.1f} MB ({ratio:.2f}x)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -52,31 +52,49 @@ def probe_ids(out_dir: str | os.PathLike[str], vocab_size: int) -> list[int]:
     return np.random.default_rng(1234).integers(0, vocab_size, size=PROBE_LEN).tolist()
 
 
-def engine_logits(model_dir: str | os.PathLike[str], token_ids: list[int], dtype: str) -> np.ndarray:
-    """Logits `[len, vocab]` of one prompt through `load_model(model_dir)` and the paged-KV model forward."""
+def engine_logits(model_dir: str | os.PathLike[str], token_ids: list[int], dtype: str,
+                  quantization: str | None = None) -> np.ndarray:
+    """Logits `[len, vocab]` of one prompt through `load_model(model_dir, dtype, quantization=quantization)` and
+    the paged-KV model forward."""
+    import jax.numpy as jnp
+
+    from sarathi_jax.models import load_model
+
+    config, params = load_model(model_dir, jnp.dtype(dtype), quantization=quantization)
+    return paged_forward(config, dtype)(params, token_ids)
+
+
+def paged_forward(config, dtype: str) -> Callable[[object, list[int]], np.ndarray]:
+    """`forward(params, token_ids)` -> logits `[len, vocab]` (float64) of one prompt through the model forward
+    over a paged KV cache, jitted once (one compile per prompt length)."""
     import jax
     import jax.numpy as jnp
 
-    from sarathi_jax.models import AttentionMetadata, get_model, init_kv_cache, load_model
+    from sarathi_jax.models import AttentionMetadata, get_model, init_kv_cache
 
-    config, params = load_model(model_dir, jnp.dtype(dtype))
     model = get_model(config, jnp.dtype(dtype))
-    n, block_size = len(token_ids), 16
-    num_blocks = -(-n // block_size)
-    metadata = AttentionMetadata(
-        slot_mapping=jnp.arange(n, dtype=jnp.int32),
-        kv_lens=jnp.array([n], jnp.int32),
-        block_tables=jnp.arange(num_blocks, dtype=jnp.int32)[None, :],
-        cu_q_lens=jnp.array([0, n], jnp.int32),
-        num_seqs=jnp.array([1], jnp.int32),
-    )
-    kv_cache = init_kv_cache(config, num_blocks, block_size, jnp.dtype(dtype))
-    with jax.default_matmul_precision("highest"):  # no TF32 on GPUs: the 1e-4 budget needs true float32
-        logits, _ = jax.jit(model.apply)(
-            {"params": params}, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_cache,
-            metadata, jnp.arange(n, dtype=jnp.int32),
+    apply = jax.jit(model.apply)
+    block_size = 16
+
+    def forward(params, token_ids: list[int]) -> np.ndarray:
+        n = len(token_ids)
+        num_blocks = -(-n // block_size)
+        metadata = AttentionMetadata(
+            slot_mapping=jnp.arange(n, dtype=jnp.int32),
+            kv_lens=jnp.array([n], jnp.int32),
+            block_tables=jnp.arange(num_blocks, dtype=jnp.int32)[None, :],
+            cu_q_lens=jnp.array([0, n], jnp.int32),
+            num_seqs=jnp.array([1], jnp.int32),
         )
-    return np.asarray(logits, np.float64)
+        kv_cache = init_kv_cache(config, num_blocks, block_size, jnp.dtype(dtype))
+        with jax.default_matmul_precision("highest"):  # no TF32 on GPUs: the 1e-4 budget needs true float32
+            logits, _ = apply(
+                {"params": params}, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_cache,
+                metadata, jnp.arange(n, dtype=jnp.int32),
+            )
+        return np.asarray(logits, np.float64)
+
+    return forward
 
 
 def load_hf_model(source: str | os.PathLike[str]):

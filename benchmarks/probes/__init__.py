@@ -11,6 +11,7 @@ floors. Each command is `python -m benchmarks.probes.NAME --help`:
   matmul_vs_torch    the engine's projection matmuls beside torch's on the same shapes
   speculation    speculative decoding's acceptance and step time against plain decoding
   startup        start-up time, cold and warm, in fresh processes
+  perplexity     a fixed text's perplexity through the model forward, float against quantized weights
   profile_steps  a JAX profiler trace of steady decode, read by trace_summary.py
   trace_summary  where the time goes in a profiler trace
 
