@@ -161,9 +161,9 @@ def run_conversion(
     source, out_dir = Path(absolute_path(source)), Path(absolute_path(out_dir))
     with open_source(source, out_dir, dtype, force, log) as opened:
         return write_checkpoint(
-            dataclasses.replace(opened.config, quantization=quantization), opened.checkpoint, out_dir, opened.dtype, side_dir=opened.side_dir,
-            source_path=str(source.resolve()), source_desc=opened.description, log=log, chunk_bytes=chunk_bytes,
-            min_batch_bytes=min_batch_bytes, compress=compress, start_time=start_time,
+            dataclasses.replace(opened.config, quantization=quantization), opened.checkpoint, out_dir, opened.dtype,
+            side_dir=opened.side_dir, source_path=str(source.resolve()), source_desc=opened.description, log=log,
+            chunk_bytes=chunk_bytes, min_batch_bytes=min_batch_bytes, compress=compress, start_time=start_time,
         )
 
 
