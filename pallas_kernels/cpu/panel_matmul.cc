@@ -135,6 +135,16 @@ void panel_rows(const float* x, const float* panels, float* out, int64_t K, int6
 constexpr int64_t kSplitRows = 32;
 constexpr int64_t kUnitsPerThread = 4;
 
+// `panel(p)` for every panel p of P, in units of work shared over the pool's threads (both kernels' split).
+template <typename F>
+void share_panels(ffi::ThreadPool& pool, int64_t M, int64_t P, F panel) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_unit = M <= kSplitRows ? std::max<int64_t>(1, P / (kUnitsPerThread * threads)) : 1;
+  sarathi_cpu::share_work(pool, (P + per_unit - 1) / per_unit, [=](int64_t u) {
+    for (int64_t p = u * per_unit; p < std::min(P, (u + 1) * per_unit); ++p) panel(p);
+  });
+}
+
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                            ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), pd = panels.dimensions(), od = out->dimensions();
@@ -151,11 +161,7 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const float* xp = x.typed_data();
   const float* wp = panels.typed_data();
   float* op = out->typed_data();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_unit = M <= kSplitRows ? std::max<int64_t>(1, P / (kUnitsPerThread * threads)) : 1;
-  sarathi_cpu::share_work(pool, (P + per_unit - 1) / per_unit, [=](int64_t u) {
-    for (int64_t p = u * per_unit; p < std::min(P, (u + 1) * per_unit); ++p) panel_rows(xp, wp, op, K, N, p, 0, M);
-  });
+  share_panels(pool, M, P, [=](int64_t p) { panel_rows(xp, wp, op, K, N, p, 0, M); });
   return ffi::Error::Success();
 }
 
@@ -224,11 +230,7 @@ ffi::Error PanelMatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const int8_t* qp = panels.typed_data();
   const float* sp = scale.typed_data();
   float* op = out->typed_data();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_unit = M <= kSplitRows ? std::max<int64_t>(1, P / (kUnitsPerThread * threads)) : 1;
-  sarathi_cpu::share_work(pool, (P + per_unit - 1) / per_unit, [=](int64_t u) {
-    for (int64_t p = u * per_unit; p < std::min(P, (u + 1) * per_unit); ++p) q_panel(xp, qp, sp, op, M, K, N, p);
-  });
+  share_panels(pool, M, P, [=](int64_t p) { q_panel(xp, qp, sp, op, M, K, N, p); });
   return ffi::Error::Success();
 }
 
