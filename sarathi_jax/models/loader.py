@@ -312,7 +312,9 @@ def load_orbax_params(
     `shardings`: optional tree (same structure as the params) of `jax.sharding.Sharding`, one per leaf;
     default: every leaf on the default device. Each leaf is restored by Orbax with
     `ArrayRestoreArgs(sharding=..., dtype=dtype)`, so each device reads only its own shard from disk and no
-    full host copy per device is made. Values are cast to `dtype` if the checkpoint holds another.
+    full host copy per device is made. Values are cast to `dtype` if the checkpoint holds another. A folder of
+    int8 weights restores them as they are; a float folder asked for `config.quantization` restores each
+    projection kernel on its own and quantizes it (`quantization.quantize_tree`) before reading the next.
     """
     import orbax.checkpoint as ocp  # heavy import; only converted checkpoints need it
 
@@ -341,20 +343,60 @@ def load_orbax_params(
         )
 
     pytree_dir = os.path.join(os.path.abspath(path), marker["pytree_dir"])
-    try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            params = checkpointer.restore(
-                pytree_dir,
-                args=ocp.args.PyTreeRestore(restore_args=jax.tree_util.tree_map_with_path(restore_args, expected)),
-            )
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot restore the Orbax params in {pytree_dir!r}: {e}") from e
+    args = jax.tree_util.tree_map_with_path(restore_args, expected)
+    # Float weights served quantized: each kernel to quantize is restored on its own and quantized before the
+    # next (device memory: the 8-bit weights plus one float kernel); everything else in one restore.
+    target_axes = checkpoint_param_logical_axes(config) if config.quantization is not None and stored is None else None
+    kernels = _kernels_to_quantize(expected, target_axes)
+    params: dict[str, Any] = {}
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        def restore(paths: list[ParamPath]) -> dict[str, Any]:
+            try:
+                return checkpointer.restore(pytree_dir, args=ocp.args.PyTreeRestore(
+                    item=_subtree(expected, paths), restore_args=_subtree(args, paths), partial_restore=True))
+            except (FileNotFoundError, ValueError, KeyError) as e:
+                raise CheckpointError(f"cannot restore the Orbax params in {pytree_dir!r}: {e}") from e
+
+        rest = [p for p in _leaf_paths(expected) if p not in kernels]
+        _merge(params, restore(rest))
+        for kernel in kernels:
+            _merge(params, quantize_tree(restore([kernel]), target_axes, config.quantization))
+    served = expected if target_axes is None else checkpoint_param_shapes(config, dtype)
     got = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(served)}
     _check_tree(got, want, f"restored params of {os.fspath(path)!r}")
-    if config.quantization is not None and stored is None:  # float weights: quantized here, leaf by leaf
-        quantize_tree(params, checkpoint_param_logical_axes(config), config.quantization)
     return params
+
+
+def _leaf_paths(tree: Any) -> list[ParamPath]:
+    return [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _kernels_to_quantize(expected: Any, target_axes: Any) -> list[ParamPath]:
+    """The paths of `expected`'s kernels that have a `kernel_scale` in `target_axes` (none when it is None)."""
+    if target_axes is None:
+        return []
+    scales = {path[:-1] for path in _leaf_paths(target_axes) if path[-1] == KERNEL_SCALE}
+    return [path for path in _leaf_paths(expected) if path[-1] == "kernel" and path[:-1] in scales]
+
+
+def _subtree(tree: dict[str, Any], paths: list[ParamPath]) -> dict[str, Any]:
+    """The nested dicts of `tree` holding only the leaves at `paths`."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        node, src = out, tree
+        for key in path[:-1]:
+            node, src = node.setdefault(key, {}), src[key]
+        node[path[-1]] = src[path[-1]]
+    return out
+
+
+def _merge(into: dict[str, Any], tree: dict[str, Any]) -> None:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            _merge(into.setdefault(key, {}), value)
+        else:
+            into[key] = value
 
 
 def checkpoint_quantization(path: str | os.PathLike[str], requested: str | None,

@@ -180,3 +180,13 @@ def test_int8_draft_model_is_quantized_alike(oracle):
     draft_params = engine.draft_runner.stage.params
     assert any(x.dtype == np.int8 for x in jax.tree.leaves(draft_params))
     check(engine, prompts, expected)
+
+
+def test_int8_from_a_float_converted_folder_under_tensor_parallelism(oracle, tmp_path):
+    from checkpoints_convert import convert
+
+    folder, prompts, expected = oracle("llama")
+    convert(folder, tmp_path / "orbax", "float32", log=lambda message: None)
+    engine = make_engine(tmp_path / "orbax", tensor_parallel_size=2)  # each kernel restored sharded, then quantized
+    assert engine.model_config.quantization == "int8"
+    check(engine, prompts, expected)
