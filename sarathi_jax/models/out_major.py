@@ -1,5 +1,6 @@
 """The layers' projection weights on a CPU: stored out-major `[out..., in...]` (HF's own layout) instead of
-`[in..., out...]`, or, for float32 where the CPU matmul kernel is built for AVX-512, packed into column panels.
+`[in..., out...]`, or packed into column panels: float32 where the CPU matmul kernel is built for AVX-512, int8
+(quantized weights, `quantization.py`) wherever the int8 kernel is built.
 A projection's layout is one of `PROJECTION_LAYOUTS` (`layers.Projection.layout`); `projection_layout` picks a
 runner's.
 
