@@ -13,13 +13,14 @@ Where each piece lives:
     layers.py        the layers the decoders share: projections, RMSNorm, RoPE, paged self-attention, the
                      decoder itself (`PagedDecoderLM`), stack/unstack of the scanned layer params
     out_major.py     projection weights on a CPU: stored [out, in] (the weight as the dot's left operand), or
-                     packed into column panels for the C++ matmul (float32, AVX-512)
+                     packed into column panels for the C++ matmuls (float32 on AVX-512; int8)
     fusion.py        fused q/k/v and gate/up projections: the checkpoint layout (separate) -> the model's,
                      `fuse_projections`, applied once at load time
     llama.py         the Llama family (Llama, Mistral, Qwen2, Qwen3) and its HF parameter mapping
     falcon.py        FalconForCausalLM and its HF parameter mapping (fused QKV split)
     families.py      the one architecture -> family lookup: get_model, param_shapes, param_logical_axes,
                      param_plan, the checkpoint layout's shapes and logical axes, and to_out_major
+    quantization.py  8-bit projection weights (int8, fp8) with per-output-channel scales (ModelConfig.quantization)
     param_source.py  ParamSource: a parameter's HF tensor and reshape, as data
     loader.py        load_model; safetensors and Orbax loading
     random_init.py   init_random_params: seeded random weights drawn on the device, into the given shardings
@@ -69,6 +70,7 @@ _EXPORTS = {
     "is_orbax_checkpoint": "loader",
     "load_hf_params": "loader",
     "load_model": "loader",
+    "load_model_config": "loader",
     "load_orbax_params": "loader",
     "open_safetensors": "loader",
     "read_checkpoint_marker": "loader",
