@@ -54,7 +54,8 @@ def fp8_support(devices: Sequence[Any]) -> str | None:
     Blackwell), else why not."""
     for device in devices:
         if device.platform != "gpu":
-            return f"FP8 weights need GPUs with FP8 matmul (compute capability 8.9+: H100, L40S); this engine runs on {device.platform!r}"
+            return (f"FP8 weights need GPUs with FP8 matmul (compute capability 8.9+: H100, L40S); this engine "
+                    f"runs on {device.platform!r}")
         capability = getattr(device, "compute_capability", None)
         try:
             major, minor = (int(part) for part in str(capability).split(".")[:2])
@@ -122,7 +123,8 @@ def quantize_tree(params: Any, target_axes: Any, quantization: str) -> Any:
     if KERNEL_SCALE in target_axes and "kernel" in params and KERNEL_SCALE not in params:
         in_axes = contracting_axes(tuple(target_axes["kernel"]), tuple(target_axes[KERNEL_SCALE]))
         kernel = params.pop("kernel")
-        params["kernel"], params[KERNEL_SCALE] = _quantize_fn(in_axes, quantization, kernel.sharding, kernel.ndim)(kernel)
+        quantize = _quantize_fn(in_axes, quantization, kernel.sharding, kernel.ndim)
+        params["kernel"], params[KERNEL_SCALE] = quantize(kernel)
     return params
 
 

@@ -8,7 +8,6 @@ attention)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import jax

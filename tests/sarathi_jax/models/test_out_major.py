@@ -126,6 +126,7 @@ def test_int8_panels_pack_the_8bit_kernels_and_keep_the_scales():
     config, params = load_model("tiny-llama", "float32", quantization="int8")
     model = get_model(config, jnp.float32)
     panel_model, packed = to_out_major(model, params, panels=True)
+    assert panel_model.projection_layout == PANELS
     qkv = packed["layers"]["self_attn"]["qkv_proj"]
     assert qkv["kernel"].dtype == jnp.int8 and qkv["kernel"].shape[-1] == 64
     np.testing.assert_array_equal(np.asarray(qkv["kernel_scale"]),

@@ -17,7 +17,7 @@ import torch
 
 from sarathi_jax.models import ModelConfig, get_model, load_model, param_logical_axes, param_shapes, to_out_major
 from sarathi_jax.models.attention import init_kv_cache
-from sarathi_jax.models.loader import CheckpointError, load_model_config
+from sarathi_jax.models.loader import load_model_config
 from sarathi_jax.models.quantization import (
     KERNEL_SCALE, check_supported, contracting_axes, dequantize_kernel, fp8_support, quantize_kernel,
 )
