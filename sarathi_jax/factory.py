@@ -112,13 +112,16 @@ def _plan(config: EngineConfig, mc: ModelConfig, cost_model: IterationCost | Non
 
 
 def _padded(cost_model: IterationCost, plan: EnginePlan) -> IterationCost:
-    """A `BucketCostModel` given the buckets the planned engine pads its batches to; any other as it is."""
+    """A `BucketCostModel` given the buckets the planned engine pads its batches to (the ladder of the platform it
+    was calibrated on, when its source says: a CPU engine's 4, 8, 24, ... buckets; else `SIMULATOR_PLATFORM`'s);
+    any other as it is."""
     from sarathi_jax.config.sizing import SIMULATOR_PLATFORM, bucket_ladder, platform_buckets
     from sarathi_jax.sim.cost_model import BucketCostModel
 
     if not isinstance(cost_model, BucketCostModel):
         return cost_model
-    return cost_model.with_buckets(platform_buckets(plan.sizing.max_step_tokens, SIMULATOR_PLATFORM,
+    platform = (cost_model.source or {}).get("platform", SIMULATOR_PLATFORM)
+    return cost_model.with_buckets(platform_buckets(plan.sizing.max_step_tokens, platform,
                                                     bucket_ladder(plan.config)))
 
 

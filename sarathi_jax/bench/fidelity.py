@@ -92,6 +92,7 @@ def run_pair(bench: argparse.Namespace, cost_model: str) -> list[dict]:
     from sarathi_jax.bench.runs import run_all
 
     real_args = copy.copy(bench)
+    real_args.cost_model = None  # the simulator's alone
     check_args(real_args)
     real = {r.label: r for r in run_all(real_args).runs}
     sim_args = copy.copy(bench)

@@ -33,7 +33,7 @@ from sarathi_jax.bench.args import CPU_DEFAULT_MODEL as DEFAULT_MODEL
 from sarathi_jax.bench.args import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from sarathi_jax.bench.step_timer import DEFAULT_TOKEN_BUDGET, MODES, measure
 from sarathi_jax.utils.paths import cli_path
-from sarathi_jax.config.sizing import DTYPE_BYTES, token_buckets
+from sarathi_jax.config.sizing import DTYPE_BYTES, platform_buckets
 from sarathi_jax.models.config import QUANTIZATIONS
 
 
@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile-probe", type=int, default=256, help="chunking mode: also chunk N vs N+1 (0: off)")
 
     p.add_argument("--calib-buckets", type=positive_ints, default=None,
-                   help="calibrate mode: buckets to fill (default: every bucket up to the token budget)")
+                   help="calibrate mode: buckets to fill (default: every bucket the engine compiles on this "
+                        "device, up to the token budget)")
     p.add_argument("--calib-contexts", type=positive_ints, default=[128, 512], help="calibrate mode: decode contexts")
     p.add_argument("--calib-decodes", type=int, default=32, help="calibrate mode: most decodes in a batch")
     p.add_argument("--cost-model-out", type=cli_path, default=None, metavar="PATH",
@@ -224,8 +225,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--context, --decodes, --whole-prompt and --prompt-len must be positive")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if "calibrate" in args.modes and args.calib_buckets is None:
-        args.calib_buckets = list(token_buckets(args.token_budget or DEFAULT_TOKEN_BUDGET))
+    if "calibrate" in args.modes and args.calib_buckets is None:  # every bucket the engine compiles on this device
+        import jax
+
+        args.calib_buckets = list(platform_buckets(args.token_budget or DEFAULT_TOKEN_BUDGET, jax.default_backend()))
     if "chunking" in args.modes and args.prompt_len not in args.chunking_chunks:
         args.chunking_chunks = [*args.chunking_chunks, args.prompt_len]  # the unchunked reference
     return args

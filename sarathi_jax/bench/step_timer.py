@@ -305,7 +305,8 @@ def measure(args: argparse.Namespace, log=print) -> dict:
         model = BucketCostModel.fit([c.steps[0] for c, _ in calib], [r["time_s"] for _, r in calib],
                                     runner.buckets, source={"model": cfg.model, "dtype": cfg.dtype,
                                                             "max_num_seqs": cfg.max_num_seqs,
-                                                            "attention_backend": cfg.attention_backend})
+                                                            "attention_backend": cfg.attention_backend,
+                                                            "platform": engine.startup_stats()["platform"]})
         for (c, r) in calib:
             r["fit_s"] = model.chunks_time(c.steps[0])
         doc_fit = model.to_dict()

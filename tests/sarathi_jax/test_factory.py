@@ -33,6 +33,10 @@ def test_a_bucket_cost_model_gets_the_engines_buckets():
     assert engine.cost_model.buckets == (16, 32, 64, 96)  # the runner's buckets for a budget of 96
     assert engine.cost_model.padded(70) == 96 and measured.padded(70) == 70  # the measured one is unchanged
     assert build_simulated_engine(config, CostModel(overhead_s=1.0)).cost_model == CostModel(overhead_s=1.0)
+    # Calibrated on a CPU (its source says so), it pads like a CPU engine: 4, 8, then 1.5x mid buckets.
+    on_cpu = BucketCostModel({4: 0.005, 16: 0.01, 32: 0.02}, 0.0, 0.0, source={"platform": "cpu"})
+    buckets = build_simulated_engine(config, on_cpu).cost_model.buckets
+    assert buckets[:3] == (4, 8, 16) and 24 in buckets and buckets[-1] == 96
 
 
 def test_tensor_parallel_and_disaggregated_engines_get_n_devices_kv_and_scaled_costs():

@@ -30,6 +30,12 @@ def test_smoke_compares_every_configuration_on_both_sides(tmp_path, capsys):
             m = row[name]
             assert m["real"] > 0 and m["sim"] > 0
             assert m["error"] == pytest.approx(m["sim"] / m["real"] - 1)
+    # The cost model records the platform it was calibrated on; given back, nothing is calibrated again.
+    cost_model = tmp_path / "run" / "cost_model.json"
+    assert json.loads(cost_model.read_text())["source"]["platform"] == "cpu"
+    assert fidelity.main(SMOKE + ["--cost-model", str(cost_model), "--json", str(out)]) == 0
+    assert "calibrating" not in capsys.readouterr().err
+    assert [r["label"] for r in json.loads(out.read_text())["rows"]] == ["sarathi-32", "vllm"]
 
 
 def test_compare_reads_the_summaries():
