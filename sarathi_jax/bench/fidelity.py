@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bench.model is None:
         import jax
 
-        from sarathi_jax.bench.runs import default_model
+        from sarathi_jax.bench.args import default_model
 
         bench.model = default_model(jax.default_backend())
     cost_model = bench.cost_model
