@@ -135,6 +135,14 @@ void panel_rows(const float* x, const float* panels, float* out, int64_t K, int6
 constexpr int64_t kSplitRows = 32;
 constexpr int64_t kUnitsPerThread = 4;
 
+// Whether the product has no sums to run: no rows or columns (nothing to write), or K = 0 (zeros, written here).
+bool empty_product(int64_t M, int64_t N, int64_t K, ffi::ResultBuffer<ffi::F32>& out) {
+  if (M == 0 || N == 0) return true;
+  if (K != 0) return false;
+  std::memset(out->untyped_data(), 0, out->size_bytes());
+  return true;
+}
+
 // `panel(p)` for every panel p of P, in units of work shared over the pool's threads (both kernels' split).
 template <typename F>
 void share_panels(ffi::ThreadPool& pool, int64_t M, int64_t P, F panel) {
@@ -153,11 +161,7 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     return ffi::Error::InvalidArgument(
         "panel_matmul_cpu: x must be [M, K], panels [ceil(N / 64), K, 64] and out [M, N]");
   const int64_t M = xd[0], K = xd[1], P = pd[0], N = od[1];
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::memset(out->untyped_data(), 0, out->size_bytes());
-    return ffi::Error::Success();
-  }
+  if (empty_product(M, N, K, out)) return ffi::Error::Success();
   const float* xp = x.typed_data();
   const float* wp = panels.typed_data();
   float* op = out->typed_data();
@@ -221,11 +225,7 @@ ffi::Error PanelMatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     return ffi::Error::InvalidArgument(
         "panel_matmul_int8_cpu: x must be [M, K], panels [ceil(N / 64), K, 64], scale [N] and out [M, N]");
   const int64_t M = xd[0], K = xd[1], P = pd[0], N = od[1];
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::memset(out->untyped_data(), 0, out->size_bytes());
-    return ffi::Error::Success();
-  }
+  if (empty_product(M, N, K, out)) return ffi::Error::Success();
   const float* xp = x.typed_data();
   const int8_t* qp = panels.typed_data();
   const float* sp = scale.typed_data();
