@@ -99,8 +99,14 @@ def hf_greedy(hf, prompt_ids) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=[32, 256], ids=lambda b: f"budget{b}")
-def llm(request, smollm2_dir: Path) -> LLM:
-    return LLM(str(smollm2_dir), token_budget=request.param, max_model_len=1024)
+def llm(request, smollm2_dir: Path):
+    """Every executable built before the tests run, and nothing left compiling after them: XLA:CPU crashed
+    (SIGSEGV writing JAX's compilation cache) when this engine's background builds overlapped another engine's
+    compiles in a later test of this module."""
+    engine = LLM(str(smollm2_dir), token_budget=request.param, max_model_len=1024)
+    engine.engine.wait_until_compiled()
+    yield engine
+    engine.engine.stop_background_compile()
 
 
 # -- conversion ------------------------------------------------------------------------------------------------
