@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TBT SLO as M x the measured decode-only iteration time (paper: 5 strict, 25 relaxed)")
     s.add_argument("--decode-probe-batch", type=int, default=8,
                    help="decode batch size for measuring the decode-only iteration time")
+    s.add_argument("--decode-probe-context", type=int, default=32, metavar="TOKENS",
+                   help="the decode-only probe's prompt length, so its decodes run at about this context (the "
+                        "paper's reference: batch 32 at context 4096; capped to fit --max-model-len)")
     s.add_argument("--slo-mix", default=None, metavar="SPEC",
                    help="SLO classes, e.g. 'interactive:0.2:ttft=0.5,tbt=0.05,priority=-1;batch:0.8:ttft=30,tbt=1': "
                         "NAME:SHARE:TARGETS per class (shares add up to 1; each request's class is drawn from "
@@ -208,6 +211,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.capacity and args.capacity_goodput is None and args.slo_tbt is None and args.slo_tbt_multiple is None:
         raise BenchError("--capacity needs a TBT SLO: --slo-tbt SECONDS or --slo-tbt-multiple M (5 strict, 25 relaxed), "
                          "or a goodput target: --capacity-goodput FRACTION with --slo-mix")
+    if args.decode_probe_batch < 1 or args.decode_probe_context < 1:
+        raise BenchError(f"--decode-probe-batch and --decode-probe-context must be >= 1, got "
+                         f"{args.decode_probe_batch} and {args.decode_probe_context}")
     if args.devices is not None and not args.simulate:
         raise BenchError("--devices is simulator-only so far: add --simulate")
     if args.disaggregation is not None and args.endpoint:

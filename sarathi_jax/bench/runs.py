@@ -245,9 +245,11 @@ def run_all(args: argparse.Namespace, engine_factory: Callable[[dict], Engine] |
                     for note in fitted.notes:
                         _log(quiet, f"  note: {note}")
             if args.slo_tbt_multiple is not None and decode_time is None:
-                decode_time = measure_decode_iteration_time(engine, batch_size=args.decode_probe_batch)
+                decode_time = measure_decode_iteration_time(engine, batch_size=args.decode_probe_batch,
+                                                            prompt_len=args.decode_probe_context)
                 slo_tbt = args.slo_tbt_multiple * decode_time
-                _log(quiet, f"decode-only iteration time (batch {args.decode_probe_batch}): {fmt_seconds(decode_time)}"
+                _log(quiet, f"decode-only iteration time (batch {args.decode_probe_batch}, context about "
+                            f"{args.decode_probe_context}): {fmt_seconds(decode_time)}"
                             f" -> TBT SLO {args.slo_tbt_multiple:g}x = {fmt_seconds(slo_tbt)}")
             summ_kw = {"slo_ttft": args.slo_ttft, "slo_tbt": slo_tbt, "stall_factor": args.stall_factor,
                        **_slo_classes(mix, len(fitted), args.seed)}

@@ -302,11 +302,14 @@ def measure(args: argparse.Namespace, log=print) -> dict:
     doc_fit = None
     calib = [(c, r) for c, r in zip(comps, rows) if c.mode == "calibrate"]
     if calib:
+        stats = engine.startup_stats()
         model = BucketCostModel.fit([c.steps[0] for c, _ in calib], [r["time_s"] for _, r in calib],
                                     runner.buckets, source={"model": cfg.model, "dtype": cfg.dtype,
                                                             "max_num_seqs": cfg.max_num_seqs,
                                                             "attention_backend": cfg.attention_backend,
-                                                            "platform": engine.startup_stats()["platform"]})
+                                                            "platform": stats["platform"],
+                                                            "device": stats["device"],
+                                                            "kv_cache_bytes": stats.get("kv_cache_bytes")})
         for (c, r) in calib:
             r["fit_s"] = model.chunks_time(c.steps[0])
         doc_fit = model.to_dict()

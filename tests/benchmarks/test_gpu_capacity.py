@@ -1,10 +1,13 @@
 """The capacity experiment's script (`python -m benchmarks.gpu_capacity`): its bench commands, and the whole
-pipeline (bench runs, report, plot, machine description) on the simulated engine. `--smoke` runs the same
-pipeline on the real engine with tiny-llama in a few minutes; it is not run here."""
+pipeline (bench runs, report, plot, machine description) on the simulated engine. `--smoke` on the real engine
+runs the same pipeline with tiny-llama in a few minutes; it is not run here. `--smoke --simulate --verify 1` is:
+calibration on this CPU, the simulated grid and one point on the real engine."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from tests.sarathi_jax.bench.bench_fakes import sim_engine
 
@@ -30,6 +33,60 @@ def test_dry_run_prints_the_papers_configurations(tmp_path, capsys):
     assert "--slo-tbt-multiple 5" in lines[0] and "--slo-tbt-multiple 25" in lines[1]
     assert "--trace arxiv " in lines[0] and "--trace conversation " in lines[2]  # the shipped traces, by name
     assert (tmp_path / "commands.sh").read_text().count("python -m sarathi_jax.bench ") == 4
+
+
+def test_dry_run_of_the_simulated_grid(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--dry-run", "--simulate", "--devices", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4
+    for needle in ("--simulate", f"--cost-model {tmp_path / 'cost_model.json'}", "--sample 2048",
+                   "--capacity-probes 8", "--decode-probe-batch 32", "--decode-probe-context 4096", "--devices 2"):
+        assert all(needle in line for line in lines), needle
+
+
+def test_the_simulated_grids_flags_are_checked(tmp_path, capsys):
+    for extra in (["--verify", "1"], ["--devices", "2"], ["--cost-model", "cost.json"]):
+        assert main(["--out", str(tmp_path), "--dry-run", *extra]) == 2
+        assert "add --simulate" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--simulate", "--devices", "2", "--verify", "1"]) == 2
+    assert "--verify runs the real engine on one device" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--simulate", "--verify-sample", "0"]) == 2
+
+
+def test_smoke_simulated_grid_with_a_real_point(tmp_path, capsys):
+    """As a user runs it on a CPU: the cost model calibrated here, the grid in the simulator (every policy, trace
+    and SLO), one of its points searched again on the real engine beside the simulator on the same requests."""
+    from sarathi_jax.sim.cost_model import BucketCostModel, Chunk
+
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--smoke", "--simulate", "--verify", "1"]) == 0
+    cost = BucketCostModel.load(str(out / "cost_model.json"))
+    assert cost.source["platform"] == "cpu" and cost.source["kv_cache_bytes"] > 0
+    # The SLOs' reference is the cost model's price of a decode iteration of 4 requests at context 64 to 96.
+    decode = json.loads((out / "decode_time.json").read_text())["decode_only_iteration_time"]
+    assert cost.chunks_time([Chunk(64, 1)] * 4) <= decode <= cost.chunks_time([Chunk(96, 1)] * 4)
+    table = json.loads((out / "capacity.json").read_text())
+    for trace in ("arxiv", "conversation"):
+        for slo, multiple in (("strict", 5), ("relaxed", 25)):
+            entry = table[trace][slo]
+            assert entry["slo_tbt"] == pytest.approx(multiple * decode)
+            assert set(entry["capacity"]) == {"sarathi-32", "sarathi-64", "vllm", "orca"}
+            assert all(len(p) >= 1 for p in entry["probes"].values())
+    report = (out / "capacity.md").read_text()
+    assert "Simulated: model tiny-llama" in report and "calibrated on cpu" in report
+    machine = json.loads((out / "machine.json").read_text())
+    assert machine["cost_model"]["source"]["platform"] == "cpu"
+    assert machine["experiment"]["kv_cache_bytes"] == cost.source["kv_cache_bytes"]  # the calibrated engine's
+    row, = json.loads((out / "verify.json").read_text())["rows"]
+    assert (row["trace"], row["slo"], row["label"]) == ("arxiv", "strict", "sarathi-32")
+    assert row["slo_tbt"] == table["arxiv"]["strict"]["slo_tbt"]
+    for side, simulated in (("sim", True), ("real", False)):
+        summary = json.loads((out / "verify" / "arxiv-strict-sarathi-32" / side / "summary.json").read_text())
+        assert summary["slo_tbt"] == row["slo_tbt"] and summary["simulate"] is simulated
+        assert row[side]["probes"] >= 1
+    if row["real"]["capacity"]:
+        assert row["error"] == pytest.approx(row["sim"]["capacity"] / row["real"]["capacity"] - 1)
+    assert "| arxiv | strict" in (out / "verify.md").read_text()
 
 
 def test_a_relative_trace_dir_is_the_current_directory(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.gpu_capacity.experiment import main
+
+sys.exit(main())

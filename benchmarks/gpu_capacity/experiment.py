@@ -1,0 +1,272 @@
+"""The capacity experiment's settings (`Experiment`), its bench command lines and its command line (`main`);
+see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from benchmarks.gpu_capacity.report import SLO_MULTIPLES, collect, format_report, machine_info, plot
+from sarathi_jax.bench.__main__ import main as bench_main
+from sarathi_jax.bench.traces import SHIPPED_TRACES as TRACE_FILES
+from sarathi_jax.utils.paths import cli_path
+
+POLICIES = ("sarathi", "vllm", "orca")
+DECODE_TIME_FILE = "decode_time.json"
+COST_MODEL_FILE = "cost_model.json"
+PAPER_SAMPLE = 2048  # requests per probe in the paper's capacity searches
+PAPER_PROBES = 8  # probes per search (the paper's 7-8)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One full experiment's settings (the GPU defaults, or `--smoke`'s)."""
+
+    model: str = "mistral-7b"
+    dtype: str = "bfloat16"
+    traces: tuple[str, ...] = ("arxiv", "conversation")
+    slos: tuple[str, ...] = ("strict", "relaxed")
+    sarathi_budgets: tuple[int, ...] = (512, 2048)
+    max_num_seqs: int = 128
+    max_model_len: int = 4096
+    sample: int = 128  # requests per probe on the real engine (the paper replays 2,048: the simulated default)
+    length_scale: float = 1.0
+    capacity_probes: int = 6
+    decode_probe_batch: int = 32
+    decode_probe_context: int = 4096  # the SLOs' reference: a decode iteration of batch 32 at context 4k
+    kv_cache_bytes: int | None = None  # None: sized from the device's free memory (gpu_memory_utilization)
+    start_qps: float | None = None  # the capacity search's first probe (None: the bench's default, 1 req/s)
+    seed: int = 0
+    policies: tuple[str, ...] = POLICIES
+    simulate: bool = False  # the grid on the simulator, over a calibrated cost model
+    devices: int | None = None  # simulated: tensor parallel over N devices (extrapolated through the TP cost model)
+    verify: int = 0  # simulated: points of the grid run on the real engine too
+    verify_sample: int = 128  # requests per probe of those points, on both sides
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(x.strip() for x in text.split(",") if x.strip()) if text else None
+
+
+SMOKE = Experiment(model="tiny-llama", dtype="auto", sarathi_budgets=(32, 64), max_num_seqs=8, max_model_len=256,
+                   sample=6, length_scale=0.05, capacity_probes=2, decode_probe_batch=4, decode_probe_context=64,
+                   verify_sample=6)
+
+
+def defaults(smoke: bool, simulate: bool) -> Experiment:
+    """The settings before the command line's overrides: the paper's probe size and count when simulated."""
+    exp = SMOKE if smoke else Experiment()
+    if simulate:
+        exp = dataclasses.replace(exp, simulate=True, sample=24 if smoke else PAPER_SAMPLE,
+                                  capacity_probes=3 if smoke else PAPER_PROBES)
+    return exp
+
+
+def labels(exp: Experiment) -> list[str]:
+    """The engines' labels, as the bench names them: sarathi once per budget."""
+    return [f"sarathi-{b}" if p == "sarathi" else p for p in exp.policies
+            for b in (exp.sarathi_budgets if p == "sarathi" else (None,))]
+
+
+def bench_argv(exp: Experiment, trace_path: str, out_dir: str, slo: str, slo_tbt: float | None,
+               cost_model: str | None = None) -> list[str]:
+    """The bench command line for one trace and SLO; `slo_tbt`: seconds, or None to measure the decode time;
+    `cost_model`: the simulated experiment's."""
+    argv = ["--model", exp.model, "--dtype", exp.dtype, "--trace", trace_path, "--sample", str(exp.sample),
+            "--length-scale", f"{exp.length_scale:g}", "--seed", str(exp.seed),
+            "--scheduler", ",".join(exp.policies), "--token-budget", ",".join(map(str, exp.sarathi_budgets)),
+            "--max-num-seqs", str(exp.max_num_seqs), "--max-model-len", str(exp.max_model_len),
+            "--capacity", "--capacity-probes", str(exp.capacity_probes),
+            "--decode-probe-batch", str(exp.decode_probe_batch),
+            "--decode-probe-context", str(exp.decode_probe_context), "--out", out_dir]  # not --quiet: probes
+    if exp.simulate:
+        argv += ["--simulate", "--cost-model", cost_model]
+        if exp.devices:
+            argv += ["--devices", str(exp.devices)]
+        argv += ["--no-plots"]  # hundreds of runs' CDFs: the report's plot is the one that matters
+    if exp.start_qps is not None:
+        argv += ["--capacity-start-qps", f"{exp.start_qps:g}"]
+    if exp.kv_cache_bytes is not None:
+        argv += ["--kv-cache-bytes", str(exp.kv_cache_bytes)]
+    if slo_tbt is None:
+        argv += ["--slo-tbt-multiple", f"{SLO_MULTIPLES[slo]:g}"]
+    else:
+        argv += ["--slo-tbt", repr(slo_tbt)]
+    return argv
+
+
+def run_name(exp: Experiment) -> str:
+    """One run's folder name: its engines' labels (sarathi once per budget), so runs made piece by piece
+    (one policy or budget per command) land in folders of their own."""
+    return "-".join(labels(exp))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Experiment()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_capacity",
+                                description=sys.modules["benchmarks.gpu_capacity"].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=cli_path, required=True, metavar="DIR")
+    p.add_argument("--trace-dir", type=cli_path, default=None,
+                   help=f"a folder with other copies of {' and '.join(TRACE_FILES.values())} (default: the traces "
+                        "shipped in the package, by name)")
+    p.add_argument("--smoke", action="store_true", help="tiny-llama, a handful of requests: checks the pipeline")
+    p.add_argument("--traces", default=None, help=f"comma-separated, from {', '.join(TRACE_FILES)} (default all)")
+    p.add_argument("--slos", default=None, help="comma-separated, from strict, relaxed (default both)")
+    p.add_argument("--policies", default=None, help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
+    p.add_argument("--model", default=None, help=f"default {d.model}")
+    p.add_argument("--sample", type=int, default=None,
+                   help=f"requests per probe (default {d.sample}; simulated {PAPER_SAMPLE}, the paper's)")
+    p.add_argument("--capacity-probes", type=int, default=None,
+                   help=f"default {d.capacity_probes} (simulated {PAPER_PROBES})")
+    p.add_argument("--token-budgets", default=None,
+                   help=f"sarathi's token budgets, comma-separated (default {','.join(map(str, d.sarathi_budgets))})")
+    p.add_argument("--start-qps", type=float, default=None, help="the capacity search's first probed rate")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="a fixed KV cache size (default: from free memory; simulated: the calibrated engine's)")
+    p.add_argument("--simulate", action="store_true", help="the grid on the simulator over a calibrated cost model")
+    p.add_argument("--cost-model", type=cli_path, default=None, metavar="PATH",
+                   help=f"--simulate: a `step_cost --mode calibrate` JSON (default DIR/{COST_MODEL_FILE}, calibrated "
+                        "on this device when missing)")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="--simulate: tensor parallel over N devices (extrapolated through the TP cost model)")
+    p.add_argument("--verify", type=int, default=0, metavar="N",
+                   help="--simulate: run N points of the grid on the real engine too, beside the simulator")
+    p.add_argument("--verify-sample", type=int, default=None,
+                   help=f"requests per probe of the --verify points, both sides (default {d.verify_sample})")
+    p.add_argument("--dry-run", action="store_true", help="print the bench commands and stop")
+    return p
+
+
+def experiment_of(args: argparse.Namespace) -> Experiment:
+    """The settings the command line asks for; ValueError naming the flag for one that cannot work."""
+    overrides = {"traces": _names(args.traces), "slos": _names(args.slos), "policies": _names(args.policies),
+                 "model": args.model, "sample": args.sample, "capacity_probes": args.capacity_probes,
+                 "sarathi_budgets": tuple(int(b) for b in _names(args.token_budgets)) if args.token_budgets else None,
+                 "start_qps": args.start_qps, "kv_cache_bytes": args.kv_cache_bytes, "devices": args.devices,
+                 "verify": args.verify or None, "verify_sample": args.verify_sample}
+    exp = dataclasses.replace(defaults(args.smoke, args.simulate),
+                              **{k: v for k, v in overrides.items() if v is not None})
+    for name, known in (("traces", TRACE_FILES), ("slos", SLO_MULTIPLES), ("policies", POLICIES)):
+        unknown = [x for x in getattr(exp, name) if x not in known]
+        if unknown:
+            raise ValueError(f"--{name}: unknown {unknown}; choose from {', '.join(known)}")
+    if not exp.simulate and (args.cost_model or exp.devices or exp.verify):
+        raise ValueError("--cost-model, --devices and --verify are for the simulated grid: add --simulate")
+    if exp.verify < 0 or exp.verify_sample < 1 or (exp.devices is not None and exp.devices < 1):
+        raise ValueError("--verify must be >= 0, --verify-sample and --devices >= 1")
+    if exp.verify and (exp.devices or 1) > 1:
+        raise ValueError("--verify runs the real engine on one device: not with --devices N > 1")
+    return exp
+
+
+def cost_model_path(exp: Experiment, args: argparse.Namespace) -> str:
+    """The simulated grid's cost model: --cost-model, else DIR's, else calibrated here on this device into DIR."""
+    if args.cost_model:
+        return args.cost_model
+    path = os.path.join(args.out, COST_MODEL_FILE)
+    if not os.path.exists(path):
+        from sarathi_jax.bench.fidelity import calibrate
+
+        print(f"calibrating the cost model on this device -> {path}", flush=True)
+        t0 = time.monotonic()
+        calibrate(argparse.Namespace(model=exp.model, dtype=exp.dtype, max_num_seqs=exp.max_num_seqs,
+                                     token_budget=",".join(map(str, exp.sarathi_budgets))), path)
+        print(f"calibrated in {time.monotonic() - t0:.0f} s", flush=True)
+    return path
+
+
+def with_calibrated_kv(exp: Experiment, cost_model: str) -> Experiment:
+    """A simulated grid without --kv-cache-bytes holds the KV cache of the engine its cost model was calibrated
+    on (recorded in the cost model's source), as the real engine on that device would."""
+    if exp.kv_cache_bytes is not None or not os.path.exists(cost_model):
+        return exp
+    with open(cost_model) as f:
+        doc = json.load(f)
+    kv = (doc.get("cost_model", doc).get("source") or {}).get("kv_cache_bytes")
+    return exp if kv is None else dataclasses.replace(exp, kv_cache_bytes=int(kv))
+
+
+def run_grid(exp: Experiment, args: argparse.Namespace, cost_model: str | None,
+             engine_factory: Callable[[dict], Any] | None) -> tuple[int, float | None]:
+    """Every trace x SLO of `exp` into DIR; returns (exit status, the decode iteration time)."""
+    decode_path = os.path.join(args.out, DECODE_TIME_FILE)
+    decode_time = None  # measured by the first run into DIR, reused by every later one (also across invocations)
+    if os.path.exists(decode_path):
+        with open(decode_path) as f:
+            decode_time = json.load(f)["decode_only_iteration_time"]
+    commands = []
+    for trace in exp.traces:
+        trace_path = os.path.join(args.trace_dir, TRACE_FILES[trace]) if args.trace_dir else trace
+        for slo in exp.slos:
+            run_dir = os.path.join(args.out, f"{trace}-{slo}", run_name(exp))
+            slo_tbt = None if decode_time is None else SLO_MULTIPLES[slo] * decode_time
+            argv = bench_argv(exp, trace_path, run_dir, slo, slo_tbt, cost_model)
+            commands.append("python -m sarathi_jax.bench " + shlex.join(argv))
+            print(f"[{trace}, {slo}] {commands[-1]}", flush=True)
+            if args.dry_run:  # (a real run passes the first run's measured SLO to the later ones as --slo-tbt)
+                continue
+            t0 = time.monotonic()
+            rc = bench_main(argv, engine_factory=engine_factory)
+            if rc != 0:
+                print(f"[{trace}, {slo}] the bench failed (exit {rc})", file=sys.stderr)
+                return rc, decode_time
+            print(f"[{trace}, {slo}] done in {time.monotonic() - t0:.0f} s", flush=True)
+            if decode_time is None:
+                with open(os.path.join(run_dir, "summary.json")) as f:
+                    decode_time = json.load(f)["decode_only_iteration_time"]
+                with open(decode_path, "w") as f:
+                    json.dump({"decode_only_iteration_time": decode_time, "measured_by": commands[-1]}, f, indent=1)
+    with open(os.path.join(args.out, "commands.sh"), "a") as f:
+        f.write("\n".join(commands) + "\n")
+    return 0, decode_time
+
+
+def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], Any] | None = None) -> int:
+    """`engine_factory`: passed to the bench (tests drive the pipeline with a simulated engine)."""
+    args = build_parser().parse_args(argv)
+    try:
+        exp = experiment_of(args)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    cost_model = None
+    if exp.simulate:
+        cost_model = (args.cost_model or os.path.join(args.out, COST_MODEL_FILE) if args.dry_run
+                      else cost_model_path(exp, args))
+        exp = with_calibrated_kv(exp, cost_model)
+    rc, decode_time = run_grid(exp, args, cost_model, engine_factory)
+    if rc != 0 or args.dry_run:
+        return rc
+    cost_doc = None
+    if exp.simulate:
+        from sarathi_jax.sim.cost_model import BucketCostModel
+
+        cost_doc = BucketCostModel.load(cost_model).to_dict()
+    info = machine_info()
+    table = collect(args.out)
+    with open(os.path.join(args.out, "machine.json"), "w") as f:
+        json.dump({**info, "experiment": dataclasses.asdict(exp), "decode_only_iteration_time": decode_time,
+                   "cost_model": cost_doc}, f, indent=1)
+    with open(os.path.join(args.out, "capacity.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    report = format_report(table, exp, decode_time, info, cost_doc)
+    with open(os.path.join(args.out, "capacity.md"), "w") as f:
+        f.write(report + "\n")
+    plot(table, os.path.join(args.out, "capacity.png"))
+    print()
+    print(report)
+    print(f"wrote {args.out}/capacity.md, capacity.json, capacity.png, machine.json, commands.sh and one folder per run")
+    if exp.verify:
+        from benchmarks.gpu_capacity.verify import verify
+
+        return verify(exp, args, table, cost_model, engine_factory)
+    return 0
