@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -194,6 +195,31 @@ def with_calibrated_kv(exp: Experiment, cost_model: str) -> Experiment:
     return exp if kv is None else dataclasses.replace(exp, kv_cache_bytes=int(kv))
 
 
+def finished(run_dir: str, argv: list[str], slo_tbt: float | None) -> bool:
+    """`run_dir` holds a run of `argv` at the TBT SLO `slo_tbt` (None: not known yet). The simulator is
+    deterministic: a later invocation, for example one adding --verify on a GPU, keeps the run instead of
+    simulating it again. The SLO is compared in seconds (the first run was given it as a multiple)."""
+    path = os.path.join(run_dir, "summary.json")
+    if slo_tbt is None or not os.path.exists(path):
+        return False
+    with open(path) as f:
+        doc = json.load(f)
+    return (_without_slo(doc.get("argv") or []) == _without_slo(argv) and doc.get("slo_tbt") is not None
+            and math.isclose(doc["slo_tbt"], slo_tbt, rel_tol=1e-9))
+
+
+def _without_slo(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--slo-tbt", "--slo-tbt-multiple"):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
 def run_grid(exp: Experiment, args: argparse.Namespace, cost_model: str | None,
              engine_factory: Callable[[dict], Any] | None) -> tuple[int, float | None]:
     """Every trace x SLO of `exp` into DIR; returns (exit status, the decode iteration time)."""
@@ -209,6 +235,9 @@ def run_grid(exp: Experiment, args: argparse.Namespace, cost_model: str | None,
             run_dir = os.path.join(args.out, f"{trace}-{slo}", run_name(exp))
             slo_tbt = None if decode_time is None else SLO_MULTIPLES[slo] * decode_time
             argv = bench_argv(exp, trace_path, run_dir, slo, slo_tbt, cost_model)
+            if exp.simulate and not args.dry_run and finished(run_dir, argv, slo_tbt):
+                print(f"[{trace}, {slo}] kept: {run_dir} holds this simulated run", flush=True)
+                continue
             commands.append("python -m sarathi_jax.bench " + shlex.join(argv))
             print(f"[{trace}, {slo}] {commands[-1]}", flush=True)
             if args.dry_run:  # (a real run passes the first run's measured SLO to the later ones as --slo-tbt)

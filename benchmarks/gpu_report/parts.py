@@ -282,10 +282,48 @@ def part_quantized(cfg: ReportConfig, res: Result, rates: dict | None, **_: Any)
               ["weights", "weight GiB", "median ms", "best ms", "floor ms", "x floor", f"/ {cfg.dtype}"], rows)
 
 
+def part_cost_model(cfg: ReportConfig, res: Result, out: str, rates: dict | None, **_: Any) -> None:
+    """The simulator's cost model of the large model on this device (`step_cost --mode calibrate` at the paper's
+    larger token budget) into `DIR/cost_model.json`: `python -m benchmarks.gpu_capacity --simulate --cost-model
+    DIR/cost_model.json` runs the paper's capacity grid on it on any machine. Beside it, the fit's error over
+    the calibration batches and the decode iteration behind the paper's SLOs (batch 32 at context 4096) with its
+    floor."""
+    import statistics
+
+    from sarathi_jax.bench.roofline import ModelShape, work
+    from sarathi_jax.bench.step_cost import main as step_cost
+    from sarathi_jax.models import load_model_config
+    from sarathi_jax.sim.cost_model import BucketCostModel, Chunk
+
+    rates = get_rates(cfg, rates, res)
+    path, doc_path = os.path.join(out, "cost_model.json"), os.path.join(out, "cost_model_calibration.json")
+    argv = ["--mode", "calibrate", "--model", cfg.large_model, "--dtype", cfg.dtype, "--token-budget",
+            str(cfg.grid_token_budget), "--max-num-seqs", str(cfg.grid_max_num_seqs), "--cost-model-out", path,
+            "--json", doc_path, "--quiet"]
+    res.doc["info"]["command"] = "python -m sarathi_jax.bench.step_cost " + " ".join(argv)
+    if step_cost(argv) != 0:
+        raise RuntimeError("step_cost --mode calibrate failed")
+    model = BucketCostModel.load(path)
+    res.doc["info"]["cost_model"] = model.to_dict()
+    with open(doc_path) as f:
+        rows = [r for r in json.load(f)["rows"] if "fit_s" in r]
+    errors = [abs(r["fit_s"] / r["time_s"] - 1) for r in rows]
+    res.figure("cost model fit: median |error| over the calibration batches", statistics.median(errors), "ratio")
+    res.figure("cost model fit: largest |error|", max(errors), "ratio")
+    batch, ctx = cfg.grid_decode_batch, cfg.grid_decode_context
+    decode = [Chunk(ctx, 1)] * batch
+    shape = ModelShape.from_model_config(load_model_config(cfg.large_model), cfg.dtype)
+    w = work(shape, decode)
+    floor, basis, _, _ = floor_of(w.flops, w.bytes, rates)
+    res.figure(f"cost model: decode x{batch} at ctx {ctx} (the SLOs' reference)", model.chunks_time(decode), "s",
+               floor, basis)
+    res.save()
+
+
 PARTS: dict[str, Callable[..., None]] = {
     "machine": part_machine, "tune": part_tune, "attention": part_attention, "profile_large": part_profile_large,
     "profile_small": part_profile_small, "startup_small": part_startup_small, "startup_large": part_startup_large,
-    "loop": part_loop, "quantized": part_quantized,
+    "loop": part_loop, "quantized": part_quantized, "cost_model": part_cost_model,
 }
 
 

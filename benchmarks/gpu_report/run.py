@@ -22,7 +22,12 @@ and a part's timeout is cut to the time left, so that the whole run ends within 
 6. `quantized`: the large model's decode steps with bf16, int8 and fp8 layer weights, alternated
    (`benchmarks.probes.out_major_steps.alternate`), against their byte floors; fp8's refusal where the GPU has no
    FP8 matmul;
-7. `startup_small`, `startup_large`: start-up, cold and warm (`benchmarks.probes.startup`). Last: it already has GPU figures.
+7. `cost_model`: the simulator's cost model of the large model calibrated on this device
+   (`python -m sarathi_jax.bench.step_cost --mode calibrate`, up to the paper's 2048-token budget) into
+   `DIR/cost_model.json`, its fit error, and the decode iteration behind the paper's SLOs (batch 32 at context
+   4096) beside its floor: `python -m benchmarks.gpu_capacity --simulate --cost-model DIR/cost_model.json` runs
+   the paper's capacity grid on it, on any machine;
+8. `startup_small`, `startup_large`: start-up, cold and warm (`benchmarks.probes.startup`). Last: it already has GPU figures.
 
 Each part runs in a process of its own (`python -m benchmarks.gpu_report.parts PART`) with a timeout, so
 a part that crashes or hangs (XLA, the driver, out of memory) is recorded as `failed` or `timeout`, with its
@@ -101,6 +106,11 @@ class ReportConfig:
     loop_rounds: int = 3
     # quantized weights: the large model's decode (profile_batch x profile_context) with each kind of weights
     quant_repeats: int = 10
+    # the simulator's cost model of the large model (step_cost --mode calibrate) for the paper's capacity grid
+    grid_token_budget: int = 2048  # the paper's larger sarathi budget: the calibration covers its buckets
+    grid_max_num_seqs: int = 128
+    grid_decode_batch: int = 32  # the SLOs' reference decode iteration
+    grid_decode_context: int = 4096
 
 
 SMOKE = ReportConfig(
@@ -111,6 +121,7 @@ SMOKE = ReportConfig(
     profile_steps=3, mixed_steps=2, token_budget=32, startup_token_budget=16, startup_max_num_seqs=2,
     startup_num_blocks=32,
     loop_batches=(1, 2, 4), loop_context=16, loop_token_budget=16, loop_steps=2, loop_rounds=1, quant_repeats=2,
+    grid_token_budget=64, grid_max_num_seqs=8, grid_decode_batch=4, grid_decode_context=64,
 )
 
 
@@ -135,13 +146,14 @@ class Part:
                     f"{', '.join(map(str, c.loop_batches))} decodes",
             "quantized": f"Quantized weights: {c.large_model} decode x{c.profile_batch} at ctx {c.profile_context}, "
                          f"{c.dtype} against int8 and fp8",
+            "cost_model": f"Simulator cost model: {c.large_model} calibrated up to {c.grid_token_budget} tokens",
         }[self.name]
 
 
 PARTS = (  # the order above: start-up, which already has GPU figures, last
     Part("machine", 60), Part("tune", 110), Part("attention", 90), Part("profile_large", 120),
-    Part("profile_small", 75), Part("loop", 100), Part("quantized", 120), Part("startup_small", 70),
-    Part("startup_large", 90),
+    Part("profile_small", 75), Part("loop", 100), Part("quantized", 120), Part("cost_model", 180),
+    Part("startup_small", 70), Part("startup_large", 90),
 )
 PART_NAMES = tuple(p.name for p in PARTS)
 

@@ -30,6 +30,7 @@ from sarathi_jax.bench.runs import run_all
 def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], Any] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # as given: recorded in summary.json
     try:
         return _main(args, engine_factory)
     except BenchError as e:

@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write JSON and CSV per run, summary.csv/json and PNG plots here")
     o.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     o.add_argument("--quiet", action="store_true", help="no progress bars or progress lines")
+    p.set_defaults(argv=None)  # `main`'s argv as given (summary.json records it); None: sys.argv
     return p
 
 

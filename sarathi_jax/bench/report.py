@@ -335,7 +335,7 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
 
     if args.out:
         meta = {
-            "argv": sys.argv[1:] if sys.argv else [],
+            "argv": args.argv if args.argv is not None else sys.argv[1:],
             "workload": fitted.summary(),
             "slo_tbt": slo_tbt,
             "slo_ttft": args.slo_ttft,

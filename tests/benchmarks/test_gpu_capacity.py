@@ -89,6 +89,26 @@ def test_smoke_simulated_grid_with_a_real_point(tmp_path, capsys):
     assert "| arxiv | strict" in (out / "verify.md").read_text()
 
 
+def test_a_simulated_run_already_in_the_folder_is_kept(tmp_path, capsys):
+    """A later invocation (for example `--verify N` on a GPU, after the grid ran on a CPU) keeps the simulated runs
+    made with the same command line, and simulates again those whose command line changed."""
+    from sarathi_jax.sim.cost_model import BucketCostModel
+
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps(BucketCostModel({4: 0.004, 64: 0.008}, 1e-7, 1e-8).to_dict()))
+    argv = ["--out", str(tmp_path / "out"), "--smoke", "--simulate", "--cost-model", str(cost), "--traces", "arxiv",
+            "--slos", "strict", "--sample", "8"]
+    assert main(argv) == 0
+    first = json.loads((tmp_path / "out" / "capacity.json").read_text())
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "kept: " in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "capacity.json").read_text()) == first
+    assert main(argv[:-1] + ["10"]) == 0  # another sample: simulated again
+    assert "kept: " not in capsys.readouterr().out
+    assert (tmp_path / "out" / "commands.sh").read_text().count("python -m sarathi_jax.bench ") == 2
+
+
 def test_a_relative_trace_dir_is_the_current_directory(tmp_path, monkeypatch, capsys):
     _traces(tmp_path / "traces")
     monkeypatch.chdir(tmp_path)
