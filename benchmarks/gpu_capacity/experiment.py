@@ -179,6 +179,7 @@ def cost_model_path(exp: Experiment, args: argparse.Namespace) -> str:
         print(f"calibrating the cost model on this device -> {path}", flush=True)
         t0 = time.monotonic()
         calibrate(argparse.Namespace(model=exp.model, dtype=exp.dtype, max_num_seqs=exp.max_num_seqs,
+                                     max_model_len=exp.max_model_len,
                                      token_budget=",".join(map(str, exp.sarathi_budgets))), path)
         print(f"calibrated in {time.monotonic() - t0:.0f} s", flush=True)
     return path

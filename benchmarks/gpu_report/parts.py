@@ -298,7 +298,9 @@ def part_cost_model(cfg: ReportConfig, res: Result, out: str, rates: dict | None
     rates = get_rates(cfg, rates, res)
     path, doc_path = os.path.join(out, "cost_model.json"), os.path.join(out, "cost_model_calibration.json")
     argv = ["--mode", "calibrate", "--model", cfg.large_model, "--dtype", cfg.dtype, "--token-budget",
-            str(cfg.grid_token_budget), "--max-num-seqs", str(cfg.grid_max_num_seqs), "--cost-model-out", path,
+            str(cfg.grid_token_budget), "--max-num-seqs", str(cfg.grid_max_num_seqs), "--max-model-len",
+            str(2 * cfg.grid_decode_context), "--calib-contexts", f"128,512,{cfg.grid_decode_context}",
+            "--cost-model-out", path,
             "--json", doc_path, "--quiet"]
     res.doc["info"]["command"] = "python -m sarathi_jax.bench.step_cost " + " ".join(argv)
     if step_cost(argv) != 0:

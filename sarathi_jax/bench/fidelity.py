@@ -56,11 +56,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse
 
 
 def calibrate(bench: argparse.Namespace, path: str) -> None:
-    """`step_cost --mode calibrate` for the runs' model, dtype, largest budget and batch size: the cost model."""
+    """`step_cost --mode calibrate` for the runs' model, dtype, largest budget, batch size and model length: the
+    cost model. Decodes are timed at contexts 128, 512 and half the model length, so that long prompts' decodes
+    are measured, not extrapolated."""
+    from sarathi_jax.bench.args import DEFAULT_MAX_MODEL_LEN
     from sarathi_jax.bench.step_cost import main as step_cost
 
     budgets = [int(b) for b in str(bench.token_budget or "128").split(",") if b.strip().isdigit()]
+    max_len = bench.max_model_len or DEFAULT_MAX_MODEL_LEN
+    contexts = sorted(c for c in {128, 512, max_len // 2} if 0 < c < max_len)
     argv = ["--mode", "calibrate", "--model", bench.model, "--token-budget", str(max(budgets or [128])),
+            "--max-model-len", str(max_len), "--calib-contexts", ",".join(map(str, contexts)),
             "--cost-model-out", path, "--quiet"]
     if bench.dtype:
         argv += ["--dtype", bench.dtype if bench.dtype != "auto" else "float32"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -32,6 +34,7 @@ from sarathi_jax.request.chat_template import ChatTemplate, ChatTemplateError
 from sarathi_jax.models import ModelConfig
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the smollm2_gguf fixture (tests/conftest.py)
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 48
 
 CHAT_PROMPTS = [
@@ -274,20 +277,21 @@ def test_server_chat_grpc_messages_and_openai_http(llm: LLM, hf, hf_greedy) -> N
         srv.stop(grace=0, timeout=60)
 
 
-def test_real_model_bench_against_hf_generate(smollm2_dir: Path, smollm2_gguf: Path, tmp_path: Path, capsys) -> None:
-    """`python -m benchmarks.real_model`: chat prompts through this engine and HF's padded `generate`;
-    the first completion is printed, greedy sequences agree, and the floor is below the measured time."""
-    from benchmarks.real_model import main as real_model_main
-
+def test_real_model_bench_against_hf_generate(smollm2_dir: Path, smollm2_gguf: Path, tmp_path: Path) -> None:
+    """`python -m benchmarks.real_model`, run as a user runs it (a process of its own, from the repository root):
+    chat prompts through this engine and HF's padded `generate`; the first completion is printed, greedy
+    sequences agree, and the floor is below the measured time."""
     questions = tmp_path / "questions.txt"
     questions.write_text("What is the capital of France?\n\nList three fruits.\n")
     out = tmp_path / "figures.json"
-    assert real_model_main(["--model", str(smollm2_dir), "--reference", str(smollm2_gguf), "--max-tokens", "8",
-                            "--prompts-file", str(questions), "--max-model-len", "1024",
-                            "--json-out", str(out)]) == 0
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.real_model", "--model", str(smollm2_dir), "--reference",
+                           str(smollm2_gguf), "--max-tokens", "8", "--prompts-file", str(questions),
+                           "--max-model-len", "1024", "--json-out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(out.read_text())
     assert figures["num_prompts"] == 2 and figures["identical_sequences"] == 2
     assert figures["engine_output_tokens"] == figures["hf_output_tokens"] <= 16
     assert 0 < figures["engine_floor_s"] < figures["engine_s"]
     assert figures["first_completion"].startswith("The capital of France is")
-    assert "first completion ('What is the capital of France?')" in capsys.readouterr().out
+    assert "first completion ('What is the capital of France?')" in proc.stdout
