@@ -7,8 +7,8 @@ rate each policy sustains: sarathi at two token budgets (the paper's 512 and 204
 at most `--max-num-seqs` sequences, the paper's largest vLLM batch). The decode iteration time is measured once,
 by the first run into DIR (kept in `decode_time.json`), and every later run gets the same SLO in seconds.
 
-Modules: `experiment` (the settings, the bench commands, the command line), `report` (the table, the plot, the
-machine description), `verify` (real-engine spot checks of a simulated grid).
+Modules: `settings` (the settings and the bench commands), `experiment` (the command line), `report` (the
+table, the plot, the machine description), `verify` (real-engine spot checks of a simulated grid).
 
 **On the real engine** (the default) the experiment can be run in pieces (`--traces`, `--slos`, `--policies`; for
 example one trace, SLO and policy per command where a command may run only minutes) into the same DIR: every

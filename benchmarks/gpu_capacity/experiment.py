@@ -1,5 +1,5 @@
-"""The capacity experiment's settings (`Experiment`), its bench command lines and its command line (`main`);
-see the package docstring."""
+"""The capacity experiment's command line (`main`): the grid's runs into DIR, the report, then the `--verify`
+points; see the package docstring."""
 
 from __future__ import annotations
 
@@ -11,102 +11,18 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from benchmarks.gpu_capacity.report import SLO_MULTIPLES, collect, format_report, machine_info, plot
+from benchmarks.gpu_capacity.report import collect, format_report, machine_info, plot
+from benchmarks.gpu_capacity.settings import (COST_MODEL_FILE, DECODE_TIME_FILE, PAPER_PROBES, PAPER_SAMPLE, POLICIES,
+                                              SLO_MULTIPLES, Experiment, bench_argv, defaults, run_name)
+from benchmarks.gpu_capacity.verify import verify
 from sarathi_jax.bench.__main__ import main as bench_main
 from sarathi_jax.bench.traces import SHIPPED_TRACES as TRACE_FILES
 from sarathi_jax.utils.paths import cli_path
 
-POLICIES = ("sarathi", "vllm", "orca")
-DECODE_TIME_FILE = "decode_time.json"
-COST_MODEL_FILE = "cost_model.json"
-PAPER_SAMPLE = 2048  # requests per probe in the paper's capacity searches
-PAPER_PROBES = 8  # probes per search (the paper's 7-8)
-
-
-@dataclass(frozen=True)
-class Experiment:
-    """One full experiment's settings (the GPU defaults, or `--smoke`'s)."""
-
-    model: str = "mistral-7b"
-    dtype: str = "bfloat16"
-    traces: tuple[str, ...] = ("arxiv", "conversation")
-    slos: tuple[str, ...] = ("strict", "relaxed")
-    sarathi_budgets: tuple[int, ...] = (512, 2048)
-    max_num_seqs: int = 128
-    max_model_len: int = 4096
-    sample: int = 128  # requests per probe on the real engine (the paper replays 2,048: the simulated default)
-    length_scale: float = 1.0
-    capacity_probes: int = 6
-    decode_probe_batch: int = 32
-    decode_probe_context: int = 4096  # the SLOs' reference: a decode iteration of batch 32 at context 4k
-    kv_cache_bytes: int | None = None  # None: sized from the device's free memory (gpu_memory_utilization)
-    start_qps: float | None = None  # the capacity search's first probe (None: the bench's default, 1 req/s)
-    seed: int = 0
-    policies: tuple[str, ...] = POLICIES
-    simulate: bool = False  # the grid on the simulator, over a calibrated cost model
-    devices: int | None = None  # simulated: tensor parallel over N devices (extrapolated through the TP cost model)
-    verify: int = 0  # simulated: points of the grid run on the real engine too
-    verify_sample: int = 128  # requests per probe of those points, on both sides
-
-
 def _names(text: str | None) -> tuple[str, ...] | None:
     return tuple(x.strip() for x in text.split(",") if x.strip()) if text else None
-
-
-SMOKE = Experiment(model="tiny-llama", dtype="auto", sarathi_budgets=(32, 64), max_num_seqs=8, max_model_len=256,
-                   sample=6, length_scale=0.05, capacity_probes=2, decode_probe_batch=4, decode_probe_context=64,
-                   verify_sample=6)
-
-
-def defaults(smoke: bool, simulate: bool) -> Experiment:
-    """The settings before the command line's overrides: the paper's probe size and count when simulated."""
-    exp = SMOKE if smoke else Experiment()
-    if simulate:
-        exp = dataclasses.replace(exp, simulate=True, sample=24 if smoke else PAPER_SAMPLE,
-                                  capacity_probes=3 if smoke else PAPER_PROBES)
-    return exp
-
-
-def labels(exp: Experiment) -> list[str]:
-    """The engines' labels, as the bench names them: sarathi once per budget."""
-    return [f"sarathi-{b}" if p == "sarathi" else p for p in exp.policies
-            for b in (exp.sarathi_budgets if p == "sarathi" else (None,))]
-
-
-def bench_argv(exp: Experiment, trace_path: str, out_dir: str, slo: str, slo_tbt: float | None,
-               cost_model: str | None = None) -> list[str]:
-    """The bench command line for one trace and SLO; `slo_tbt`: seconds, or None to measure the decode time;
-    `cost_model`: the simulated experiment's."""
-    argv = ["--model", exp.model, "--dtype", exp.dtype, "--trace", trace_path, "--sample", str(exp.sample),
-            "--length-scale", f"{exp.length_scale:g}", "--seed", str(exp.seed),
-            "--scheduler", ",".join(exp.policies), "--token-budget", ",".join(map(str, exp.sarathi_budgets)),
-            "--max-num-seqs", str(exp.max_num_seqs), "--max-model-len", str(exp.max_model_len),
-            "--capacity", "--capacity-probes", str(exp.capacity_probes),
-            "--decode-probe-batch", str(exp.decode_probe_batch),
-            "--decode-probe-context", str(exp.decode_probe_context), "--out", out_dir]  # not --quiet: probes
-    if exp.simulate:
-        argv += ["--simulate", "--cost-model", cost_model]
-        if exp.devices:
-            argv += ["--devices", str(exp.devices)]
-        argv += ["--no-plots"]  # hundreds of runs' CDFs: the report's plot is the one that matters
-    if exp.start_qps is not None:
-        argv += ["--capacity-start-qps", f"{exp.start_qps:g}"]
-    if exp.kv_cache_bytes is not None:
-        argv += ["--kv-cache-bytes", str(exp.kv_cache_bytes)]
-    if slo_tbt is None:
-        argv += ["--slo-tbt-multiple", f"{SLO_MULTIPLES[slo]:g}"]
-    else:
-        argv += ["--slo-tbt", repr(slo_tbt)]
-    return argv
-
-
-def run_name(exp: Experiment) -> str:
-    """One run's folder name: its engines' labels (sarathi once per budget), so runs made piece by piece
-    (one policy or budget per command) land in folders of their own."""
-    return "-".join(labels(exp))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slos", default=None, help="comma-separated, from strict, relaxed (default both)")
     p.add_argument("--policies", default=None, help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
     p.add_argument("--model", default=None, help=f"default {d.model}")
+    p.add_argument("--dtype", default=None, help=f"default {d.dtype}")
+    p.add_argument("--max-model-len", type=int, default=None, help=f"default {d.max_model_len}")
+    p.add_argument("--max-num-seqs", type=int, default=None, help=f"default {d.max_num_seqs}")
+    p.add_argument("--length-scale", type=float, default=None,
+                   help="the traces' prompt and output lengths times this (default 1: the paper's lengths)")
     p.add_argument("--sample", type=int, default=None,
                    help=f"requests per probe (default {d.sample}; simulated {PAPER_SAMPLE}, the paper's)")
     p.add_argument("--capacity-probes", type=int, default=None,
@@ -149,12 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
 def experiment_of(args: argparse.Namespace) -> Experiment:
     """The settings the command line asks for; ValueError naming the flag for one that cannot work."""
     overrides = {"traces": _names(args.traces), "slos": _names(args.slos), "policies": _names(args.policies),
-                 "model": args.model, "sample": args.sample, "capacity_probes": args.capacity_probes,
+                 "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+                 "max_num_seqs": args.max_num_seqs, "length_scale": args.length_scale,
+                 "sample": args.sample, "capacity_probes": args.capacity_probes,
                  "sarathi_budgets": tuple(int(b) for b in _names(args.token_budgets)) if args.token_budgets else None,
                  "start_qps": args.start_qps, "kv_cache_bytes": args.kv_cache_bytes, "devices": args.devices,
                  "verify": args.verify or None, "verify_sample": args.verify_sample}
     exp = dataclasses.replace(defaults(args.smoke, args.simulate),
                               **{k: v for k, v in overrides.items() if v is not None})
+    # The decode probe's prompts and their 32 outputs fit the model length (the bench caps them): say the context.
+    context = min(exp.decode_probe_context, exp.max_model_len - min(32, exp.max_model_len // 2))
+    exp = dataclasses.replace(exp, decode_probe_context=context)
     for name, known in (("traces", TRACE_FILES), ("slos", SLO_MULTIPLES), ("policies", POLICIES)):
         unknown = [x for x in getattr(exp, name) if x not in known]
         if unknown:
@@ -284,8 +210,8 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
     info = machine_info()
     table = collect(args.out)
     with open(os.path.join(args.out, "machine.json"), "w") as f:
-        json.dump({**info, "experiment": dataclasses.asdict(exp), "decode_only_iteration_time": decode_time,
-                   "cost_model": cost_doc}, f, indent=1)
+        json.dump({**info, "experiment": dataclasses.asdict(exp), "cost_model": cost_doc,
+                   "decode_only_iteration_time": decode_time}, f, indent=1)
     with open(os.path.join(args.out, "capacity.json"), "w") as f:
         json.dump(table, f, indent=1)
     report = format_report(table, exp, decode_time, info, cost_doc)
@@ -296,7 +222,5 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
     print(report)
     print(f"wrote {args.out}/capacity.md, capacity.json, capacity.png, machine.json, commands.sh and one folder per run")
     if exp.verify:
-        from benchmarks.gpu_capacity.verify import verify
-
         return verify(exp, args, table, cost_model, engine_factory)
     return 0

@@ -7,15 +7,11 @@ import json
 import os
 import platform
 import subprocess
-from typing import TYPE_CHECKING
 
+from benchmarks.gpu_capacity.settings import SLO_MULTIPLES, Experiment
 from sarathi_jax.bench.traces import SHIPPED_TRACES as TRACE_FILES
 from sarathi_jax.config.engine_config import resolve_dtype
 
-if TYPE_CHECKING:
-    from benchmarks.gpu_capacity.experiment import Experiment
-
-SLO_MULTIPLES = {"strict": 5.0, "relaxed": 25.0}  # x the decode iteration time (the paper's section 5)
 PAPER_NOTE = ("Sarathi-Serve (OSDI'24): Mistral-7B on one A100, up to 2.6x the capacity of vLLM under the strict "
               "P99-TBT SLO, with sarathi token budgets of 512 and 2048")
 

@@ -13,8 +13,7 @@ import shlex
 import sys
 from typing import Any, Callable
 
-from benchmarks.gpu_capacity.experiment import Experiment, bench_argv, labels
-from benchmarks.gpu_capacity.report import SLO_MULTIPLES
+from benchmarks.gpu_capacity.settings import Experiment, bench_argv, labels
 from sarathi_jax.bench.__main__ import main as bench_main
 from sarathi_jax.bench.traces import SHIPPED_TRACES as TRACE_FILES
 

@@ -217,8 +217,8 @@ def measure_decode_iteration_time(
     from sarathi_jax.bench.metrics import decode_only_iteration_time
 
     max_len = engine.max_model_len
-    p = max(1, min(prompt_len, max_len // 2))
-    o = max(2, min(output_len, max_len - p))
+    o = max(2, min(output_len, max_len // 2))
+    p = max(1, min(prompt_len, max_len - o))
     wl = Workload(np.zeros(batch_size), np.full(batch_size, p), np.full(batch_size, o))
     vocab = vocab_size or engine_vocab_size(engine)
     result = run_workload(engine, wl, wl.prompts(vocab, seed), id_prefix=id_prefix, label="decode probe")

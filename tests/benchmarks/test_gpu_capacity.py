@@ -40,7 +40,7 @@ def test_dry_run_of_the_simulated_grid(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4
     for needle in ("--simulate", f"--cost-model {tmp_path / 'cost_model.json'}", "--sample 2048",
-                   "--capacity-probes 8", "--decode-probe-batch 32", "--decode-probe-context 4096", "--devices 2"):
+                   "--capacity-probes 8", "--decode-probe-batch 32", "--decode-probe-context 4064", "--devices 2"):
         assert all(needle in line for line in lines), needle
 
 
