@@ -18,6 +18,7 @@ from benchmarks.gpu_capacity.settings import (COST_MODEL_FILE, DECODE_TIME_FILE,
                                               SLO_MULTIPLES, Experiment, bench_argv, defaults, run_name)
 from benchmarks.gpu_capacity.verify import verify
 from sarathi_jax.bench.__main__ import main as bench_main
+from sarathi_jax.bench.plots import PLOTS_EXTRA, have_matplotlib
 from sarathi_jax.bench.traces import SHIPPED_TRACES as TRACE_FILES
 from sarathi_jax.utils.paths import cli_path
 
@@ -217,10 +218,14 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
     report = format_report(table, exp, decode_time, info, cost_doc)
     with open(os.path.join(args.out, "capacity.md"), "w") as f:
         f.write(report + "\n")
-    plot(table, os.path.join(args.out, "capacity.png"))
+    png = ""
+    if have_matplotlib():
+        png = os.path.basename(plot(table, os.path.join(args.out, "capacity.png"))) + ", "
+    else:
+        print(f"(no capacity.png: the plot needs matplotlib, {PLOTS_EXTRA})", file=sys.stderr)
     print()
     print(report)
-    print(f"wrote {args.out}/capacity.md, capacity.json, capacity.png, machine.json, commands.sh and one folder per run")
+    print(f"wrote {args.out}/capacity.md, capacity.json, {png}machine.json, commands.sh and one folder per run")
     if exp.verify:
         return verify(exp, args, table, cost_model, engine_factory)
     return 0
