@@ -112,15 +112,11 @@ def cost_model_path(exp: Experiment, args: argparse.Namespace) -> str:
     return path
 
 
-def with_calibrated_kv(exp: Experiment, cost_model: str) -> Experiment:
+def with_calibrated_kv(exp: Experiment, source: dict) -> Experiment:
     """A simulated grid without --kv-cache-bytes holds the KV cache of the engine its cost model was calibrated
-    on (recorded in the cost model's source), as the real engine on that device would."""
-    if exp.kv_cache_bytes is not None or not os.path.exists(cost_model):
-        return exp
-    with open(cost_model) as f:
-        doc = json.load(f)
-    kv = (doc.get("cost_model", doc).get("source") or {}).get("kv_cache_bytes")
-    return exp if kv is None else dataclasses.replace(exp, kv_cache_bytes=int(kv))
+    on (`source`: the cost model's, which records it), as the real engine on that device would."""
+    kv = source.get("kv_cache_bytes")
+    return exp if exp.kv_cache_bytes is not None or kv is None else dataclasses.replace(exp, kv_cache_bytes=int(kv))
 
 
 def finished(run_dir: str, argv: list[str], slo_tbt: float | None) -> bool:
@@ -195,19 +191,18 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[dict], 
         print(e, file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    cost_model = None
+    cost_model, cost_doc = None, None
     if exp.simulate:
         cost_model = (args.cost_model or os.path.join(args.out, COST_MODEL_FILE) if args.dry_run
                       else cost_model_path(exp, args))
-        exp = with_calibrated_kv(exp, cost_model)
+        if os.path.exists(cost_model):  # (a dry run may name one not calibrated yet)
+            from sarathi_jax.sim.cost_model import BucketCostModel
+
+            cost_doc = BucketCostModel.load(cost_model).to_dict()
+            exp = with_calibrated_kv(exp, cost_doc["source"])
     rc, decode_time = run_grid(exp, args, cost_model, engine_factory)
     if rc != 0 or args.dry_run:
         return rc
-    cost_doc = None
-    if exp.simulate:
-        from sarathi_jax.sim.cost_model import BucketCostModel
-
-        cost_doc = BucketCostModel.load(cost_model).to_dict()
     info = machine_info()
     table = collect(args.out)
     with open(os.path.join(args.out, "machine.json"), "w") as f:

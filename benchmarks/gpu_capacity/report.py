@@ -61,23 +61,21 @@ def collect(out: str) -> dict:
                 entry = table.setdefault(trace, {}).setdefault(
                     slo, {"slo_tbt": doc["slo_tbt"], "capacity": {}, "bound": {}, "probes": {}, "throughput": {}})
                 for label, c in doc["capacity"].items():
-                    top = c.get("max_throughput")
-                    beyond = c.get("beyond_throughput", False)
-                    # A pass above the fastest completion rate proves nothing: the capacity is at most that rate.
-                    entry["capacity"][label] = top if beyond else c["capacity_qps"]
-                    entry["bound"][label] = "<=" if beyond else _bound(c)
+                    entry["capacity"][label], entry["bound"][label] = reported_capacity(c)
                     entry["probes"][label] = c["probes"]
-                    entry["throughput"][label] = top
+                    entry["throughput"][label] = c.get("max_throughput")
     return table
 
 
-def _bound(capacity: dict) -> str:
-    """">=" when no probe failed (the search stopped below the capacity), "<" when none passed, else ""."""
+def reported_capacity(capacity: dict) -> tuple[float, str]:
+    """(req/s, bound) of one search (`CapacityResult.to_dict()`): "<=" and the fastest completion rate when the
+    search passed above it (a pass there proves nothing: the capacity is at most that rate), ">=" when no probe
+    failed (the search stopped below the capacity), "<" when none passed, else ""."""
+    if capacity.get("beyond_throughput", False):
+        return capacity["max_throughput"], "<="
     if capacity["bracket"][1] is None:
-        return ">="
-    if capacity["capacity_qps"] == 0:
-        return "<"
-    return ""
+        return capacity["capacity_qps"], ">="
+    return capacity["capacity_qps"], "<" if capacity["capacity_qps"] == 0 else ""
 
 
 def _cell(r: dict, label: str) -> str:

@@ -13,6 +13,7 @@ import shlex
 import sys
 from typing import Any, Callable
 
+from benchmarks.gpu_capacity.report import reported_capacity
 from benchmarks.gpu_capacity.settings import Experiment, bench_argv, labels
 from sarathi_jax.bench.__main__ import main as bench_main
 from sarathi_jax.bench.traces import SHIPPED_TRACES as TRACE_FILES
@@ -48,10 +49,8 @@ def point_experiment(exp: Experiment, label: str, *, simulate: bool, start_qps: 
 def capacity_of(run_dir: str, label: str) -> dict:
     with open(os.path.join(run_dir, "summary.json")) as f:
         c = json.load(f)["capacity"][label]
-    bound = ("<=" if c.get("beyond_throughput") else ">=" if c["bracket"][1] is None
-             else "<" if c["capacity_qps"] == 0 else "")
-    return {"capacity": c["max_throughput"] if bound == "<=" else c["capacity_qps"], "bound": bound,
-            "probes": len(c["probes"])}
+    capacity, bound = reported_capacity(c)
+    return {"capacity": capacity, "bound": bound, "probes": len(c["probes"])}
 
 
 def verify(exp: Experiment, args: argparse.Namespace, table: dict, cost_model: str,
