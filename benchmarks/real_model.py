@@ -16,10 +16,12 @@ measurements), summed over the iterations; attention and KV-cache traffic are le
 `--reference` is an HF folder or a GGUF file (loaded by transformers' own GGUF support); without it only this
 engine runs.
 
-`--quantization int8` runs this engine on quantized weights (W8A16, quantized at load); with
-`--compare-quantization` a second engine on the float weights runs the same chats afterwards, and the run prints
-how many of the quantized engine's greedy sequences are token-identical to the float engine's, beside both
-engines' `weight_bytes`.
+`--quantization int8` runs this engine on quantized weights (W8A16, quantized at load); transformers then runs
+on the same weights: each decoder Linear replaced by its int8 round trip (`verifier.dequantize_linears`), so the
+token-identical count checks the quantized engine against an oracle computing with the weights it computes with.
+With `--compare-quantization` a second engine on the float weights runs the same chats afterwards, and the run
+prints how many of the quantized engine's greedy sequences are token-identical to the float engine's (what the
+quantization changes), beside both engines' `weight_bytes`.
 """
 
 from __future__ import annotations
@@ -89,13 +91,17 @@ def run_engine(llm, conversations: list[list[dict]], max_tokens: int) -> tuple[l
     return [list(o.token_ids) for o in outs], [o.text for o in outs], time.perf_counter() - t0
 
 
-def run_hf(reference: str, prompt_ids: list[list[int]], max_tokens: int, stop_ids: Sequence[int]
-           ) -> tuple[list[list[int]], float]:
+def run_hf(reference: str, prompt_ids: list[list[int]], max_tokens: int, stop_ids: Sequence[int],
+           quantization: str | None = None) -> tuple[list[list[int]], float]:
+    """transformers' greedy `generate` of `prompt_ids` as one left-padded batch, on the float weights or (with
+    `quantization`) on their dequantized round trip; the sequences cut after a stop id, and the timed run's seconds."""
     import torch
 
-    from checkpoints_convert.verifier import load_hf_model
+    from checkpoints_convert.verifier import dequantize_linears, load_hf_model
 
     model = load_hf_model(reference)
+    if quantization is not None:
+        dequantize_linears(model, quantization)
     width = max(len(ids) for ids in prompt_ids)
     pad = stop_ids[0]
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])
@@ -136,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.compare_quantization and args.quantization is None:
         parser.error("--compare-quantization needs --quantization")
+    if args.reference and args.quantization not in (None, "int8"):
+        parser.error(f"--reference runs transformers on int8-dequantized weights only, not {args.quantization}")
 
     from sarathi_jax import LLM
     from sarathi_jax.bench.roofline import measure_rates
@@ -169,13 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{rates.matmul_flops / 1e9:.0f} GFLOP/s, bandwidth {rates.bandwidth / 1e9:.1f} GB/s measured)")
     if args.reference:
         stop_ids = list(llm.engine.model_config.eos_token_ids)
-        theirs, hf_s = run_hf(args.reference, prompt_ids, args.max_tokens, stop_ids)
+        theirs, hf_s = run_hf(args.reference, prompt_ids, args.max_tokens, stop_ids, args.quantization)
         hf_tokens = sum(len(t) for t in theirs)
         same = sum(a == b for a, b in zip(ours, theirs))
         result.update(hf_output_tokens=hf_tokens, hf_s=hf_s, hf_tokens_per_s=hf_tokens / hf_s,
                       speedup=(ours_tokens / ours_s) / (hf_tokens / hf_s), identical_sequences=same)
-        print(f"HF generate: {hf_tokens} output tokens in {hf_s:.2f} s = {hf_tokens / hf_s:.1f} tokens/s "
-              f"(one left-padded batch)")
+        weights = f"{args.quantization}-dequantized" if args.quantization else "float"
+        print(f"HF generate on {weights} weights: {hf_tokens} output tokens in {hf_s:.2f} s = "
+              f"{hf_tokens / hf_s:.1f} tokens/s (one left-padded batch)")
         print(f"ratio: sarathi-jax {result['speedup']:.2f}x HF's tokens/s; greedy sequences token-identical: "
               f"{same}/{len(ours)}")
     if args.compare_quantization:
