@@ -21,6 +21,7 @@ prometheus_client appends `_total` to counters, so the counters read `sarathi:nu
 | sarathi:num_requests_waiting | gauge | engine's waiting sequences |
 | sarathi:kv_cache_usage_perc | gauge | fraction of KV blocks in use (0..1, as vLLM) |
 | sarathi:num_preemptions_total | counter | preemptions, cumulative |
+| sarathi:num_relegations_total | counter | scheduling policy "deadline": requests relegated for missing their TTFT (not in vLLM) |
 | sarathi:prompt_tokens_total | counter | prompt tokens of requests that got their first token |
 | sarathi:generation_tokens_total | counter | generated tokens |
 | sarathi:request_success_total | counter | finished requests, label finished_reason |
@@ -317,6 +318,8 @@ class ServerMetrics:
                               registry=r).labels(model_name)
         self.preemptions = Counter(PREFIX + "num_preemptions", "Cumulative preemptions.", labels,
                                    registry=r).labels(model_name)
+        self.relegations = Counter(PREFIX + "num_relegations", "Requests relegated for missing their TTFT.", labels,
+                                   registry=r).labels(model_name)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", labels,
@@ -383,7 +386,8 @@ class ServerMetrics:
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
-        for key, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_cache_queries),
+        for key, counter in (("num_preemptions", self.preemptions), ("num_relegations", self.relegations),
+                             ("prefix_cache_queries", self.prefix_cache_queries),
                              ("prefix_cache_hits", self.prefix_cache_hits), *self._spec_counters.items(),
                              *self._transfer_counters.items()):
             total, last = float(stats.get(key, 0)), self._last_totals.get(key, 0.0)

@@ -137,10 +137,11 @@ class EngineConfig:
     compilation_cache_dir: JAX's persistent compilation cache. "auto": $SARATHI_JAX_COMPILATION_CACHE (a
         directory, or "0"/"off"/"" for none), else ~/.cache/sarathi-jax/jax ($XDG_CACHE_HOME honoured); a
         path; None or "off": no cache. Process-wide; see sarathi_jax/runner/compile_cache.py.
-    scheduling_policy: the order requests are served in: `fcfs` (arrival) or `priority` (vLLM's: a lower
-        request priority first, then arrival; running decodes still come first under sarathi). A request that
-        has waited priority_max_wait_s since its arrival is served as the most urgent priority (aging; see
-        sarathi_jax/scheduler/base.py).
+    scheduling_policy: the order requests are served in: `fcfs` (arrival), `priority` (vLLM's: a lower
+        request priority first, then arrival; running decodes still come first under sarathi; a request that
+        has waited priority_max_wait_s since its arrival is served as the most urgent priority: aging) or
+        `deadline` (earliest TTFT deadline, arrival + slo_ttft_s, first; a request that has missed its TTFT is
+        relegated behind those that can still meet theirs). See sarathi_jax/scheduler/base.py.
     priority_max_wait_s: the aging bound of the priority policy, in seconds; None: no aging.
     slo_tbt_s: the TBT target (seconds) of token_budget "auto" and "dynamic"; under "dynamic" also the target of
         requests that carry no slo_tbt_s of their own.

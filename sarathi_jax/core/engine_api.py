@@ -114,7 +114,7 @@ class Engine(Protocol):
 
     def stats(self) -> dict:
         """num_running, num_waiting, num_free_blocks, num_total_blocks, kv_cache_usage, num_preemptions,
-        prefix_cache_queries, prefix_cache_hits (see docs/design/core.md)."""
+        num_relegations, prefix_cache_queries, prefix_cache_hits (see docs/design/core.md)."""
         ...
 
     def reset_prefix_cache(self) -> None: ...

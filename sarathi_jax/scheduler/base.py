@@ -5,9 +5,14 @@ Shared rules (every policy):
   arrival rank ("fcfs"), or (priority, arrival rank) ("priority", vLLM's meaning: a lower value first). Aging
   bounds a low-priority request's wait: `priority_max_wait_s` after its arrival (engine clock) its key becomes
   (PRIORITY_MIN, rank) for good, so no later arrival is admitted before it or preempts it (None: strict
-  priority). Admission takes the head of `waiting` and stops at the first request that does not fit (no
-  skipping ahead); a preempted sequence goes back into `waiting` at its key's position. "Earliest"/"latest"
-  below mean first/last in that order.
+  priority). "deadline": (tier, TTFT deadline, priority, rank), the deadline being arrival + `slo_ttft_s`
+  (infinite without one: after every request that has one), tier 0: earliest deadline first, priority first
+  among equal deadlines. Relegation: a request still without its first token when its deadline passes has
+  missed its TTFT whatever happens next; its key moves to tier 1 for good, behind every request that can still
+  meet its own, so under overload the requests that can be served in time are (a relegated one is still
+  served, in deadline order, when they leave room). Admission takes the head of `waiting` and stops at the
+  first request that does not fit (no skipping ahead); a preempted sequence goes back into `waiting` at its
+  key's position. "Earliest"/"latest" below mean first/last in that order.
 - At most `max_num_seqs` sequences are running (admitted) at once, and at most that many are in a batch.
 - Admission never over-commits memory: a request is admitted only when the blocks for its whole
   (re-)prefill (or, for policies that reserve, its whole request) are free above the watermark, after what
@@ -34,6 +39,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 from collections import deque
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
@@ -43,8 +49,8 @@ from sarathi_jax.request.sequence import PRIORITY_MIN, Batch, ScheduledChunk, Sc
 if TYPE_CHECKING:
     from sarathi_jax.scheduler.speculation import Speculation
 
-SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
-OrderKey = int | tuple[int, int]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority", "deadline")
+OrderKey = int | tuple[int, int] | tuple[int, float, int, int]
 
 
 @runtime_checkable
@@ -107,9 +113,13 @@ class Scheduler:
         self._max_wait_s = config.priority_max_wait_s if self._by_priority else None
         # (aging time, rank, seq id) of the sequences not aged yet: a heap, so each step pops only those due.
         self._aging: list[tuple[float, int, str]] = []
+        self._by_deadline = config.scheduling_policy == "deadline"
+        # (TTFT deadline, rank, seq id) of the sequences not relegated yet ("deadline"): a heap, as _aging.
+        self._deadlines: list[tuple[float, int, str]] = []
         self._in_flight: set[str] = set()  # seq ids in outputs whose on_step_done has not come yet
         self._preempted: list[Sequence] = []  # during one schedule() call
         self._num_preemptions = 0
+        self._num_relegations = 0
 
     # ------------------------------------------------------------------------------------------ public API
 
@@ -122,7 +132,7 @@ class Scheduler:
                 and bm.blocks_for_tokens(seq.max_total_tokens) <= bm.num_total_blocks - bm.watermark_blocks), seq
         self._seqs[seq.seq_id] = seq
         rank = next(self._ranks)
-        self._keys[seq.seq_id] = (seq.priority, rank) if self._by_priority else rank
+        self._keys[seq.seq_id] = self._new_key(seq, rank)
         if self._max_wait_s is not None and seq.priority > PRIORITY_MIN:
             heapq.heappush(self._aging, (seq.metrics.arrival_time + self._max_wait_s, rank, seq.seq_id))
         # A sequence that arrives with its prompt's K/V in blocks it holds here (the decode instance of a
@@ -152,9 +162,10 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
-        """The next batch. `now`: the engine's clock, for aging under the priority policy (None: no aging)."""
+        """The next batch. `now`: the engine's clock, for aging under the priority policy and relegation under
+        the deadline policy (None: neither)."""
         self._preempted = []
-        if now is not None and self._age(now):
+        if now is not None and (self._age(now) | self._relegate(now)):
             for queue in (self._waiting, self._running):
                 items = sorted(queue, key=self._key_of)
                 queue.clear()
@@ -204,6 +215,7 @@ class Scheduler:
             "num_total_blocks": bm.num_total_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_total_blocks,
             "num_preemptions": self.num_preemptions,
+            "num_relegations": self._num_relegations,  # "deadline": requests that missed their TTFT, cumulative
             "prefix_cache_queries": bm.num_prefix_queries,  # tokens, cumulative (vLLM's counters)
             "prefix_cache_hits": bm.num_prefix_hits,
         }
@@ -236,6 +248,29 @@ class Scheduler:
             key = keys.get(seq_id)
             if key is not None and key[1] == rank:  # not finished (an id may be reused by a later request)
                 keys[seq_id] = (PRIORITY_MIN, rank)
+                changed = True
+        return changed
+
+    def _new_key(self, seq: Sequence, rank: int) -> OrderKey:
+        """A new sequence's order key (module docstring); "deadline" also queues its relegation."""
+        if self._by_deadline:
+            slo = seq.metrics.slo_ttft_s
+            deadline = math.inf if slo is None else seq.metrics.arrival_time + slo
+            if deadline < math.inf and not seq.num_generated_tokens:
+                heapq.heappush(self._deadlines, (deadline, rank, seq.seq_id))
+            return (0, deadline, seq.priority, rank)
+        return (seq.priority, rank) if self._by_priority else rank
+
+    def _relegate(self, now: float) -> bool:
+        """Move to tier 1 the sequences whose TTFT deadline is at or before `now` and that have no token yet:
+        True if any."""
+        changed, due, keys, seqs = False, self._deadlines, self._keys, self._seqs
+        while due and due[0][0] <= now:
+            _, rank, seq_id = heapq.heappop(due)
+            key, seq = keys.get(seq_id), seqs.get(seq_id)
+            if key is not None and key[3] == rank and not seq.num_generated_tokens:  # not finished, no token yet
+                keys[seq_id] = (1, *key[1:])
+                self._num_relegations += 1
                 changed = True
         return changed
 

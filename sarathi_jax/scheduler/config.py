@@ -24,8 +24,9 @@ class SchedulerConfig:
     tile_size: sarathi only: round each batch's tokens down to a multiple of this by shrinking the last
         prefill chunk (see SarathiScheduler).
     watermark: fraction of KV blocks kept free when admitting new requests.
-    scheduling_policy: the order requests are served in, one of SCHEDULING_POLICIES: "fcfs" (arrival) or
-        "priority" (lower priority value first, then arrival; see sarathi_jax/scheduler/base.py).
+    scheduling_policy: the order requests are served in, one of SCHEDULING_POLICIES: "fcfs" (arrival),
+        "priority" (lower priority value first, then arrival) or "deadline" (earliest TTFT deadline first,
+        requests that missed theirs relegated behind the others; see sarathi_jax/scheduler/base.py).
     priority_max_wait_s: "priority" only: aging; a request waiting this many seconds since its arrival is
         served as the most urgent priority. None: no aging.
     """
