@@ -212,7 +212,21 @@ def iteration_stats(iterations: Sequence) -> dict:
         "num_decode_only_iterations": int(np.sum((pre == 0) & (dec > 0))),
         "padding_efficiency": float(real.sum() / pad.sum()) if pad.sum() > 0 else None,
         "decode_only_iteration_time": decode_only_iteration_time(iterations),
+        "token_limit": percentiles(_get_or_none(it, "token_limit") for it in iterations),
+        "prediction_error": prediction_error(iterations),
     }
+
+
+def _get_or_none(it, name):
+    return it.get(name) if isinstance(it, dict) else getattr(it, name, None)
+
+
+def prediction_error(iterations: Sequence) -> dict | None:
+    """Percentiles of (duration - predicted_s) / predicted_s over the iterations the budget policy predicted
+    (token_budget "dynamic"); None when it predicted none."""
+    errors = [(_get(it, "duration") - predicted) / predicted for it in iterations
+              for predicted in (_get_or_none(it, "predicted_s"),) if predicted]
+    return percentiles(errors, (5, 50, 95)) if errors else None
 
 
 def summarize(

@@ -320,7 +320,8 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
     for run in runs:
         setup = (run.config or {}).get("token_budget_setup")
         if setup and setup["mode"] != "fixed":  # "auto"/"dynamic": the choice, its prediction, the measured P99 TBT
-            print(f"[{run.label}] {setup['words']}; measured P99 TBT {fmt_seconds(run.summary['tbt']['p99'])}")
+            print(f"[{run.label}] {setup['words']}; measured P99 TBT {fmt_seconds(run.summary['tbt']['p99'])}"
+                  f"{prediction_line(run.summary.get('iterations', {}))}")
     for run in runs:
         if args.prompts_file and run.first_completion is not None:
             print(f"[{run.label}] first completion: {run.first_completion!r}")
@@ -354,3 +355,14 @@ def print_report(args: argparse.Namespace, results: BenchRuns) -> None:
         print(f"wrote {len(paths)} files to {args.out}/")
     else:
         print("(pass --out DIR to save JSON, CSV and PNG plots)")
+
+
+def prediction_line(iteration_stats: dict) -> str:
+    """The report's words on a dynamic budget's iterations: the median budget, and the P5 / P50 / P95 of each
+    step's time against its prediction (empty without predictions)."""
+    err, limit = iteration_stats.get("prediction_error"), iteration_stats.get("token_limit") or {}
+    if not err:
+        return ""
+    budgets = f"; budget P50 {limit['p50']:.0f} tokens" if limit.get("p50") is not None else ""
+    return (f"{budgets}; step time against its prediction {err['p5']:+.0%} / {err['p50']:+.0%} / {err['p95']:+.0%} "
+            f"(P5 / P50 / P95)")

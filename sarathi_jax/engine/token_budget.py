@@ -70,7 +70,8 @@ class BudgetSetup:
         if self.mode == "dynamic":
             assert self.policy is not None
             return (f"token budget dynamic (at most {self.budget}; each iteration's predicted time <= "
-                    f"{self.policy.margin:g} x the tightest running TBT target, default {_ms(self.target_s)}; "
+                    f"{self.policy.margin:g} x the tightest running TBT target, default {_ms(self.target_s)}, and <= "
+                    f"{self.policy.arrival_share:g} x the tightest recent TTFT target; "
                     f"cost model {self.cost_model_source})")
         c = self.choice
         assert c is not None
@@ -111,14 +112,15 @@ def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: 
                                   max_model_len=max_model_len, margin=config.slo_margin)
         return (dataclasses.replace(config, token_budget=choice.budget),
                 BudgetSetup("auto", choice.budget, choice, config.slo_tbt_s, source))
-    policy = SloTokenBudget(predictor, max_budget=top, default_slo_tbt_s=config.slo_tbt_s, margin=config.slo_margin)
+    policy = SloTokenBudget(predictor, max_budget=top, default_slo_tbt_s=config.slo_tbt_s, margin=config.slo_margin,
+                            bucket_of=predictor.padded if isinstance(predictor, BucketCostModel) else None)
     return (dataclasses.replace(config, token_budget=top, bucket_ladder=bucket_ladder(config)),
             BudgetSetup("dynamic", top, None, config.slo_tbt_s, source, policy))
 
 
 def install(setup: BudgetSetup, scheduler: Any, clock: Callable[[], float]) -> None:
     """Give the scheduler "dynamic"'s per-iteration budget (the config check made it the sarathi policy), with
-    the engine's clock for its measured feedback (`scheduler.budget.IterationFeedback`)."""
+    the engine's clock for its measured slack (`scheduler.budget.IterationFeedback`)."""
     if setup.policy is not None:
         setup.policy.feedback = IterationFeedback(clock)
         scheduler.budget_policy = setup.policy

@@ -164,3 +164,5 @@ class IterationRecord:
     # seconds summed over those transfers: `disagg.state.TransferRecord`).
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    token_limit: int | None = None  # the token budget this iteration was built under
+    predicted_s: float | None = None  # token_budget "dynamic": its predicted time (cost model + measured slack)

@@ -203,19 +203,24 @@ class SchedulerOutput:
 
     chunks: the work of this iteration, in a fixed order (the runner packs them in this order).
     preempted: sequences evicted (by recompute) while building this batch; they are back in the waiting queue.
+    token_limit: the token limit the batch was built under (the budget; "dynamic": this iteration's).
+    predicted_s: the budget policy's predicted time of the batch (None: no policy predicts it).
     """
 
     chunks: tuple[ScheduledChunk, ...] = ()
     preempted: tuple[Sequence, ...] = ()
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    token_limit: int | None = None
+    predicted_s: float | None = None
 
     @classmethod
-    def of(cls, chunks: tuple[ScheduledChunk, ...], *, preempted: tuple[Sequence, ...] = ()) -> SchedulerOutput:
+    def of(cls, chunks: tuple[ScheduledChunk, ...], *, preempted: tuple[Sequence, ...] = (),
+           token_limit: int | None = None, predicted_s: float | None = None) -> SchedulerOutput:
         """The output for `chunks`, with its prefill / decode token counts."""
         num_decode = sum([c.num_new_tokens for c in chunks if c.is_decode])  # a decode's drafts count as decode
         num_prefill = sum([c.num_new_tokens for c in chunks]) - num_decode
-        return cls(chunks, preempted, num_prefill, num_decode)
+        return cls(chunks, preempted, num_prefill, num_decode, token_limit, predicted_s)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -238,6 +243,8 @@ class SchedulerOutput:
             chunk_sizes=tuple(c.num_new_tokens for c in self.chunks if not c.is_decode),
             num_preemptions=len(self.preempted),
             num_padded_tokens=num_padded_tokens,
+            token_limit=self.token_limit,
+            predicted_s=self.predicted_s,
         )
 
 
@@ -250,6 +257,7 @@ class Batch:
         self.items: list[list] = []  # [seq, num_new_tokens, is_prefill]; lists so tile alignment can shrink
         self.seq_ids: set[str] = set()
         self.num_tokens = 0
+        self.predicted_s: float | None = None  # the budget policy's prediction of this batch, when it has one
 
     @property
     def room(self) -> int:

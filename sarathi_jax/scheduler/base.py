@@ -176,7 +176,8 @@ class Scheduler:
         chunks = tuple([ScheduledChunk(seq, n, seq.num_computed_tokens, not prefill, drafts.get(seq.seq_id, ()))
                         for seq, n, prefill in batch.items])
         self._in_flight |= batch.seq_ids
-        return SchedulerOutput.of(chunks, preempted=tuple(self._preempted))
+        return SchedulerOutput.of(chunks, preempted=tuple(self._preempted), token_limit=batch.token_limit,
+                                  predicted_s=batch.predicted_s)
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The batch ran: its tokens' K/V are in the cache. Call before appending sampled tokens."""

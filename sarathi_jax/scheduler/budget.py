@@ -15,9 +15,12 @@ B // 2) decodes at the longest context a request may reach (max_model_len), and 
 ending there. It thus holds the target whatever the contexts, and is conservative where they stay short (a
 fixed 512-token reference picks budgets whose iterations overrun the target on longer traces).
 "dynamic" predicts the iteration it is about to build: the ready decodes at their own contexts, and a prefill
-chunk of the rest starting where the earliest running prefill stands (0 when none: a new prompt). Its target is
-the tightest `slo_tbt_s` among the running requests that have produced a token (a request without its own
-target has the engine's); with none of them, the budget is the compiled maximum.
+chunk of the rest starting where the earliest running prefill stands (0 when none: a new prompt). Its limit is
+margin x the tightest `slo_tbt_s` among the running requests that have produced a token (a request without its
+own target has the engine's), and at most ARRIVAL_SHARE x the tightest `slo_ttft_s` among the recent arrivals
+(so that an arrival does not wait behind a long iteration); with neither, the budget is the compiled maximum.
+On a real engine the prediction adds what the cost model misses on this device, measured per bucket as the
+engine runs (`IterationFeedback`: a high quantile of measured minus predicted step times).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from sarathi_jax.request.sequence import Batch, Sequence
 TILE = 16  # budgets are multiples of a matmul tile of rows (EngineConfig's rule for token_budget)
 DEFAULT_MARGIN = 0.9
 REFERENCE_DECODES = 32
+ARRIVAL_SHARE = 0.2  # "dynamic": no iteration longer than this share of the tightest TTFT among recent arrivals
+RECENT_ARRIVALS = 32  # how many of the latest admitted requests make "the recent arrival mix"
 
 
 class IterationPredictor(Protocol):
@@ -51,8 +56,8 @@ class BudgetPolicy(Protocol):
     def token_limit(self, running: SequenceOf[Sequence], decodes: SequenceOf[Sequence],
                     prefills: SequenceOf[Sequence]) -> int: ...
 
-    def scheduled(self, batch: Batch) -> None:
-        """The batch built under the last limit, as it will run."""
+    def scheduled(self, batch: Batch) -> float | None:
+        """The batch built under the last limit, as it will run; returns its predicted seconds (None: none)."""
 
 
 @dataclass(frozen=True)
@@ -112,20 +117,31 @@ def pick_auto_budget(predictor: IterationPredictor, slo_tbt_s: float, *, max_bud
 
 class SloTokenBudget:
     """token_budget="dynamic" (a `BudgetPolicy`): each iteration, the largest budget in [the ready decodes
-    rounded up to TILE, max_budget] whose iteration is predicted within margin x the tightest TBT target among
-    the running requests that have produced a token. `default_slo_tbt_s`: the target of requests without their
-    own. `last`: the most recent (budget, target) pair, for reports."""
+    rounded up to TILE, max_budget] whose iteration is predicted within its time limit: the smaller of margin x
+    the tightest TBT target among the running requests that have produced a token, and `arrival_share` x the
+    tightest TTFT target among the last `recent_arrivals` requests admitted (room for arrivals: a request that
+    arrives while an iteration runs waits for it before its prefill can start, so no iteration, a batch-only one
+    included, takes more than that share of the TTFT the recent mix asks for). The prediction is the cost model's
+    plus the measured slack of its bucket (`IterationFeedback`, when the engine installs one). With neither
+    target, the budget is the compiled maximum. `default_slo_tbt_s`: the TBT target of requests without their
+    own. `bucket_of(tokens)`: the padded bucket a batch of that many tokens runs at (the feedback's key).
+    `last`: the most recent (budget, time limit) pair, for reports."""
 
     def __init__(self, predictor: IterationPredictor, *, max_budget: int, default_slo_tbt_s: float | None,
-                 margin: float = DEFAULT_MARGIN) -> None:
+                 margin: float = DEFAULT_MARGIN, bucket_of: Callable[[int], int] | None = None,
+                 arrival_share: float = ARRIVAL_SHARE, recent_arrivals: int = RECENT_ARRIVALS) -> None:
         if max_budget % TILE or max_budget < TILE:
             raise ValueError(f"max_budget must be a positive multiple of {TILE}, got {max_budget}")
         self.predictor = predictor
         self.max_budget = max_budget
         self.default_slo_tbt_s = default_slo_tbt_s
         self.margin = margin
+        self.bucket_of = bucket_of or round_up
+        self.arrival_share = arrival_share
         self.last: tuple[int, float | None] = (max_budget, None)
-        self.feedback: IterationFeedback | None = None  # the engine's measured correction (token_budget.install)
+        self.feedback: IterationFeedback | None = None  # the engine's measured slack (token_budget.install)
+        self._recent_arrivals = recent_arrivals
+        self._arrivals: dict[str, float] = {}  # the TTFT targets of the latest admitted requests, oldest first
 
     def target(self, running: SequenceOf[Sequence]) -> float | None:
         """The tightest TBT target among running requests past their first token (None: none has one)."""
@@ -134,64 +150,115 @@ class SloTokenBudget:
                    for t in ((s.metrics.slo_tbt_s if s.metrics.slo_tbt_s is not None else default),) if t is not None]
         return min(targets, default=None)
 
+    def time_limit(self, running: SequenceOf[Sequence]) -> float | None:
+        """This iteration's predicted-time limit (class doc); None: no target bounds it."""
+        target = self.target(running)
+        limits = [self.margin * target] if target is not None else []
+        if self._arrivals:
+            limits.append(self.arrival_share * min(self._arrivals.values()))
+        return min(limits, default=None)
+
+    def predict(self, decode_positions: SequenceOf[int], prefill_start: int, prefill_tokens: int) -> float:
+        """The cost model's time for this batch plus its bucket's measured slack."""
+        predicted = self.predictor.mixed_batch_time(decode_positions, prefill_start, prefill_tokens)
+        if self.feedback is None:
+            return predicted
+        return predicted + self.feedback.slack_s(self.bucket_of(len(decode_positions) + prefill_tokens))
+
     def token_limit(self, running: SequenceOf[Sequence], decodes: SequenceOf[Sequence],
                     prefills: SequenceOf[Sequence]) -> int:
-        target = self.target(running)
-        if target is None:
+        if self.feedback is not None:
+            self.feedback.observe(busy=bool(decodes))
+        limit_s = self.time_limit(running)
+        if limit_s is None:
             self.last = (self.max_budget, None)
             return self.max_budget
         positions = [s.num_computed_tokens for s in decodes]
         start = prefills[0].num_computed_tokens if prefills else 0
         lo = min(max(TILE, round_up(len(positions))), self.max_budget)
-        correction = 1.0 if self.feedback is None else self.feedback.correction(busy=bool(decodes))
-        budget = largest_budget(
-            lambda b: self.predictor.mixed_batch_time(positions, start, b - len(positions)),
-            self.margin * target / correction, lo, self.max_budget)
-        self.last = (budget, target)
+        budget = largest_budget(lambda b: self.predict(positions, start, b - len(positions)), limit_s, lo,
+                                self.max_budget)
+        self.last = (budget, limit_s)
         return budget
 
-    def scheduled(self, batch: Batch) -> None:
-        """The batch built under this iteration's limit: its own predicted time, for the feedback's ratio."""
-        if self.feedback is None:
-            return
+    def scheduled(self, batch: Batch) -> float | None:
+        """The batch built under this iteration's limit: its predicted time (cost model plus slack), returned for
+        the iteration's record and started on the feedback when it holds decodes (a time between tokens). The
+        TTFT targets of the requests it admits join the recent arrivals."""
+        for seq, _, is_prefill in batch.items:
+            ttft = seq.metrics.slo_ttft_s
+            if is_prefill and ttft is not None and not seq.num_generated_tokens and seq.seq_id not in self._arrivals:
+                self._arrivals[seq.seq_id] = ttft
+                if len(self._arrivals) > self._recent_arrivals:
+                    del self._arrivals[next(iter(self._arrivals))]  # the oldest
         decodes = [seq.num_computed_tokens for seq, n, is_prefill in batch.items if not is_prefill]
-        if not decodes:  # only iterations that hold decodes are some request's time between tokens
-            self.feedback.start(None)
-            return
         prefill = [(seq.num_computed_tokens, n) for seq, n, is_prefill in batch.items if is_prefill]
         extra = sum(n - 1 for _, n, is_prefill in batch.items if not is_prefill)  # speculative rows
         start = prefill[0][0] if prefill else 0
-        self.feedback.start(self.predictor.mixed_batch_time(decodes, start, sum(n for _, n in prefill) + extra))
+        tokens = sum(n for _, n in prefill) + extra
+        predicted = self.predict(decodes, start, tokens)
+        if self.feedback is not None:
+            if decodes:  # only iterations that hold decodes are some request's time between tokens
+                self.feedback.start(self.bucket_of(len(decodes) + tokens),
+                                    self.predictor.mixed_batch_time(decodes, start, tokens))
+            else:
+                self.feedback.start(None)
+        return predicted
 
 
 class IterationFeedback:
-    """What the cost model misses, measured: the ratio of each iteration's time (from its scheduling to the next
-    one's, while decodes keep the engine busy: a decode's time between tokens) to its predicted time, over the
-    last `window` iterations. `correction()` is their `quantile` (at least 1, and 1 until `min_samples`):
-    dividing the limit by it keeps that share of iterations within the prediction's limit even where the
-    machine's own noise (other processes, the host's time, a slow step's tail) makes steps take longer than
-    the calibration measured. On a virtual clock the iterations take their predicted time, so it stays 1."""
+    """What the cost model misses, measured on the device it runs on, per compiled bucket. For each iteration that
+    holds decodes (some request's time between tokens), its time from its scheduling to the next one's (while
+    decodes are ready the engine goes straight on) less its predicted time: the last `window` residuals of each
+    bucket. `slack_s(bucket)` is their `quantile`: added to a prediction of that bucket, it keeps that share of
+    the bucket's iterations within the prediction, the tail included (a noisy small bucket and a steady large
+    one each get their own). A bucket with fewer than `min_samples` residuals takes the quantile of the recent
+    residuals of all buckets; with fewer than `min_samples` in all, 0 (the calibrated prior alone). The slack is
+    negative where the prior over-predicts, which lets the budget use that room. On a virtual clock the
+    iterations take their predicted time, so it stays 0.
 
-    def __init__(self, clock: Callable[[], float], *, window: int = 128, quantile: float = 0.95,
-                 min_samples: int = 16) -> None:
+    `errors`: the relative error (measured - predicted) / predicted of the recent iterations, for reports."""
+
+    def __init__(self, clock: Callable[[], float], *, window: int = 64, quantile: float = 0.95,
+                 min_samples: int = 8) -> None:
         self.clock = clock
-        self.ratios: deque[float] = deque(maxlen=window)
+        self.window = window
         self.quantile = quantile
         self.min_samples = min_samples
-        self._started: tuple[float, float] | None = None  # (predicted seconds, clock at scheduling)
+        self.by_bucket: dict[int, deque[float]] = {}
+        self.pooled: deque[float] = deque(maxlen=4 * window)
+        self.errors: deque[float] = deque(maxlen=4 * window)
+        self._slack: dict[int, float] = {}  # this iteration's slack per bucket (cleared when a residual lands)
+        self._started: tuple[int, float, float] | None = None  # (bucket, predicted seconds, clock at scheduling)
 
-    def correction(self, *, busy: bool) -> float:
-        """Called as the next iteration is scheduled: the last one's ratio is recorded if `busy` (decodes were
-        ready, so the engine went straight on), then the current correction."""
+    def observe(self, *, busy: bool) -> None:
+        """Called as the next iteration is scheduled: the last one's residual is recorded if `busy` (decodes were
+        ready, so the engine went straight on: the gap is a step's, not idle time)."""
         if self._started is not None and busy:
-            predicted, t0 = self._started
+            bucket, predicted, t0 = self._started
+            residual = self.clock() - t0 - predicted
+            self.by_bucket.setdefault(bucket, deque(maxlen=self.window)).append(residual)
+            self.pooled.append(residual)
             if predicted > 0:
-                self.ratios.append((self.clock() - t0) / predicted)
+                self.errors.append(residual / predicted)
+            self._slack.clear()
         self._started = None
-        if len(self.ratios) < self.min_samples:
-            return 1.0
-        ordered = sorted(self.ratios)
-        return max(1.0, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
 
-    def start(self, predicted_s: float | None) -> None:
-        self._started = None if predicted_s is None else (predicted_s, self.clock())
+    def slack_s(self, bucket: int) -> float:
+        """Seconds to add to a prediction of `bucket` (see the class doc)."""
+        slack = self._slack.get(bucket)
+        if slack is None:
+            own = self.by_bucket.get(bucket, ())
+            samples = own if len(own) >= self.min_samples else self.pooled
+            slack = _quantile(samples, self.quantile) if len(samples) >= self.min_samples else 0.0
+            self._slack[bucket] = slack
+        return slack
+
+    def start(self, bucket: int | None, predicted_s: float | None = None) -> None:
+        """The iteration just scheduled (its padded bucket and predicted time); None: it holds no decode."""
+        self._started = None if bucket is None or predicted_s is None else (bucket, predicted_s, self.clock())
+
+
+def _quantile(samples: SequenceOf[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
