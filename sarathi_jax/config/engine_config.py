@@ -12,7 +12,7 @@ from sarathi_jax.config.disaggregation import DisaggregationSplit
 from sarathi_jax.models.config import QUANTIZATIONS, check_quantization
 from sarathi_jax.models.presets import PRESETS
 from sarathi_jax.utils.paths import absolute_path
-from sarathi_jax.scheduler.config import check_scheduling_policy
+from sarathi_jax.scheduler.config import check_prefill_share, check_scheduling_policy
 from sarathi_jax.scheduler.base import SCHEDULING_POLICIES
 from sarathi_jax.scheduler.registry import SCHEDULER_POLICIES, TOKEN_BUDGET_POLICIES, WHOLE_PROMPT_POLICIES
 from sarathi_jax.spec_decode.speculative import SpeculativeConfig
@@ -143,6 +143,9 @@ class EngineConfig:
         `deadline` (earliest TTFT deadline, arrival + slo_ttft_s, first; a request that has missed its TTFT is
         relegated behind those that can still meet theirs). See sarathi_jax/scheduler/base.py.
     priority_max_wait_s: the aging bound of the priority policy, in seconds; None: no aging.
+    max_prefill_share: chunking policies (sarathi, ...): while other requests wait or prefill, one request's
+        prefill chunk takes at most this fraction of the iteration's token budget, in (0, 1], so one long prompt
+        does not hold the prefill share for many iterations while short ones queue. None: no cap.
     slo_tbt_s: the TBT target (seconds) of token_budget "auto" and "dynamic"; under "dynamic" also the target of
         requests that carry no slo_tbt_s of their own.
     slo_margin: "auto" and "dynamic" keep the predicted iteration time within slo_margin x slo_tbt_s, in (0, 1]:
@@ -207,6 +210,7 @@ class EngineConfig:
     background_compile: bool = True
     scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES})
     priority_max_wait_s: float | None = 60.0
+    max_prefill_share: float | None = None
     slo_tbt_s: float | None = None
     slo_margin: float = 0.9
     max_token_budget: int | None = None
@@ -255,6 +259,7 @@ class EngineConfig:
             raise ValueError(f"compilation_cache_dir must be a path, 'auto', 'off' or None, "
                              f"got {self.compilation_cache_dir!r}")
         check_scheduling_policy(self.scheduling_policy, self.priority_max_wait_s)
+        check_prefill_share(self.max_prefill_share)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         spec = self.speculative_config
         if spec is not None and self.pipeline_parallel_size > 1 and spec.method != "ngram":

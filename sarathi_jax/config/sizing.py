@@ -301,6 +301,7 @@ def size_engine(
         watermark=config.watermark,
         scheduling_policy=config.scheduling_policy,
         priority_max_wait_s=config.priority_max_wait_s,
+        max_prefill_share=config.max_prefill_share,
     )
     if config.scheduler in CHUNKING_POLICIES:
         max_step_tokens = config.token_budget

@@ -76,6 +76,8 @@ class SchedulerSettings(Protocol):
     def scheduling_policy(self) -> str: ...
     @property
     def priority_max_wait_s(self) -> float | None: ...
+    @property
+    def max_prefill_share(self) -> float | None: ...
 
 
 class Scheduler:
@@ -320,6 +322,7 @@ class Scheduler:
         """Running sequences still (re-)prefilling (`prefills`: from `_ready_running()`, taken now if None),
         earliest first. chunked: each gets min(left, room) tokens, shrunk to what memory allows; otherwise
         whole or not at all (stopping at the first misfit)."""
+        cap = self._chunk_cap(batch) if chunked else batch.token_limit
         for seq in self._ready_running()[1] if prefills is None else prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -327,7 +330,7 @@ class Scheduler:
                 break
             want = seq.num_uncomputed_tokens
             if chunked:
-                want = min(want, batch.room)
+                want = min(want, batch.room, cap)
             elif want > batch.room:
                 break
             n = self._grow_prefill(seq, want, batch, shrink_ok=chunked)
@@ -346,6 +349,7 @@ class Scheduler:
         if not self._admission_open(batch):
             return 0  # the usual case once requests run: skip the sum over the running sequences below
         bm = self.block_manager
+        cap = self._chunk_cap(batch) if chunked else batch.token_limit
         committed = 0
         if self.admission == "chunk":
             committed = sum(bm.blocks_needed(s, s.num_tokens) for s in self._running if not s.is_decode)
@@ -354,7 +358,7 @@ class Scheduler:
             seq = self._waiting[0]
             hit = bm.match_prefix(seq)  # a waiting sequence has nothing computed: it starts after its cached prefix
             tokens = seq.num_tokens - hit.num_tokens
-            n = min(tokens, batch.room) if chunked else tokens
+            n = min(tokens, batch.room, cap) if chunked else tokens
             if n < 1 or n > batch.room:
                 break
             reserve = seq.max_total_tokens if self.admission == "request" else seq.num_tokens
@@ -368,6 +372,16 @@ class Scheduler:
             batch.add(seq, n, is_prefill=True)
             admitted += 1
         return admitted
+
+    def _chunk_cap(self, batch: Batch) -> int:
+        """The most tokens one request's prefill chunk may take in `batch`: `max_prefill_share` of its token limit
+        while more than one request has a prompt to prefill (waiting, or running and not yet decoding), so that
+        one long prompt does not hold the prefill share while short ones queue; else the whole limit."""
+        share = self.config.max_prefill_share
+        if share is None:
+            return batch.token_limit
+        wanting = len(self._waiting) + sum(1 for s in self._running if not s.is_decode)
+        return max(1, int(share * batch.token_limit)) if wanting > 1 else batch.token_limit
 
     def _admission_open(self, batch: Batch) -> bool:
         """A waiting request could be admitted into `batch` as far as the queue and the sequence limits go."""

@@ -29,6 +29,9 @@ class SchedulerConfig:
         requests that missed theirs relegated behind the others; see sarathi_jax/scheduler/base.py).
     priority_max_wait_s: "priority" only: aging; a request waiting this many seconds since its arrival is
         served as the most urgent priority. None: no aging.
+    max_prefill_share: chunking policies: while other requests wait or prefill, one request's prefill chunk
+        takes at most this fraction of the batch's token limit (in (0, 1]), so a long prompt does not hold the
+        prefill share for many iterations. None: no cap.
     """
 
     policy: str = "sarathi"
@@ -40,6 +43,7 @@ class SchedulerConfig:
     watermark: float = 0.01
     scheduling_policy: str = "fcfs"
     priority_max_wait_s: float | None = 60.0
+    max_prefill_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
@@ -55,6 +59,7 @@ class SchedulerConfig:
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         check_scheduling_policy(self.scheduling_policy, self.priority_max_wait_s)
+        check_prefill_share(self.max_prefill_share)
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, self.token_budget))
         uses_token_budget = self.scheduler_class.uses_token_budget
@@ -90,3 +95,10 @@ def check_scheduling_policy(scheduling_policy: str, priority_max_wait_s: float |
     wait = priority_max_wait_s
     if wait is not None and (not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait > 0):
         raise ValueError(f"priority_max_wait_s must be None or a positive number of seconds, got {wait!r}")
+
+
+def check_prefill_share(share: float | None) -> None:
+    """ValueError unless `share` is None or a number in (0, 1]."""
+    if share is not None and (not isinstance(share, (int, float)) or isinstance(share, bool)
+                              or not 0.0 < share <= 1.0):
+        raise ValueError(f"max_prefill_share must be None or a number in (0, 1], got {share!r}")

@@ -101,3 +101,35 @@ def test_relegation_under_overload_keeps_on_time_requests_on_time(policy):
     # t=0: r0 (deadline .3); t=.25: r1 (.4); t=.5: r2 (.5) relegated, r3 (.6) met; t=.75: r4 (.7) relegated,
     # r5 (.8) met; then r2 and r4, late.
     assert met == [True, True, True, True, False, False]
+
+
+def share_scheduler(share: float | None):
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=4, max_model_len=1024,
+                          max_prefill_share=share)
+    return make_scheduler(cfg, BlockManager(256, 16))
+
+
+@pytest.mark.parametrize("share", [None, 0.5, 0.25])
+def test_max_prefill_share_caps_one_prompt_while_others_wait(share):
+    """A 600-token prompt running and a 20-token one arriving: with no cap the long one takes the whole budget and
+    the short one waits; with a share, the long prompt's chunk is at most share x 64 and the short one is
+    admitted beside it. Alone, the long prompt takes the whole budget either way."""
+    sched = share_scheduler(share)
+    long = Sequence("long", list(range(1, 601)), PARAMS, 0.0)
+    sched.add_sequence(long)
+    out = sched.schedule()
+    assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("long", 64)]  # alone: no cap
+    sched.on_step_done(out)
+    sched.add_sequence(Sequence("short", list(range(1, 21)), PARAMS, 1.0))
+    chunks = {c.seq.seq_id: c.num_new_tokens for c in sched.schedule().chunks}
+    if share is None:
+        assert chunks == {"long": 64}
+    else:
+        cap = int(share * 64)
+        assert chunks == {"long": cap, "short": min(20, cap)}
+
+
+def test_max_prefill_share_is_checked():
+    for bad in (0.0, 1.5, -1, "half", True):
+        with pytest.raises(ValueError, match="max_prefill_share"):
+            share_scheduler(bad)
