@@ -26,6 +26,7 @@ prometheus_client appends `_total` to counters, so the counters read `sarathi:nu
 | sarathi:generation_tokens_total | counter | generated tokens |
 | sarathi:request_success_total | counter | finished requests, label finished_reason |
 | sarathi:request_rejected_total | counter | requests refused, label reason (not in vLLM) |
+| sarathi:request_slo_total | counter | finished requests that carried SLO targets, labels slo (their targets, `ttft=S,tbt=S`: the class) and result (`met`, `missed`); the first 16 distinct target pairs get their own slo value, later ones `other` (not in vLLM) |
 | sarathi:prefix_cache_queries_total | counter | prompt tokens looked up in the prefix cache at admission |
 | sarathi:prefix_cache_hits_total | counter | of those, tokens found cached (not recomputed) |
 | sarathi:spec_decode_num_drafts_total | counter | speculative decoding: verification steps (chunks with drafts) |
@@ -286,6 +287,7 @@ class RequestSession:
 # ----------------------------------------------------------------------------------------- Prometheus
 
 PREFIX = "sarathi:"
+SLO_CLASS_LABELS = 16  # distinct SLO target pairs with a label value of their own (bounded cardinality)
 
 # Latency buckets: 2.0 is Sarathi-Serve's median scheduling-delay bound (benchmarks.peer's capacity check reads it;
 # it gives vLLM these same request-latency buckets).
@@ -327,6 +329,9 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished requests.", labels + ["finished_reason"],
                                 registry=r)
         self._rejected = Counter(PREFIX + "request_rejected", "Refused requests.", labels + ["reason"], registry=r)
+        self._slo = Counter(PREFIX + "request_slo", "Finished requests with SLO targets, by class and result.",
+                            labels + ["slo", "result"], registry=r)
+        self._slo_classes: set[str] = set()
         self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries", "Prefix-cache queries, in tokens.",
                                             labels, registry=r).labels(model_name)
         self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits", "Prefix-cache hits, in tokens.", labels,
@@ -351,6 +356,20 @@ class ServerMetrics:
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def request_slo(self, metrics: Any) -> None:
+        """Count a finished request's SLO result under its targets' class (nothing without targets)."""
+        met = metrics.slo_met
+        if met is None:
+            return
+        name = ",".join(f"{key}={value:g}" for key, value in (("ttft", metrics.slo_ttft_s), ("tbt", metrics.slo_tbt_s))
+                        if value is not None)
+        if name not in self._slo_classes:
+            if len(self._slo_classes) >= SLO_CLASS_LABELS:
+                name = "other"
+            else:
+                self._slo_classes.add(name)
+        self._slo.labels(self.model_name, name, "met" if met else "missed").inc()
 
     def request_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
@@ -380,6 +399,7 @@ class ServerMetrics:
             end = rm.finished_time if rm.finished_time is not None else time.monotonic()
             self.e2e.observe(max(0.0, end - state.arrival_time))
             self.request_finished(out.finish_reason or "stop")
+            self.request_slo(rm)
 
     def update_engine_stats(self, stats: dict) -> None:
         """Called from the engine thread after each iteration (prometheus_client is thread-safe)."""

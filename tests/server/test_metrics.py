@@ -78,3 +78,33 @@ def test_kv_transfers_become_counters():
     assert _value(m, "kv_transfer_seconds_total") == 0.375
     m.update_engine_stats({"num_running": 1})  # a colocated engine's stats leave them alone
     assert _value(m, "kv_transfers_total") == 3
+
+
+def test_relegations_become_a_counter():
+    m = ServerMetrics("tiny")
+    m.update_engine_stats({"num_relegations": 3})
+    m.update_engine_stats({"num_relegations": 4})
+    assert _value(m, "num_relegations_total") == 4
+
+
+def test_finished_requests_are_counted_by_slo_class_and_result():
+    from sarathi_jax.request.outputs import RequestMetrics
+    from server.session import SLO_CLASS_LABELS
+
+    def finished(ttft_s, tbt_s, *, first, tokens=()):
+        rm = RequestMetrics(arrival_time=0.0, slo_ttft_s=ttft_s, slo_tbt_s=tbt_s)
+        rm.first_token_time, rm.token_times, rm.finished_time = first, [first, *tokens], 5.0
+        return rm
+
+    m = ServerMetrics("tiny")
+    m.request_slo(finished(1.0, 0.1, first=0.5, tokens=(0.55, 0.6)))  # met
+    m.request_slo(finished(1.0, 0.1, first=0.5, tokens=(0.8,)))  # a 0.3 s gap: missed
+    m.request_slo(finished(1.0, 0.1, first=1.5))  # late first token: missed
+    m.request_slo(finished(10.0, None, first=2.0))
+    m.request_slo(finished(None, None, first=2.0))  # no targets: not counted
+    assert _value(m, "request_slo_total", slo="ttft=1,tbt=0.1", result="met") == 1
+    assert _value(m, "request_slo_total", slo="ttft=1,tbt=0.1", result="missed") == 2
+    assert _value(m, "request_slo_total", slo="ttft=10", result="met") == 1
+    for i in range(SLO_CLASS_LABELS):  # the label's values are bounded: later classes share "other"
+        m.request_slo(finished(100.0 + i, None, first=1.0))
+    assert _value(m, "request_slo_total", slo="other", result="met") == 2
