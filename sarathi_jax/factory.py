@@ -66,7 +66,7 @@ def build_simulated_engine(config: EngineConfig, cost_model: IterationCost | Non
                                  serial_fraction)
     engine = SimulatedEngine(plan.sizing.scheduler_config, plan.sizing.num_blocks, config.block_size,
                              cost_model=cost_model, enable_prefix_caching=config.enable_prefix_caching)
-    token_budget.install(plan.budget_setup, engine.scheduler, engine.clock.now)
+    token_budget.install(plan.budget_setup, engine.scheduler, engine.iteration_log)
     engine.budget_setup = plan.budget_setup
     return engine
 

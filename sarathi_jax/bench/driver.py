@@ -113,6 +113,9 @@ def _iteration_dict(it: IterationRecord, t0: float) -> dict:
         "instance": it.instance,
         "transfer_bytes": it.transfer_bytes,
         "transfer_seconds": it.transfer_seconds,
+        "token_limit": it.token_limit,
+        "predicted_s": it.predicted_s,
+        "slack_s": it.slack_s,
     }
 
 

@@ -221,10 +221,23 @@ def _get_or_none(it, name):
     return it.get(name) if isinstance(it, dict) else getattr(it, name, None)
 
 
+def step_times(iterations: Sequence) -> list[float]:
+    """Each iteration's own time on the device, in log order: from its start or the previous iteration's end,
+    whichever is later, to its end. An overlapped loop dispatches a batch while the one before it runs, so a
+    record's duration (dispatch to retirement) also holds the wait for its predecessor."""
+    out, previous_end = [], -math.inf
+    for it in iterations:
+        start = _get(it, "start_time")
+        end = start + _get(it, "duration")
+        out.append(end - max(start, previous_end))
+        previous_end = end
+    return out
+
+
 def prediction_error(iterations: Sequence) -> dict | None:
-    """Percentiles of (duration - predicted_s) / predicted_s over the iterations the budget policy predicted
-    (token_budget "dynamic"); None when it predicted none."""
-    errors = [(_get(it, "duration") - predicted) / predicted for it in iterations
+    """Percentiles of (step time - predicted_s) / predicted_s (`step_times`) over the iterations the budget
+    policy predicted (token_budget "dynamic"); None when it predicted none."""
+    errors = [(step - predicted) / predicted for it, step in zip(iterations, step_times(iterations))
               for predicted in (_get_or_none(it, "predicted_s"),) if predicted]
     return percentiles(errors, (5, 50, 95)) if errors else None
 

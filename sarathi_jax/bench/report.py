@@ -182,7 +182,7 @@ REQUEST_COLUMNS = ("request_id", "arrival_time", "prompt_len", "max_tokens", "nu
                    "num_preemptions", "error")
 ITERATION_COLUMNS = ("iteration", "start_time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
                      "num_padded_tokens", "num_preemptions", "chunk_sizes", "instance", "transfer_bytes",
-                     "transfer_seconds")
+                     "transfer_seconds", "token_limit", "predicted_s", "slack_s")
 
 
 def write_run(out_dir: str, run: RunResult, workload_info: dict, capacity: Any = None) -> list[str]:

@@ -194,7 +194,6 @@ class LLMEngine(CoreFrontEnd):
     def _serving_parts(self) -> None:
         """The budget policy installed, the engine core over the scheduler and runner, and admission."""
         config, mc = self.config, self.model_config
-        token_budget.install(self.budget_setup, self.scheduler, time.perf_counter)
         self.core = EngineCore(
             self.scheduler,
             self.runner,
@@ -203,6 +202,7 @@ class LLMEngine(CoreFrontEnd):
             tokenizer=self.tokenizer,
             seed=config.seed,
         )
+        token_budget.install(self.budget_setup, self.scheduler, self.core.iteration_log)
         if self.draft_runner is not None:  # a sampled request's draft samples with its seed and settings
             self.draft_runner.sampling_of = self.core.sampling_of
         is_folder = Path(config.model).is_dir()

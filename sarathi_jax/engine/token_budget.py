@@ -118,11 +118,11 @@ def resolve(config: EngineConfig, predictor: IterationPredictor | None, source: 
             BudgetSetup("dynamic", top, None, config.slo_tbt_s, source, policy))
 
 
-def install(setup: BudgetSetup, scheduler: Any, clock: Callable[[], float]) -> None:
+def install(setup: BudgetSetup, scheduler: Any, iteration_log: SequenceOf[Any]) -> None:
     """Give the scheduler "dynamic"'s per-iteration budget (the config check made it the sarathi policy), with
-    the engine's clock for its measured slack (`scheduler.budget.IterationFeedback`)."""
+    the engine core's iteration log for its measured slack (`scheduler.budget.IterationFeedback`)."""
     if setup.policy is not None:
-        setup.policy.feedback = IterationFeedback(clock)
+        setup.policy.feedback = IterationFeedback(iteration_log)
         scheduler.budget_policy = setup.policy
 
 

@@ -166,3 +166,4 @@ class IterationRecord:
     transfer_seconds: float = 0.0
     token_limit: int | None = None  # the token budget this iteration was built under
     predicted_s: float | None = None  # token_budget "dynamic": its predicted time (cost model + measured slack)
+    slack_s: float | None = None  # of which the measured slack (scheduler/budget.py, IterationFeedback)

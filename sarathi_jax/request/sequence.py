@@ -204,7 +204,8 @@ class SchedulerOutput:
     chunks: the work of this iteration, in a fixed order (the runner packs them in this order).
     preempted: sequences evicted (by recompute) while building this batch; they are back in the waiting queue.
     token_limit: the token limit the batch was built under (the budget; "dynamic": this iteration's).
-    predicted_s: the budget policy's predicted time of the batch (None: no policy predicts it).
+    predicted_s, slack_s: the budget policy's predicted time of the batch, and the part of it that is the
+        measured slack added to the cost model's (None: no policy predicts it).
     """
 
     chunks: tuple[ScheduledChunk, ...] = ()
@@ -213,14 +214,16 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     token_limit: int | None = None
     predicted_s: float | None = None
+    slack_s: float | None = None
 
     @classmethod
     def of(cls, chunks: tuple[ScheduledChunk, ...], *, preempted: tuple[Sequence, ...] = (),
-           token_limit: int | None = None, predicted_s: float | None = None) -> SchedulerOutput:
+           token_limit: int | None = None, prediction: tuple[float, float] | None = None) -> SchedulerOutput:
         """The output for `chunks`, with its prefill / decode token counts."""
         num_decode = sum([c.num_new_tokens for c in chunks if c.is_decode])  # a decode's drafts count as decode
         num_prefill = sum([c.num_new_tokens for c in chunks]) - num_decode
-        return cls(chunks, preempted, num_prefill, num_decode, token_limit, predicted_s)
+        predicted_s, slack_s = prediction or (None, None)
+        return cls(chunks, preempted, num_prefill, num_decode, token_limit, predicted_s, slack_s)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -245,6 +248,7 @@ class SchedulerOutput:
             num_padded_tokens=num_padded_tokens,
             token_limit=self.token_limit,
             predicted_s=self.predicted_s,
+            slack_s=self.slack_s,
         )
 
 
@@ -257,7 +261,8 @@ class Batch:
         self.items: list[list] = []  # [seq, num_new_tokens, is_prefill]; lists so tile alignment can shrink
         self.seq_ids: set[str] = set()
         self.num_tokens = 0
-        self.predicted_s: float | None = None  # the budget policy's prediction of this batch, when it has one
+        # The budget policy's (predicted seconds, of which measured slack) for this batch, when it has one.
+        self.prediction: tuple[float, float] | None = None
 
     @property
     def room(self) -> int:

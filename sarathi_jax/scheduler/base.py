@@ -179,7 +179,7 @@ class Scheduler:
                         for seq, n, prefill in batch.items])
         self._in_flight |= batch.seq_ids
         return SchedulerOutput.of(chunks, preempted=tuple(self._preempted), token_limit=batch.token_limit,
-                                  predicted_s=batch.predicted_s)
+                                  prediction=batch.prediction)
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The batch ran: its tokens' K/V are in the cache. Call before appending sampled tokens."""

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sarathi_jax.request.sequence import Batch, Sequence
 
@@ -56,8 +56,9 @@ class BudgetPolicy(Protocol):
     def token_limit(self, running: SequenceOf[Sequence], decodes: SequenceOf[Sequence],
                     prefills: SequenceOf[Sequence]) -> int: ...
 
-    def scheduled(self, batch: Batch) -> float | None:
-        """The batch built under the last limit, as it will run; returns its predicted seconds (None: none)."""
+    def scheduled(self, batch: Batch) -> tuple[float, float] | None:
+        """The batch built under the last limit, as it will run; returns its (predicted seconds, of which
+        measured slack), None when the policy predicts nothing."""
 
 
 @dataclass(frozen=True)
@@ -160,15 +161,20 @@ class SloTokenBudget:
 
     def predict(self, decode_positions: SequenceOf[int], prefill_start: int, prefill_tokens: int) -> float:
         """The cost model's time for this batch plus its bucket's measured slack."""
-        predicted = self.predictor.mixed_batch_time(decode_positions, prefill_start, prefill_tokens)
+        return sum(self._prediction(decode_positions, prefill_start, prefill_tokens))
+
+    def _prediction(self, decode_positions: SequenceOf[int], prefill_start: int, prefill_tokens: int
+                    ) -> tuple[float, float]:
+        """(the cost model's seconds, the measured slack of the batch's bucket)."""
+        prior = self.predictor.mixed_batch_time(decode_positions, prefill_start, prefill_tokens)
         if self.feedback is None:
-            return predicted
-        return predicted + self.feedback.slack_s(self.bucket_of(len(decode_positions) + prefill_tokens))
+            return prior, 0.0
+        return prior, self.feedback.slack_s(self.bucket_of(len(decode_positions) + prefill_tokens))
 
     def token_limit(self, running: SequenceOf[Sequence], decodes: SequenceOf[Sequence],
                     prefills: SequenceOf[Sequence]) -> int:
         if self.feedback is not None:
-            self.feedback.observe(busy=bool(decodes))
+            self.feedback.observe()
         limit_s = self.time_limit(running)
         if limit_s is None:
             self.last = (self.max_budget, None)
@@ -181,10 +187,10 @@ class SloTokenBudget:
         self.last = (budget, limit_s)
         return budget
 
-    def scheduled(self, batch: Batch) -> float | None:
-        """The batch built under this iteration's limit: its predicted time (cost model plus slack), returned for
-        the iteration's record and started on the feedback when it holds decodes (a time between tokens). The
-        TTFT targets of the requests it admits join the recent arrivals."""
+    def scheduled(self, batch: Batch) -> tuple[float, float]:
+        """The batch built under this iteration's limit: its (predicted seconds, of which measured slack), for
+        its iteration record (which the feedback reads back). The TTFT targets of the requests it admits join the
+        recent arrivals."""
         for seq, _, is_prefill in batch.items:
             ttft = seq.metrics.slo_ttft_s
             if is_prefill and ttft is not None and not seq.num_generated_tokens and seq.seq_id not in self._arrivals:
@@ -195,33 +201,29 @@ class SloTokenBudget:
         prefill = [(seq.num_computed_tokens, n) for seq, n, is_prefill in batch.items if is_prefill]
         extra = sum(n - 1 for _, n, is_prefill in batch.items if not is_prefill)  # speculative rows
         start = prefill[0][0] if prefill else 0
-        tokens = sum(n for _, n in prefill) + extra
-        predicted = self.predict(decodes, start, tokens)
-        if self.feedback is not None:
-            if decodes:  # only iterations that hold decodes are some request's time between tokens
-                self.feedback.start(self.bucket_of(len(decodes) + tokens),
-                                    self.predictor.mixed_batch_time(decodes, start, tokens))
-            else:
-                self.feedback.start(None)
-        return predicted
+        prior, slack = self._prediction(decodes, start, sum(n for _, n in prefill) + extra)
+        return prior + slack, slack
 
 
 class IterationFeedback:
-    """What the cost model misses, measured on the device it runs on, per compiled bucket. For each iteration that
-    holds decodes (some request's time between tokens), its time from its scheduling to the next one's (while
-    decodes are ready the engine goes straight on) less its predicted time: the last `window` residuals of each
-    bucket. `slack_s(bucket)` is their `quantile`: added to a prediction of that bucket, it keeps that share of
-    the bucket's iterations within the prediction, the tail included (a noisy small bucket and a steady large
-    one each get their own). A bucket with fewer than `min_samples` residuals takes the quantile of the recent
-    residuals of all buckets; with fewer than `min_samples` in all, 0 (the calibrated prior alone). The slack is
-    negative where the prior over-predicts, which lets the budget use that room. On a virtual clock the
-    iterations take their predicted time, so it stays 0.
+    """What the cost model misses, measured on the device it runs on, per compiled bucket, from the engine's own
+    iteration records (`log`: the engine core's `iteration_log`, read as it grows). For each iteration that holds
+    decodes and was predicted, the time from the previous iteration's end to its end (the time between tokens
+    of its decodes: the device's step plus whatever the host added, in either loop; an overlapped batch's
+    record also spans its wait for the one before; after an idle gap, its own duration) less the cost model's
+    prediction of it (its `predicted_s` less its `slack_s`): the last `window` residuals of each padded bucket.
+    `slack_s(bucket)` is their `quantile`: added to a prediction of that bucket, it keeps that share of the bucket's iterations within
+    the prediction, the tail included (a noisy small bucket and a steady large one each get their own). A bucket
+    with fewer than `min_samples` residuals takes the quantile of the recent residuals of all buckets; with fewer
+    than `min_samples` in all, 0 (the calibrated prior alone). The slack is negative where the prior
+    over-predicts, which lets the budget use that room. On a virtual clock the iterations take their predicted
+    time, so it stays 0.
 
     `errors`: the relative error (measured - predicted) / predicted of the recent iterations, for reports."""
 
-    def __init__(self, clock: Callable[[], float], *, window: int = 64, quantile: float = 0.95,
+    def __init__(self, log: SequenceOf[Any], *, window: int = 64, quantile: float = 0.95,
                  min_samples: int = 8) -> None:
-        self.clock = clock
+        self.log = log
         self.window = window
         self.quantile = quantile
         self.min_samples = min_samples
@@ -229,20 +231,35 @@ class IterationFeedback:
         self.pooled: deque[float] = deque(maxlen=4 * window)
         self.errors: deque[float] = deque(maxlen=4 * window)
         self._slack: dict[int, float] = {}  # this iteration's slack per bucket (cleared when a residual lands)
-        self._started: tuple[int, float, float] | None = None  # (bucket, predicted seconds, clock at scheduling)
+        self._read = 0  # records of `log` already read
+        self._previous_end: float | None = None
 
-    def observe(self, *, busy: bool) -> None:
-        """Called as the next iteration is scheduled: the last one's residual is recorded if `busy` (decodes were
-        ready, so the engine went straight on: the gap is a step's, not idle time)."""
-        if self._started is not None and busy:
-            bucket, predicted, t0 = self._started
-            residual = self.clock() - t0 - predicted
-            self.by_bucket.setdefault(bucket, deque(maxlen=self.window)).append(residual)
-            self.pooled.append(residual)
-            if predicted > 0:
-                self.errors.append(residual / predicted)
-            self._slack.clear()
-        self._started = None
+    def observe(self) -> None:
+        """Read the records the engine appended since the last call (a log cleared by its owner starts over)."""
+        log = self.log
+        if len(log) < self._read:
+            self._read, self._previous_end = 0, None
+        for record in log[self._read:]:
+            end = record.start_time + record.duration
+            previous, self._previous_end = self._previous_end, end
+            predicted, slack = record.predicted_s, record.slack_s
+            if previous is None or predicted is None or not record.num_decode_tokens:
+                continue  # no time between tokens to learn from
+            prior = predicted - (slack or 0.0)
+            # From the previous end (its dispatch waited on that, or the host's time followed it); after a gap
+            # longer than a step the engine was idle, and its own duration is its time.
+            measured = end - previous if record.start_time - previous < prior else record.duration
+            self.add(record.num_padded_tokens, prior, measured)
+        self._read = len(log)
+
+    def add(self, bucket: int, predicted_s: float, measured_s: float) -> None:
+        """One iteration of `bucket`: the cost model predicted `predicted_s`, it took `measured_s`."""
+        residual = measured_s - predicted_s
+        self.by_bucket.setdefault(bucket, deque(maxlen=self.window)).append(residual)
+        self.pooled.append(residual)
+        if predicted_s > 0:
+            self.errors.append(residual / predicted_s)
+        self._slack.clear()
 
     def slack_s(self, bucket: int) -> float:
         """Seconds to add to a prediction of `bucket` (see the class doc)."""
@@ -253,10 +270,6 @@ class IterationFeedback:
             slack = _quantile(samples, self.quantile) if len(samples) >= self.min_samples else 0.0
             self._slack[bucket] = slack
         return slack
-
-    def start(self, bucket: int | None, predicted_s: float | None = None) -> None:
-        """The iteration just scheduled (its padded bucket and predicted time); None: it holds no decode."""
-        self._started = None if bucket is None or predicted_s is None else (bucket, predicted_s, self.clock())
 
 
 def _quantile(samples: SequenceOf[float], q: float) -> float:

@@ -36,7 +36,7 @@ class SarathiScheduler(Scheduler):
         if self.config.tile_size:
             _align_to_tile(batch, self.config.tile_size)
         if policy is not None:
-            batch.predicted_s = policy.scheduled(batch)
+            batch.prediction = policy.scheduled(batch)
         return batch
 
 

@@ -275,7 +275,7 @@ def test_dynamic_budget_runs_in_the_largest_compiled_bucket_its_target_allows(la
     assert setup.policy is not None and setup.policy.predictor.buckets == buckets
     bm = BlockManager(256, 16)
     sched = SCHEDULERS["sarathi"](SchedulerConfig(token_budget=256, max_num_seqs=8, max_model_len=1024), bm)
-    token_budget.install(setup, sched, clock=lambda: 0.0)  # no time passes: the feedback stays 1
+    token_budget.install(setup, sched, [])  # no iteration recorded: the prior alone
     sched.add_sequence(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=50), 0.0))
     complete(sched, sched.schedule())  # a's prefill: a decodes from now on
     sched.add_sequence(Sequence("b", list(range(1, 900)), SamplingParams(max_tokens=1), 1.0))
@@ -284,39 +284,62 @@ def test_dynamic_budget_runs_in_the_largest_compiled_bucket_its_target_allows(la
     assert bucket_for(buckets, chunk_budget) == chunk_budget
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
+@dataclass
+class Record:
+    """The fields of an `IterationRecord` the feedback reads."""
 
-    def __call__(self) -> float:
-        return self.t
+    start_time: float
+    duration: float
+    num_decode_tokens: int
+    num_padded_tokens: int
+    predicted_s: float | None
+    slack_s: float | None = 0.0
 
 
-def test_feedback_slack_is_the_quantile_of_each_buckets_residuals_of_busy_iterations():
-    clock = FakeClock()
-    fb = IterationFeedback(clock, window=8, quantile=0.5, min_samples=3)
+def test_feedback_slack_is_the_quantile_of_each_buckets_residuals():
+    log: list[Record] = []
+    fb = IterationFeedback(log, window=8, quantile=0.5, min_samples=3)
+    t = 0.0
 
-    def step(bucket: int, predicted: float, took: float, *, busy: bool = True) -> None:
-        fb.start(bucket, predicted)
-        clock.t += took
-        fb.observe(busy=busy)
+    def step(bucket: int, predicted: float, took: float, *, decodes: int = 1, slack: float = 0.0,
+             gap: float = 0.0) -> None:
+        nonlocal t
+        log.append(Record(t + gap - 0.001, took + 0.001, decodes, bucket, predicted + slack, slack))
+        t += gap + took
+        fb.observe()
 
+    step(16, 0.010, 0.012)  # the first record: no previous end to measure from
     step(16, 0.010, 0.012)
     step(16, 0.010, 0.014)
     assert fb.slack_s(16) == 0.0 and fb.slack_s(64) == 0.0  # fewer than min_samples anywhere: the prior alone
-    step(16, 0.010, 0.020, busy=False)  # nothing was ready to decode: the gap holds idle time, not a step's
-    fb.start(None)  # an iteration without decodes: no residual
-    clock.t += 1.0
-    fb.observe(busy=True)
-    assert list(fb.by_bucket[16]) == pytest.approx([0.002, 0.004])
-    step(64, 0.030, 0.025)  # the prior over-predicts this bucket
-    assert fb.slack_s(16) == pytest.approx(0.002)  # too few of its own: the pooled median of 0.002, 0.004, -0.005
-    step(16, 0.010, 0.019)
-    assert fb.slack_s(16) == pytest.approx(0.004)  # its own median of 0.002, 0.004, 0.009
+    step(16, 0.010, 0.020, decodes=0)  # no decode: no time between tokens
+    step(16, 0.010, 0.015, gap=5.0)  # after an idle gap: its own duration, 0.016
+    assert list(fb.by_bucket[16]) == pytest.approx([0.002, 0.004, 0.006])
+    step(64, 0.030, 0.025, slack=0.5)  # the prior over-predicts (the slack it carried is not the prior's)
+    assert fb.slack_s(16) == pytest.approx(0.004)  # its own median
+    assert fb.slack_s(32) == pytest.approx(0.004)  # too few of its own: the pooled -0.005, 0.002, 0.004, 0.006
     for _ in range(2):
         step(64, 0.030, 0.026)
     assert fb.slack_s(64) == pytest.approx(-0.004)  # negative: the budget may use the room the prior leaves
     assert sorted(fb.errors)[0] == pytest.approx(-0.005 / 0.030)
+    log.clear()  # the engine's owner cleared its log: read again from the start
+    step(16, 0.010, 0.012)
+    assert len(fb.by_bucket[16]) == 3
+
+
+def run_steps(sched, log: list, buckets, factor: float, n: int) -> list[int]:
+    """`n` iterations on a synchronous loop where each takes `factor` x the test model's time of its bucket,
+    recorded as the engine core records them. Returns each batch's tokens."""
+    totals, t = [], 0.0
+    for _ in range(n):
+        out = sched.schedule()
+        total = sum(c.num_new_tokens for c in out.chunks)
+        totals.append(total)
+        took = factor * (0.01 + 0.0001 * bucket_for(buckets, total))
+        log.append(Record(t, took, out.num_decode_tokens, bucket_for(buckets, total), out.predicted_s, out.slack_s))
+        t += took
+        complete(sched, out)
+    return totals
 
 
 def test_dynamic_budget_shrinks_when_iterations_take_longer_than_predicted():
@@ -331,21 +354,15 @@ def test_dynamic_budget_shrinks_when_iterations_take_longer_than_predicted():
     _, setup = token_budget.resolve(config, model, "test", buckets, max_model_len=4096)
     bm = BlockManager(512, 16)
     sched = SCHEDULERS["sarathi"](SchedulerConfig(token_budget=256, max_num_seqs=8, max_model_len=4096), bm)
-    clock = FakeClock()
-    token_budget.install(setup, sched, clock)
+    log: list[Record] = []
+    token_budget.install(setup, sched, log)
     sched.add_sequence(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=1000), 0.0))
     complete(sched, sched.schedule())
     sched.add_sequence(Sequence("b", list(range(1, 3000)), SamplingParams(max_tokens=1), 1.0))
-    totals = []
-    for _ in range(40):
-        out = sched.schedule()
-        total = sum(c.num_new_tokens for c in out.chunks)
-        totals.append(total)
-        clock.t += 1.5 * (0.01 + 0.0001 * bucket_for(buckets, total))  # the model's time, 1.5x
-        complete(sched, out)
-    assert totals[:8] == [80] * 8  # until the feedback has min_samples residuals: the prediction alone
+    totals = run_steps(sched, log, buckets, 1.5, 40)  # the model's time, 1.5x
+    assert totals[:9] == [80] * 9  # the first record has no previous end  # until the feedback has min_samples residuals: the prediction alone
     assert setup.policy.feedback.slack_s(80) == pytest.approx(0.5 * 0.018)
-    assert set(totals[8:]) == {16}
+    assert set(totals[9:]) == {16}
 
 
 def test_dynamic_budget_grows_when_iterations_take_less_than_predicted():
@@ -357,20 +374,15 @@ def test_dynamic_budget_grows_when_iterations_take_less_than_predicted():
     _, setup = token_budget.resolve(config, model, "test", buckets, max_model_len=4096)
     sched = SCHEDULERS["sarathi"](SchedulerConfig(token_budget=256, max_num_seqs=8, max_model_len=4096),
                                   BlockManager(512, 16))
-    clock = FakeClock()
-    token_budget.install(setup, sched, clock)
+    log: list[Record] = []
+    token_budget.install(setup, sched, log)
     sched.add_sequence(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=1000), 0.0))
     complete(sched, sched.schedule())
     sched.add_sequence(Sequence("b", list(range(1, 3000)), SamplingParams(max_tokens=1), 1.0))
-    totals = []
-    for _ in range(30):
-        out = sched.schedule()
-        totals.append(sum(c.num_new_tokens for c in out.chunks))
-        clock.t += 0.5 * (0.01 + 0.0001 * bucket_for(buckets, totals[-1]))
-        complete(sched, out)
-    assert totals[:8] == [80] * 8
-    assert max(totals[8:]) > 80
-    for total in totals[8:]:  # each one measured within the limit: half its prediction <= 18 ms
+    totals = run_steps(sched, log, buckets, 0.5, 30)
+    assert totals[:9] == [80] * 9
+    assert max(totals[9:]) > 80
+    for total in totals[9:]:  # each one measured within the limit: half its prediction <= 18 ms
         assert 0.5 * (0.01 + 0.0001 * bucket_for(buckets, total)) <= 0.018
 
 

@@ -50,7 +50,8 @@ def test_the_config_is_what_a_scheduler_reads():
     assert isinstance(cfg, SchedulerSettings)
     names = [n for n, v in vars(SchedulerSettings).items() if isinstance(v, property)]
     assert sorted(names) == sorted(["policy", "token_budget", "max_num_seqs", "max_model_len", "tile_size",
-                                    "watermark", "batch_token_limit", "scheduling_policy", "priority_max_wait_s"])
+                                    "watermark", "batch_token_limit", "scheduling_policy", "priority_max_wait_s",
+                                    "max_prefill_share"])
     sched = make_scheduler(cfg, BlockManager(64))
     assert sched.config is cfg and sched.config.batch_token_limit == 512
 
