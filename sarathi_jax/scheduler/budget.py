@@ -221,7 +221,7 @@ class IterationFeedback:
 
     `errors`: the relative error (measured - predicted) / predicted of the recent iterations, for reports."""
 
-    def __init__(self, log: SequenceOf[Any], *, window: int = 64, quantile: float = 0.95,
+    def __init__(self, log: SequenceOf[Any], *, window: int = 64, quantile: float = 0.99,
                  min_samples: int = 8) -> None:
         self.log = log
         self.window = window
