@@ -212,14 +212,12 @@ class IterationFeedback:
     of its decodes: the device's step plus whatever the host added, in either loop; an overlapped batch's
     record also spans its wait for the one before; after an idle gap, its own duration) less the cost model's
     prediction of it (its `predicted_s` less its `slack_s`): the last `window` residuals of each padded bucket.
-    `slack_s(bucket)` is their `quantile`: added to a prediction of that bucket, it keeps that share of the bucket's iterations within
-    the prediction, the tail included (a noisy small bucket and a steady large one each get their own). A bucket
-    with fewer than `min_samples` residuals takes the quantile of the recent residuals of all buckets; with fewer
-    than `min_samples` in all, 0 (the calibrated prior alone). The slack is negative where the prior
-    over-predicts, which lets the budget use that room. On a virtual clock the iterations take their predicted
-    time, so it stays 0.
-
-    `errors`: the relative error (measured - predicted) / predicted of the recent iterations, for reports."""
+    `slack_s(bucket)` is their `quantile`: added to a prediction of that bucket, it keeps that share of the
+    bucket's iterations within the prediction, the tail included (a noisy small bucket and a steady large one each
+    get their own). A bucket with fewer than `min_samples` residuals takes the quantile of the recent residuals
+    of all buckets; with fewer than `min_samples` in all, 0 (the calibrated prior alone). The slack is negative
+    where the prior over-predicts, which lets the budget use that room. On a virtual clock the iterations take
+    the cost model's time, so it stays near 0."""
 
     def __init__(self, log: SequenceOf[Any], *, window: int = 64, quantile: float = 0.99,
                  min_samples: int = 8) -> None:
@@ -229,7 +227,6 @@ class IterationFeedback:
         self.min_samples = min_samples
         self.by_bucket: dict[int, deque[float]] = {}
         self.pooled: deque[float] = deque(maxlen=4 * window)
-        self.errors: deque[float] = deque(maxlen=4 * window)
         self._slack: dict[int, float] = {}  # this iteration's slack per bucket (cleared when a residual lands)
         self._read = 0  # records of `log` already read
         self._previous_end: float | None = None
@@ -257,8 +254,6 @@ class IterationFeedback:
         residual = measured_s - predicted_s
         self.by_bucket.setdefault(bucket, deque(maxlen=self.window)).append(residual)
         self.pooled.append(residual)
-        if predicted_s > 0:
-            self.errors.append(residual / predicted_s)
         self._slack.clear()
 
     def slack_s(self, bucket: int) -> float:
