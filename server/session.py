@@ -359,6 +359,8 @@ class ServerMetrics:
 
     def request_slo(self, metrics: Any) -> None:
         """Count a finished request's SLO result under its targets' class (nothing without targets)."""
+        if metrics.slo_ttft_s is None and metrics.slo_tbt_s is None:
+            return
         met = metrics.slo_met
         if met is None:
             return
