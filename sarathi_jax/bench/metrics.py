@@ -189,7 +189,8 @@ def decode_only_iteration_time(iterations: Sequence) -> float | None:
 
 
 def _get(it, name):
-    return it[name] if isinstance(it, dict) else getattr(it, name)
+    """A field of an IterationRecord or its dict (None for a field a record saved by an older build lacks)."""
+    return it.get(name) if isinstance(it, dict) else getattr(it, name, None)
 
 
 def iteration_stats(iterations: Sequence) -> dict:
@@ -212,13 +213,9 @@ def iteration_stats(iterations: Sequence) -> dict:
         "num_decode_only_iterations": int(np.sum((pre == 0) & (dec > 0))),
         "padding_efficiency": float(real.sum() / pad.sum()) if pad.sum() > 0 else None,
         "decode_only_iteration_time": decode_only_iteration_time(iterations),
-        "token_limit": percentiles(_get_or_none(it, "token_limit") for it in iterations),
+        "token_limit": percentiles(_get(it, "token_limit") for it in iterations),
         "prediction_error": prediction_error(iterations),
     }
-
-
-def _get_or_none(it, name):
-    return it.get(name) if isinstance(it, dict) else getattr(it, name, None)
 
 
 def step_times(iterations: Sequence) -> list[float]:
@@ -237,8 +234,8 @@ def step_times(iterations: Sequence) -> list[float]:
 def prediction_error(iterations: Sequence) -> dict | None:
     """Percentiles of (step time - predicted_s) / predicted_s (`step_times`) over the iterations the budget
     policy predicted (token_budget "dynamic"); None when it predicted none."""
-    errors = [(step - predicted) / predicted for it, step in zip(iterations, step_times(iterations))
-              for predicted in (_get_or_none(it, "predicted_s"),) if predicted]
+    predictions = [_get(it, "predicted_s") for it in iterations]
+    errors = [(step - p) / p for p, step in zip(predictions, step_times(iterations)) if p]
     return percentiles(errors, (5, 50, 95)) if errors else None
 
 
